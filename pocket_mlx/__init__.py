@@ -1,0 +1,20 @@
+"""pocket-mlx: sparse Mixture-of-Experts language models (the POCKET family) on MLX."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["load", "generate", "stream_generate", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `pocket-mlx wired` and friends start without importing the model stack.
+    if name == "load":
+        from .loader import load
+
+        return load
+    if name in ("generate", "stream_generate"):
+        from . import generate as _gen
+
+        return getattr(_gen, name)
+    raise AttributeError(name)
