@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return load
     if name in ("generate", "stream_generate"):
-        from . import generate as _gen
+        from . import generation as _gen
 
         return getattr(_gen, name)
     raise AttributeError(name)
