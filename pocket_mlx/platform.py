@@ -55,9 +55,13 @@ class Platform:
 
     # -- derived queries ------------------------------------------------------------------------
     def system(self) -> str:
-        """Kernel name as `uname -s` prints it: "Darwin", "Linux", ..."""
-        res = self.run(["uname", "-s"])
-        return res.stdout.strip() if res.ok and res.stdout.strip() else "unknown"
+        """Kernel name as `uname -s` prints it: "Darwin", "Linux", ... (asked once)."""
+        cached = getattr(self, "_system", None)
+        if cached is None:
+            res = self.run(["uname", "-s"])
+            cached = res.stdout.strip() if res.ok and res.stdout.strip() else "unknown"
+            self._system = cached
+        return cached
 
     def is_macos(self) -> bool:
         return self.system() == "Darwin"

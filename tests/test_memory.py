@@ -132,3 +132,12 @@ def test_wired_limit_status():
 @pytest.mark.skipif(not RealPlatform().system() == "Linux", reason="Linux check")
 def test_wired_limit_status_real_linux():
     assert wired_limit_status(RealPlatform()) is None
+
+
+@pytest.mark.parametrize("streams", [None, "cpu"])
+def test_real_setter_and_synchronize_path(streams):
+    """The default setter (mx.set_wired_limit) and the synchronize-before-restore run cleanly."""
+    streams = [mx.default_stream(mx.cpu)] if streams else None
+    info = {"max_recommended_working_set_size": GiB}
+    with wired_limit(1, "gpu", device_info=info, warn=pytest.fail, streams=streams):
+        mx.eval(mx.ones(4) + 1)
