@@ -1,0 +1,76 @@
+// pocket-mlx quantized CPU kernels: plain C++ core, no MLX dependency.
+//
+// Weight format: MLX "affine" quantization. W has logical shape [E, N, K]; every row of K values is
+// a little-endian bit stream of `bits`-bit codes stored in uint32 words (3/5/6-bit codes straddle
+// words), K * bits / 32 words per row. Per group of `group_size` consecutive values along K:
+//   w = scale * q + bias, with scales/biases of shape [E, N, K / group_size].
+// Supported: bits 2,3,4,5,6,8; group sizes 32,64,128; x/scales/out in float32/float16/bfloat16;
+// accumulation in float32.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pqk {
+
+enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+// EXACT: dequantize each weight to float32 (scale * q + bias) and FMA with float32 activations.
+//        Equals MLX's quantized_matmul computed in float32 up to summation order.
+// FAST:  activations quantized to int8 per group (like llama.cpp's Q8 blocks), integer dot
+//        products; bits 2/4/8 only (other bits fall back to EXACT). Not the default.
+enum Mode : int { MODE_EXACT = 0, MODE_FAST = 1 };
+
+struct GatherProblem {
+  // Activations: row r of the output uses x row starting at element offset xrow_off[r]
+  // (K contiguous elements of dtype xdt).
+  const void* x = nullptr;
+  DType xdt = F32;
+  int64_t nrows = 0;
+  const int64_t* xrow_off = nullptr;
+  // Expert of each output row (nullptr: all rows use expert 0). Out-of-range experts give zeros.
+  const int32_t* expert = nullptr;
+  // Quantized weights [E, N, K*bits/32] uint32 and scales / biases [E, N, K/group_size].
+  const uint32_t* w = nullptr;
+  const void* scales = nullptr;
+  const void* biases = nullptr;
+  DType sdt = F32;
+  int64_t E = 1, N = 0, K = 0;
+  int bits = 4, group_size = 64;
+  // Output [nrows, N] (row r at out + r * N elements), dtype odt.
+  void* out = nullptr;
+  DType odt = F32;
+};
+
+// True if (bits, group_size, K) is supported.
+bool supported(int bits, int group_size, int64_t K);
+
+// out[r, :] = x[r, :] . dequant(W[expert[r]])^T. Thread-safe (concurrent calls run serially on
+// the pool or inline).
+void gather_qmm(const GatherProblem& p);
+
+// Plain quantized matmul: x [M, K] (row stride K) times W[N, K]^T -> out [M, N].
+void qmm(const void* x, DType xdt, int64_t M, const uint32_t* w, const void* scales,
+         const void* biases, DType sdt, int64_t N, int64_t K, int bits, int group_size, void* out,
+         DType odt);
+
+// Thread pool: n <= 0 means the default (physical cores).
+void set_threads(int n);
+int get_threads();
+int default_threads();
+
+void set_mode(int mode);
+int get_mode();
+
+// Instruction set in use: "avx512", "avx2", "neon" or "scalar".
+const char* isa();
+// Best instruction set this CPU supports (what isa() is unless forced).
+const char* best_isa();
+// Force an instruction set ("avx512", "avx2", "neon", "scalar", or "auto"). Returns false if the
+// CPU cannot run it (the setting is then unchanged).
+bool force_isa(const char* name);
+
+// Calls whose weights are smaller than this run on the calling thread only.
+void set_single_thread_bytes(int64_t bytes);
+
+}  // namespace pqk

@@ -1,0 +1,430 @@
+"""Qwen3.5-MoE (the POCKET family): hybrid Gated DeltaNet / gated full attention with sparse MoE.
+
+One readable file, in the manner of mlx-lm's models/*.py. The module tree (and so every weight
+name) mirrors mlx-lm's `qwen3_5_moe`, so MLX checkpoints move between the two unchanged:
+`language_model.model.layers.{i}.{linear_attn|self_attn|mlp}...`, `language_model.lm_head`.
+
+Differences from mlx-lm that matter:
+- layers follow the config's `layer_types` (mlx-lm assumes every 4th is full attention);
+- the (1 + w) RMSNorm shift of a transformers checkpoint is applied in float32 and kept in float32
+  (mlx-lm shifts in the checkpoint's dtype and loses bf16 precision);
+- quantized products go through `pocket_mlx.ops` (CPU kernels of the extension when present).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import PocketError
+from ..layers import Embedding, Linear, SwitchGLU
+
+MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
+@dataclass
+class ModelArgs:
+    model_type: str = "qwen3_5_moe"
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    vocab_size: int = 248320
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 262144
+    linear_num_value_heads: int = 32
+    linear_num_key_heads: int = 16
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    layer_types: list[str] = field(default_factory=list)
+    full_attention_interval: int = 4
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+
+    def __post_init__(self):
+        if not self.layer_types:
+            n = self.full_attention_interval
+            self.layer_types = [
+                "full_attention" if (i + 1) % n == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise PocketError(
+                f"config: layer_types has {len(self.layer_types)} entries "
+                f"for {self.num_hidden_layers} layers"
+            )
+        unknown = set(self.layer_types) - {"linear_attention", "full_attention"}
+        if unknown:
+            raise PocketError(f"config: unknown layer type(s) {sorted(unknown)}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise PocketError("config: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.num_experts_per_tok > self.num_experts:
+            raise PocketError("config: num_experts_per_tok exceeds num_experts")
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelArgs:
+        """Read a Hugging Face or MLX config.json (flat or with a nested `text_config`)."""
+        model_type = config.get("model_type", "")
+        text = dict(config.get("text_config") or config)
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        values = {k: text[k] for k in cls.__dataclass_fields__ if k in text}
+        values["model_type"] = model_type
+        if text.get("head_dim") is None and "hidden_size" in text:
+            values["head_dim"] = text["hidden_size"] // text.get("num_attention_heads", 16)
+        if "rope_theta" in rope:
+            values["rope_theta"] = float(rope["rope_theta"])
+        if "partial_rotary_factor" in rope:
+            values["partial_rotary_factor"] = float(rope["partial_rotary_factor"])
+        if values.get("norm_topk_prob") is None:
+            values["norm_topk_prob"] = True  # absent in some configs; Qwen3.5 means True
+        if config.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in text:
+            values["tie_word_embeddings"] = config["tie_word_embeddings"]
+        return cls(**values)
+
+
+class RMSNormGated(nn.Module):
+    """RMSNorm of the delta-rule output, gated by silu(z). Its weight is not (1 + w)-shifted."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = mx.ones(dims)
+
+    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        y = mx.fast.rms_norm(x, self.weight, self.eps)
+        return (nn.silu(gate.astype(mx.float32)) * y.astype(mx.float32)).astype(x.dtype)
+
+
+def gated_delta_step(q, k, v, g, beta, state):
+    """One step of the gated delta rule. q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H];
+    state [B, H, Dv, Dk] in float32. Returns (y [B, H, Dv], new state)."""
+    state = state * g[..., None, None]
+    kv_mem = (state * k[..., None, :]).sum(axis=-1)
+    delta = (v - kv_mem) * beta[..., None]
+    state = state + k[..., None, :] * delta[..., None]
+    y = (state * q[..., None, :]).sum(axis=-1)
+    return y.astype(q.dtype), state
+
+
+def gated_delta(q, k, v, g, beta, state):
+    """The recurrence over a sequence: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if Hv // Hk > 1:
+        q = mx.repeat(q, Hv // Hk, -2)
+        k = mx.repeat(k, Hv // Hk, -2)
+    ys = []
+    for t in range(T):
+        y, state = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        ys.append(y)
+    return mx.stack(ys, axis=1), state
+
+
+class LinearAttentionCache:
+    """Carried state of one Gated DeltaNet layer: the conv window and the delta-rule state."""
+
+    def __init__(self):
+        self.conv_state: mx.array | None = None
+        self.state: mx.array | None = None
+        self.offset = 0
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.conv_state, self.state) if a is not None]
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_k_heads = args.linear_num_key_heads
+        self.num_v_heads = args.linear_num_value_heads
+        self.head_k_dim = args.linear_key_head_dim
+        self.head_v_dim = args.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = args.linear_conv_kernel_dim
+        h = args.hidden_size
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
+                                bias=False)
+        self.in_proj_qkv = Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = Linear(h, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(h, self.num_v_heads, bias=False)
+        self.dt_bias = mx.ones(self.num_v_heads)
+        self.A_log = mx.zeros(self.num_v_heads)
+        self.norm = RMSNormGated(self.head_v_dim, args.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, h, bias=False)
+
+    def __call__(self, x: mx.array, cache: LinearAttentionCache | None = None) -> mx.array:
+        B, S, _ = x.shape
+        qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        b = self.in_proj_b(x)
+        a = self.in_proj_a(x)
+
+        conv_state = cache.conv_state if cache is not None else None
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.kernel - 1, self.conv_dim), dtype=x.dtype)
+        conv_in = mx.concatenate([conv_state, qkv], axis=1)
+        if cache is not None:
+            cache.conv_state = mx.contiguous(conv_in[:, -(self.kernel - 1):, :])
+        conv_out = nn.silu(self.conv1d(conv_in))
+
+        q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = q.reshape(B, S, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(B, S, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(B, S, self.num_v_heads, self.head_v_dim)
+        # L2-normalise q and k; fold the Dk**-0.5 read-out scale into q.
+        inv = self.head_k_dim**-0.5
+        q = (inv * inv) * mx.fast.rms_norm(q, None, 1e-6 * inv * inv)
+        k = inv * mx.fast.rms_norm(k, None, 1e-6 * inv * inv)
+
+        beta = mx.sigmoid(b)
+        g = mx.exp(-mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias))
+        out, state = gated_delta(q, k, v, g, beta, cache.state if cache is not None else None)
+        if cache is not None:
+            cache.state = state
+            cache.offset += S
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(B, S, -1))
+
+
+class Attention(nn.Module):
+    """Gated full attention: q/k RMSNorm, partial rotary RoPE, GQA, sigmoid output gate."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        h, bias = args.hidden_size, args.attention_bias
+        self.q_proj = Linear(h, self.n_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.rope = nn.RoPE(int(self.head_dim * args.partial_rotary_factor), traditional=False,
+                            base=args.rope_theta)
+
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        q, gate = mx.split(self.q_proj(x).reshape(B, L, self.n_heads, -1), 2, axis=-1)
+        gate = gate.reshape(B, L, -1)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        q = self.q_norm(q).transpose(0, 2, 1, 3)
+        k = self.k_norm(k).transpose(0, 2, 1, 3)
+        v = v.transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q = self.rope(q, offset=offset)
+        k = self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        mask = "causal" if L > 1 else None
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out * mx.sigmoid(gate))
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: int, hidden_dims: int):
+        super().__init__()
+        self.gate_proj = Linear(dims, hidden_dims, bias=False)
+        self.up_proj = Linear(dims, hidden_dims, bias=False)
+        self.down_proj = Linear(hidden_dims, dims, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """Softmax router, top-k routed experts, plus a shared expert behind a sigmoid gate.
+
+    `observer`, when set, is called with (x, expert_indices, gate_scores, expert_outputs) so
+    calibration (expert pruning) can measure each expert's routing and contribution.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h = args.hidden_size
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.gate = Linear(h, args.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(h, args.moe_intermediate_size, args.num_experts)
+        self.shared_expert = MLP(h, args.shared_expert_intermediate_size)
+        self.shared_expert_gate = Linear(h, 1, bias=False)
+        self.observer = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        probs = mx.softmax(self.gate(x), axis=-1, precise=True)
+        k = self.top_k
+        inds = mx.stop_gradient(mx.argpartition(probs, kth=-k, axis=-1)[..., -k:])
+        scores = mx.take_along_axis(probs, inds, axis=-1)
+        if self.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        experts = self.switch_mlp(x, inds)
+        if self.observer is not None:
+            self.observer(x, inds, scores, experts)
+        y = (experts * scores[..., None]).sum(axis=-2)
+        return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str):
+        super().__init__()
+        self.is_linear = layer_type == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = Attention(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.mlp = SparseMoeBlock(args)
+
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x + mixer(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TextModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        cache = cache or [None] * len(self.layers)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c)
+        return self.norm(h)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = TextModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+
+# transformers names -> ours, applied to keys after the language-model prefix is normalised.
+_NORM_SUFFIXES = (
+    ".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+    ".q_norm.weight", ".k_norm.weight",
+)
+_PER_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.language_model = LanguageModel(args)
+
+    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+        return self.language_model(inputs, cache)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.language_model.model.layers
+
+    def make_cache(self) -> list:
+        # mlx-lm's KVCache is reused on purpose: a small, well-kept, preallocating cache that
+        # supports trimming (the chat app rewinds to the end of the last prompt).
+        from mlx_lm.models.cache import KVCache
+
+        return [LinearAttentionCache() if l.is_linear else KVCache() for l in self.layers]
+
+    @staticmethod
+    def is_transformers_layout(weights: dict[str, mx.array]) -> bool:
+        """transformers stores conv1d as [C, 1, K]; MLX as [C, K, 1]."""
+        return any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Map any supported checkpoint layout onto this module tree's names and conventions."""
+        hf = self.is_transformers_layout(weights)
+        out: dict[str, mx.array] = {}
+        experts: dict[tuple[str, str], dict[int, mx.array]] = {}
+        for key, value in weights.items():
+            if key.startswith(("model.visual", "visual.", "vision_tower", "mtp.", "model.mtp.")):
+                continue
+            if key.startswith("model.language_model."):
+                key = "language_model.model." + key[len("model.language_model."):]
+            elif key.startswith("language_model."):
+                pass
+            else:
+                key = "language_model." + key
+            m = _PER_EXPERT.match(key)
+            if m:
+                experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = value
+                continue
+            if key.endswith(".mlp.experts.gate_up_proj"):
+                prefix = key[: -len(".experts.gate_up_proj")]
+                mid = value.shape[-2] // 2
+                out[f"{prefix}.switch_mlp.gate_proj.weight"] = value[..., :mid, :]
+                out[f"{prefix}.switch_mlp.up_proj.weight"] = value[..., mid:, :]
+                continue
+            if key.endswith(".mlp.experts.down_proj"):
+                out[key[: -len(".experts.down_proj")] + ".switch_mlp.down_proj.weight"] = value
+                continue
+            if key.endswith("conv1d.weight") and value.shape[-1] != 1:
+                value = value.moveaxis(2, 1)
+            if hf and key.endswith(_NORM_SUFFIXES) and value.ndim == 1:
+                value = value.astype(mx.float32) + 1.0
+            out[key] = value
+        for (prefix, proj), by_index in experts.items():
+            n = self.args.num_experts
+            missing = [e for e in range(n) if e not in by_index]
+            if missing:
+                raise PocketError(
+                    f"missing tensor: {prefix}.experts.{missing[0]}.{proj}.weight "
+                    f"({len(missing)} expert(s) of {n} absent)"
+                )
+            if len(by_index) > n:
+                extra = sorted(set(by_index) - set(range(n)))[0]
+                raise PocketError(f"unexpected tensor: {prefix}.experts.{extra}.{proj}.weight "
+                                  f"(config has {n} experts)")
+            out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([by_index[e] for e in range(n)])
+        if self.args.tie_word_embeddings:
+            out.pop("language_model.lm_head.weight", None)
+        return out
+
+    @property
+    def quant_predicate(self):
+        """mlx-lm's rule for this architecture: routers and the shared-expert gate at 8 bits."""
+
+        def predicate(path: str, _module) -> bool | dict:
+            if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
+                return {"group_size": 64, "bits": 8}
+            return True
+
+        return predicate

@@ -1,0 +1,142 @@
+"""Shared fixtures: tiny random Qwen3.5-MoE checkpoints written as real safetensors files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSET = ROOT / "assets" / "pocket-tiny"
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def tiny_config(**over) -> dict:
+    cfg = {
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 300,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.25},
+        "eos_token_id": 299,
+    }
+    cfg.update(over)
+    cfg["num_hidden_layers"] = len(cfg["layer_types"])
+    return cfg
+
+
+def hf_weights(cfg: dict, seed: int = 0, layout: str = "per_expert") -> dict[str, np.ndarray]:
+    """Random weights named and shaped as transformers saves Qwen3.5-MoE (text model)."""
+    rng = np.random.default_rng(seed)
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    kh, vh = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    kd, vd = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    E, I, S = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+    conv_dim = 2 * kh * kd + vh * vd
+
+    def w(*shape, scale=None):
+        scale = scale if scale is not None else shape[-1] ** -0.5
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    out = {"model.embed_tokens.weight": w(V, H, scale=0.5), "model.norm.weight": w(H, scale=0.1)}
+    if not cfg.get("tie_word_embeddings"):
+        out["lm_head.weight"] = w(V, H)
+    for i, t in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}"
+        out[f"{p}.input_layernorm.weight"] = w(H, scale=0.1)
+        out[f"{p}.post_attention_layernorm.weight"] = w(H, scale=0.1)
+        if t == "linear_attention":
+            a = f"{p}.linear_attn"
+            out[f"{a}.in_proj_qkv.weight"] = w(conv_dim, H)
+            out[f"{a}.in_proj_z.weight"] = w(vh * vd, H)
+            out[f"{a}.in_proj_b.weight"] = w(vh, H)
+            out[f"{a}.in_proj_a.weight"] = w(vh, H)
+            out[f"{a}.conv1d.weight"] = w(conv_dim, 1, cfg["linear_conv_kernel_dim"], scale=0.5)
+            out[f"{a}.dt_bias"] = w(vh, scale=0.5)
+            out[f"{a}.A_log"] = np.log(rng.uniform(1, 16, vh)).astype(np.float32)
+            out[f"{a}.norm.weight"] = (1 + w(vd, scale=0.1)).astype(np.float32)
+            out[f"{a}.out_proj.weight"] = w(H, vh * vd)
+        else:
+            a = f"{p}.self_attn"
+            out[f"{a}.q_proj.weight"] = w(nh * hd * 2, H)
+            out[f"{a}.k_proj.weight"] = w(nkv * hd, H)
+            out[f"{a}.v_proj.weight"] = w(nkv * hd, H)
+            out[f"{a}.o_proj.weight"] = w(H, nh * hd)
+            out[f"{a}.q_norm.weight"] = w(hd, scale=0.1)
+            out[f"{a}.k_norm.weight"] = w(hd, scale=0.1)
+        m = f"{p}.mlp"
+        out[f"{m}.gate.weight"] = w(E, H)
+        out[f"{m}.shared_expert_gate.weight"] = w(1, H)
+        for proj, shape in (("gate_proj", (S, H)), ("up_proj", (S, H)), ("down_proj", (H, S))):
+            out[f"{m}.shared_expert.{proj}.weight"] = w(*shape)
+        gate, up, down = w(E, I, H), w(E, I, H), w(E, H, I)
+        if layout == "fused":
+            out[f"{m}.experts.gate_up_proj"] = np.concatenate([gate, up], axis=1)
+            out[f"{m}.experts.down_proj"] = down
+        else:
+            for e in range(E):
+                out[f"{m}.experts.{e}.gate_proj.weight"] = gate[e]
+                out[f"{m}.experts.{e}.up_proj.weight"] = up[e]
+                out[f"{m}.experts.{e}.down_proj.weight"] = down[e]
+    return out
+
+
+def write_checkpoint(folder: Path, cfg: dict, weights: dict[str, np.ndarray], *,
+                     wrapped: bool = False, shards: int = 2) -> Path:
+    """Write config + safetensors shards (+ the bundled tokenizer) as transformers would."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if wrapped:
+        config = {"model_type": "qwen3_5_moe", "text_config": cfg,
+                  "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
+        weights = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+                   for k, v in weights.items()}
+        weights["model.visual.patch_embed.weight"] = np.zeros((4, 4), np.float32)
+        weights["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
+    else:
+        config = cfg
+    (folder / "config.json").write_text(json.dumps(config))
+    names = sorted(weights)
+    per = -(-len(names) // shards)
+    index = {}
+    for s in range(shards):
+        part = names[s * per:(s + 1) * per]
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        mx.save_safetensors(str(folder / fname), {k: mx.array(weights[k]) for k in part})
+        index.update({k: fname for k in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / f).write_bytes((ASSET / f).read_bytes())
+    return folder
+
+
+@pytest.fixture
+def make_ckpt(tmp_path):
+    def make(name="ckpt", layout="per_expert", wrapped=False, seed=0, **over):
+        cfg = tiny_config(**over)
+        return write_checkpoint(tmp_path / name, cfg, hf_weights(cfg, seed, layout),
+                                wrapped=wrapped)
+
+    return make
