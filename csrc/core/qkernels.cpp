@@ -1,0 +1,488 @@
+// Driver: ISA dispatch, activation preparation, expert grouping, work splitting, thread pool.
+#include "qkernels.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
+#include "qk_internal.h"
+
+namespace pqk {
+namespace detail {
+#if defined(__x86_64__) || defined(_M_X64)
+extern const IsaOps avx512_ops;
+extern const IsaOps avx2_ops;
+#endif
+#if defined(__aarch64__)
+extern const IsaOps neon_ops;
+#endif
+
+// ---------------------------------------------------------------- scalar kernels (any CPU)
+template <int MR>
+static void rows_exact_scalar_t(const RowsArgs& a) {
+  const int64_t K = a.K;
+  const int gs = a.gs;
+  const int64_t G = K / gs;
+  const int64_t row_bytes = K * a.bits / 8;
+  float* sf = a.scratch;
+  float* bf = a.scratch + G + 64;
+  for (int64_t n = a.n0; n < a.n1; n++) {
+    const uint8_t* wr = a.w + n * row_bytes;
+    convert_to_f32(a.scales, a.sdt, n * G, G, sf);
+    convert_to_f32(a.biases, a.sdt, n * G, G, bf);
+    float acc[MR] = {};
+    for (int64_t g = 0; g < G; g++) {
+      const float s = sf[g], b = bf[g];
+      for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+        const float wv = s * (float)get_q(wr, k, a.bits) + b;
+        for (int m = 0; m < MR; m++) acc[m] += a.xp[m][k] * wv;
+      }
+    }
+    for (int m = 0; m < MR; m++) store_elem(a.out[m], a.odt, n, acc[m]);
+  }
+}
+
+static void rows_exact_scalar(const RowsArgs& a) {
+  switch (a.mr) {
+    case 1: return rows_exact_scalar_t<1>(a);
+    case 2: return rows_exact_scalar_t<2>(a);
+    case 3: return rows_exact_scalar_t<3>(a);
+    case 4: return rows_exact_scalar_t<4>(a);
+    case 5: return rows_exact_scalar_t<5>(a);
+    case 6: return rows_exact_scalar_t<6>(a);
+    case 7: return rows_exact_scalar_t<7>(a);
+    default: return rows_exact_scalar_t<8>(a);
+  }
+}
+
+static const IsaOps scalar_ops = {"scalar", 1, &rows_exact_scalar, nullptr, {}};
+
+// ---------------------------------------------------------------- ISA selection
+static const IsaOps* isa_by_name(const std::string& name) {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (name == "avx512") {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      return &avx512_ops;
+    return nullptr;
+  }
+  if (name == "avx2") {
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &avx2_ops;
+    return nullptr;
+  }
+#endif
+#if defined(__aarch64__)
+  if (name == "neon") return &neon_ops;
+#endif
+  if (name == "scalar") return &scalar_ops;
+  return nullptr;
+}
+
+static const IsaOps* detect_best() {
+  for (const char* n : {"avx512", "avx2", "neon"}) {
+    if (const IsaOps* o = isa_by_name(n)) return o;
+  }
+  return &scalar_ops;
+}
+
+static std::atomic<const IsaOps*> g_isa{nullptr};
+static std::atomic<int> g_mode{MODE_EXACT};
+static std::atomic<int64_t> g_single_bytes{256 * 1024};
+
+static const IsaOps* current_isa() {
+  const IsaOps* o = g_isa.load(std::memory_order_acquire);
+  if (!o) {
+    o = detect_best();
+    if (const char* env = std::getenv("POCKET_MLX_ISA")) {
+      if (const IsaOps* f = isa_by_name(env)) o = f;
+    }
+    g_isa.store(o, std::memory_order_release);
+  }
+  return o;
+}
+
+// ---------------------------------------------------------------- thread pool
+// Persistent std::thread workers. A job is a number of tasks; tasks are claimed with an atomic
+// counter, the calling thread claims tasks too and only waits for tasks already running.
+class Pool {
+ public:
+  ~Pool() { resize(1); }
+
+  int size() {
+    std::lock_guard<std::mutex> g(run_mu_);
+    return nthreads_;
+  }
+
+  void resize(int n) {
+    if (n < 1) n = 1;
+    std::lock_guard<std::mutex> g(run_mu_);
+    if (n == nthreads_) return;
+    stop_workers();
+    nthreads_ = n;
+    stop_ = false;
+    for (int i = 0; i < n - 1; i++) workers_.emplace_back([this] { worker_loop(); });
+  }
+
+  // Runs fn(0..ntasks-1). Runs inline when the pool is busy (another caller) or single.
+  void run(int64_t ntasks, const std::function<void(int64_t)>& fn, bool parallel) {
+    if (ntasks <= 0) return;
+    std::unique_lock<std::mutex> rl(run_mu_, std::try_to_lock);
+    if (!parallel || ntasks == 1 || !rl.owns_lock() || nthreads_ <= 1) {
+      if (rl.owns_lock()) rl.unlock();
+      for (int64_t i = 0; i < ntasks; i++) fn(i);
+      return;
+    }
+    auto job = std::make_shared<Job>();
+    job->fn = &fn;
+    job->ntasks = ntasks;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      job_ = job;
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    work(*job);
+    // Wait only for tasks other threads have already claimed.
+    int spins = 0;
+    while (job->done.load(std::memory_order_acquire) < ntasks) {
+      if (++spins > 64) std::this_thread::yield();
+    }
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      job_.reset();
+    }
+    if (job->error) std::rethrow_exception(job->error);
+  }
+
+ private:
+  struct Job {
+    const std::function<void(int64_t)>* fn = nullptr;
+    int64_t ntasks = 0;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::exception_ptr error;
+    std::mutex err_mu;
+  };
+
+  static void work(Job& job) {
+    for (;;) {
+      int64_t i = job.next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= job.ntasks) return;
+      try {
+        (*job.fn)(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> g(job.err_mu);
+        if (!job.error) job.error = std::current_exception();
+      }
+      job.done.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void worker_loop() {
+    uint64_t seen = gen_.load(std::memory_order_acquire);
+    for (;;) {
+      // Spin briefly (decode calls come back-to-back), then sleep.
+      int spins = 0;
+      while (gen_.load(std::memory_order_acquire) == seen && !stop_flag_.load() &&
+             spins < 20000) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        asm volatile("yield");
+#endif
+        spins++;
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        cv_.wait(g, [&] { return stop_ || gen_.load(std::memory_order_acquire) != seen; });
+        if (stop_) return;
+        seen = gen_.load(std::memory_order_acquire);
+        job = job_;
+      }
+      if (job) work(*job);
+    }
+  }
+
+  void stop_workers() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+      stop_flag_.store(true);
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+    workers_.clear();
+    stop_flag_.store(false);
+  }
+
+  std::mutex run_mu_;  // one job at a time; also guards resizing
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::thread> workers_;
+  std::shared_ptr<Job> job_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<bool> stop_flag_{false};
+  bool stop_ = false;
+  int nthreads_ = 1;
+};
+
+static Pool& pool() {
+  static Pool* p = [] {
+    Pool* q = new Pool();  // intentionally leaked: no joins during static destruction
+    int n = default_threads();
+    if (const char* env = std::getenv("POCKET_MLX_THREADS")) {
+      int e = std::atoi(env);
+      if (e > 0) n = e;
+    }
+    q->resize(n);
+    return q;
+  }();
+  return *p;
+}
+
+// ---------------------------------------------------------------- activation preparation
+// x row (any dtype) -> float32 in the ISA layout.
+static void prep_row(const void* x, DType xdt, int64_t off, int64_t K, int W, int bits,
+                     float* tmp, float* dst) {
+  if (W <= 1) {
+    convert_to_f32(x, xdt, off, K, dst);
+    return;
+  }
+  convert_to_f32(x, xdt, off, K, tmp);
+  const int T = vals_per_lane(bits);
+  const int64_t BV = (int64_t)W * T;
+  const int64_t nblk = K / BV;
+  for (int64_t b = 0; b < nblk; b++) {
+    const float* s = tmp + b * BV;
+    float* d = dst + b * BV;
+    for (int t = 0; t < T; t++)
+      for (int j = 0; j < W; j++) d[t * W + j] = s[j * T + t];
+  }
+  std::memcpy(dst + nblk * BV, tmp + nblk * BV, (K - nblk * BV) * sizeof(float));
+}
+
+}  // namespace detail
+
+using namespace detail;
+
+// ---------------------------------------------------------------- public API
+int default_threads() {
+  int hw = (int)std::thread::hardware_concurrency();
+  if (hw <= 0) hw = 1;
+  int cores = 0;
+#if defined(__linux__)
+  // Physical cores: distinct (package, core) pairs among the CPUs we may run on.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  bool have_aff = sched_getaffinity(0, sizeof(set), &set) == 0;
+  std::set<std::pair<int, int>> seen;
+  for (int c = 0; c < 1024; c++) {
+    if (have_aff && !CPU_ISSET(c, &set)) continue;
+    std::string base = "/sys/devices/system/cpu/cpu" + std::to_string(c) + "/topology/";
+    std::ifstream fc(base + "core_id"), fp(base + "physical_package_id");
+    int core = -1, pkg = -1;
+    if (!(fc >> core)) {
+      if (c > hw + 64) break;
+      continue;
+    }
+    fp >> pkg;
+    seen.insert({pkg, core});
+  }
+  cores = (int)seen.size();
+  if (have_aff) hw = std::min(hw, (int)CPU_COUNT(&set));
+#endif
+  if (cores <= 0) cores = hw;
+  return std::max(1, std::min(cores, hw));
+}
+
+void set_threads(int n) { pool().resize(n <= 0 ? default_threads() : n); }
+int get_threads() { return pool().size(); }
+
+void set_mode(int mode) { g_mode.store(mode == MODE_FAST ? MODE_FAST : MODE_EXACT); }
+int get_mode() { return g_mode.load(); }
+
+const char* isa() { return current_isa()->name; }
+const char* best_isa() { return detect_best()->name; }
+
+bool force_isa(const char* name) {
+  std::string n = name ? name : "auto";
+  const IsaOps* o = (n == "auto") ? detect_best() : isa_by_name(n);
+  if (!o) return false;
+  g_isa.store(o);
+  return true;
+}
+
+void set_single_thread_bytes(int64_t bytes) { g_single_bytes.store(bytes); }
+
+bool supported(int bits, int group_size, int64_t K) {
+  bool b = bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
+  bool g = group_size == 32 || group_size == 64 || group_size == 128;
+  return b && g && K > 0 && K % group_size == 0;
+}
+
+void gather_qmm(const GatherProblem& p) {
+  const int64_t R = p.nrows, N = p.N, K = p.K;
+  if (R <= 0 || N <= 0) return;
+  const IsaOps* ops = current_isa();
+  const int W = ops->W;
+  const int bits = p.bits, gs = p.group_size;
+  const int64_t G = K / gs;
+  const int64_t row_bytes = K * bits / 8;
+  const size_t ssz = p.sdt == F32 ? 4 : 2;
+  const size_t osz = p.odt == F32 ? 4 : 2;
+  const uint8_t* wbase = reinterpret_cast<const uint8_t*>(p.w);
+  const uint8_t* wend = wbase + p.E * N * row_bytes;
+
+  // Group output rows by expert (stable counting sort); invalid experts give zero rows.
+  std::vector<int64_t> order;
+  std::vector<std::pair<int64_t, int64_t>> segs;  // (expert, start in order)
+  std::vector<int64_t> seg_end;
+  if (!p.expert) {
+    order.resize(R);
+    for (int64_t r = 0; r < R; r++) order[r] = r;
+    segs.push_back({0, 0});
+    seg_end.push_back(R);
+  } else {
+    std::vector<int64_t> cnt(p.E + 1, 0);
+    for (int64_t r = 0; r < R; r++) {
+      int64_t e = p.expert[r];
+      if (e < 0 || e >= p.E) {
+        for (int64_t n = 0; n < N; n++) store_elem(p.out, p.odt, r * N + n, 0.f);
+        continue;
+      }
+      cnt[e + 1]++;
+    }
+    for (int64_t e = 0; e < p.E; e++) cnt[e + 1] += cnt[e];
+    order.resize(cnt[p.E]);
+    std::vector<int64_t> pos(cnt.begin(), cnt.end() - 1);
+    for (int64_t r = 0; r < R; r++) {
+      int64_t e = p.expert[r];
+      if (e < 0 || e >= p.E) continue;
+      order[pos[e]++] = r;
+    }
+    for (int64_t e = 0; e < p.E; e++)
+      if (cnt[e + 1] > cnt[e]) {
+        segs.push_back({e, cnt[e]});
+        seg_end.push_back(cnt[e + 1]);
+      }
+  }
+  const int64_t total = (int64_t)order.size();
+  if (total == 0) return;
+
+  Pool& pl = pool();
+  const int nth = pl.size();
+  const int MRMAX = 8;
+  // Activation rows prepared per pass (bounds the float32 buffer to ~32 MB).
+  const int64_t chunk_rows = std::max<int64_t>(MRMAX, ((int64_t)8 << 20) / K / MRMAX * MRMAX);
+  std::vector<float> xbuf((size_t)std::min(total, chunk_rows) * K);
+  std::vector<float> tmp(K);
+
+  for (int64_t c0 = 0; c0 < total; c0 += chunk_rows) {
+    const int64_t c1 = std::min(total, c0 + chunk_rows);
+    for (int64_t i = c0; i < c1; i++)
+      prep_row(p.x, p.xdt, p.xrow_off[order[i]], K, W, bits, tmp.data(),
+               xbuf.data() + (i - c0) * K);
+
+    // Tasks: (segment part within [c0, c1), n range).
+    struct Task {
+      int64_t e, r0, r1, n0, n1;
+    };
+    std::vector<Task> tasks;
+    int64_t nseg = 0;
+    for (size_t s = 0; s < segs.size(); s++)
+      if (segs[s].second < c1 && seg_end[s] > c0) nseg++;
+    // Rows of W per task: ~32 KiB of weights, but at least 4 tasks per thread when possible.
+    int64_t nc = std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(1, row_bytes));
+    const int64_t want = 4 * (int64_t)nth;
+    if (nseg * ((N + nc - 1) / nc) < want) {
+      int64_t per_seg = (want + nseg - 1) / nseg;
+      nc = std::max<int64_t>(1, (N + per_seg - 1) / per_seg);
+    }
+    if (nc < N && nc >= 4) nc = (nc + 3) / 4 * 4;
+    int64_t wbytes = 0;
+    for (size_t s = 0; s < segs.size(); s++) {
+      int64_t r0 = std::max(segs[s].second, c0), r1 = std::min(seg_end[s], c1);
+      if (r0 >= r1) continue;
+      wbytes += N * row_bytes;
+      for (int64_t n0 = 0; n0 < N; n0 += nc)
+        tasks.push_back({segs[s].first, r0, r1, n0, std::min(N, n0 + nc)});
+    }
+    const bool fast = false;  // FAST mode kernels: see rows_fast (not yet wired)
+    (void)fast;
+    auto fn = [&](int64_t ti) {
+      const Task& t = tasks[ti];
+      thread_local std::vector<float> scratch;
+      if ((int64_t)scratch.size() < 2 * (G + 64)) scratch.resize(2 * (G + 64));
+      RowsArgs a{};
+      a.odt = p.odt;
+      a.w = wbase + t.e * N * row_bytes;
+      a.w_end = wend;
+      a.scales = static_cast<const uint8_t*>(p.scales) + (size_t)(t.e * N * G) * ssz;
+      a.biases = static_cast<const uint8_t*>(p.biases) + (size_t)(t.e * N * G) * ssz;
+      a.sdt = p.sdt;
+      a.n0 = t.n0;
+      a.n1 = t.n1;
+      a.K = K;
+      a.bits = bits;
+      a.gs = gs;
+      a.scratch = scratch.data();
+      const float* xps[MRMAX];
+      void* outs[MRMAX];
+      for (int64_t r = t.r0; r < t.r1; r += MRMAX) {
+        int mr = (int)std::min<int64_t>(MRMAX, t.r1 - r);
+        for (int m = 0; m < mr; m++) {
+          xps[m] = xbuf.data() + (r + m - c0) * K;
+          outs[m] = static_cast<uint8_t*>(p.out) + (size_t)order[r + m] * N * osz;
+        }
+        a.xp = xps;
+        a.out = outs;
+        a.mr = mr;
+        ops->rows_exact(a);
+      }
+    };
+    pl.run((int64_t)tasks.size(), fn, wbytes >= g_single_bytes.load());
+  }
+}
+
+void qmm(const void* x, DType xdt, int64_t M, const uint32_t* w, const void* scales,
+         const void* biases, DType sdt, int64_t N, int64_t K, int bits, int group_size, void* out,
+         DType odt) {
+  std::vector<int64_t> off(M);
+  for (int64_t m = 0; m < M; m++) off[m] = m * K;
+  GatherProblem p;
+  p.x = x;
+  p.xdt = xdt;
+  p.nrows = M;
+  p.xrow_off = off.data();
+  p.w = w;
+  p.scales = scales;
+  p.biases = biases;
+  p.sdt = sdt;
+  p.E = 1;
+  p.N = N;
+  p.K = K;
+  p.bits = bits;
+  p.group_size = group_size;
+  p.out = out;
+  p.odt = odt;
+  gather_qmm(p);
+}
+
+}  // namespace pqk

@@ -1,0 +1,193 @@
+// Parity test for the plain C++ core against a scalar reference written here (independent of the
+// library's own code paths). Runs every bits x group size x dtype x layout for every instruction
+// set this CPU supports, with 1 and several threads. Exit status 0 = all passed.
+//   test_core [--quick]
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "qkernels.h"
+
+using namespace pqk;
+
+static float bf16f(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static uint16_t to_bf16(float f) {  // truncation is fine for generating inputs
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (uint16_t)(u >> 16);
+}
+static float halff(uint16_t h) {  // normal numbers and zero only (inputs are generated so)
+  uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 0x3ff;
+  uint32_t u = e == 0 ? s : (s | ((e + 112) << 23) | (m << 13));
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static uint16_t to_half(float f) {  // truncating, normal range only
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t s = (u >> 16) & 0x8000;
+  int e = (int)((u >> 23) & 255) - 112;
+  if (e <= 0) return (uint16_t)s;
+  return (uint16_t)(s | (e << 10) | ((u >> 13) & 0x3ff));
+}
+
+struct Buf {
+  DType dt;
+  std::vector<float> f;
+  std::vector<uint16_t> h;
+  void fill(size_t n, DType d, std::mt19937& rng, float lo, float hi) {
+    dt = d;
+    std::uniform_real_distribution<float> U(lo, hi);
+    f.resize(n);
+    h.resize(n);
+    for (size_t i = 0; i < n; i++) {
+      float v = U(rng);
+      if (d == BF16) {
+        h[i] = to_bf16(v);
+        f[i] = bf16f(h[i]);
+      } else if (d == F16) {
+        h[i] = to_half(v);
+        f[i] = halff(h[i]);
+      } else {
+        f[i] = v;
+      }
+    }
+  }
+  const void* ptr() const { return dt == F32 ? (const void*)f.data() : (const void*)h.data(); }
+};
+
+static float out_val(const std::vector<uint8_t>& o, DType dt, size_t i) {
+  if (dt == F32) {
+    float f;
+    std::memcpy(&f, o.data() + 4 * i, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, o.data() + 2 * i, 2);
+  return dt == BF16 ? bf16f(h) : halff(h);
+}
+
+static int failures = 0, checks = 0;
+
+static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, int64_t E,
+                     int64_t N, int64_t K, int64_t R, bool gathered, const char* isa_name,
+                     int threads) {
+  set_threads(threads);
+  const int64_t words = K * bits / 32;
+  std::vector<uint32_t> w(E * N * words);
+  for (auto& v : w) v = rng();
+  Buf s, b, x;
+  s.fill(E * N * (K / gs), sdt, rng, 0.001f, 0.02f);
+  b.fill(E * N * (K / gs), sdt, rng, -0.1f, 0.1f);
+  x.fill(R * K, xdt, rng, -1.f, 1.f);
+  std::vector<int32_t> ex(R);
+  std::vector<int64_t> off(R);
+  for (int64_t r = 0; r < R; r++) {
+    ex[r] = gathered ? (int32_t)(rng() % E) : 0;
+    off[r] = r * K;
+  }
+  if (gathered && R > 2) off[1] = off[0];  // shared activation row (broadcast)
+  DType odt = (xdt == sdt) ? xdt : F32;
+  size_t osz = odt == F32 ? 4 : 2;
+  std::vector<uint8_t> out(R * N * osz, 0xff);
+  GatherProblem p;
+  p.x = x.ptr();
+  p.xdt = xdt;
+  p.nrows = R;
+  p.xrow_off = off.data();
+  p.expert = gathered ? ex.data() : nullptr;
+  p.w = w.data();
+  p.scales = s.ptr();
+  p.biases = b.ptr();
+  p.sdt = sdt;
+  p.E = E;
+  p.N = N;
+  p.K = K;
+  p.bits = bits;
+  p.group_size = gs;
+  p.out = out.data();
+  p.odt = odt;
+  gather_qmm(p);
+  // Reference: plain bit extraction, double accumulation.
+  double max_err = 0, max_ref = 0;
+  bool bad = false;
+  const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.data());
+  for (int64_t r = 0; r < R; r++) {
+    int64_t e = ex[r];
+    for (int64_t n = 0; n < N; n++) {
+      const uint8_t* row = wb + (e * N + n) * words * 4;
+      double acc = 0, mag = 0;
+      for (int64_t k = 0; k < K; k++) {
+        uint32_t q = 0;
+        for (int i = 0; i < bits; i++) {
+          int64_t bit = k * bits + i;
+          q |= (uint32_t)((row[bit >> 3] >> (bit & 7)) & 1) << i;
+        }
+        int64_t gi = (e * N + n) * (K / gs) + k / gs;
+        float wv = s.f[gi] * (float)q + b.f[gi];
+        acc += (double)x.f[off[r] + k] * wv;
+        mag += std::fabs((double)x.f[off[r] + k] * wv);
+      }
+      double got = out_val(out, odt, r * N + n);
+      double tol = (odt == F32 ? 1e-5 : odt == BF16 ? 8e-3 : 1e-3) * (std::fabs(acc) + 1e-3 * mag) +
+                   2e-6 * mag;
+      double err = std::fabs(got - acc);
+      if (!(err <= tol)) bad = true;
+      max_err = std::max(max_err, err);
+      max_ref = std::max(max_ref, std::fabs(acc));
+    }
+  }
+  checks++;
+  if (bad) {
+    failures++;
+    std::printf("FAIL isa=%s bits=%d gs=%d xdt=%d sdt=%d E=%lld N=%lld K=%lld R=%lld gathered=%d "
+                "threads=%d max_err=%g max_ref=%g\n",
+                isa_name, bits, gs, (int)xdt, (int)sdt, (long long)E, (long long)N, (long long)K,
+                (long long)R, (int)gathered, threads, max_err, max_ref);
+  }
+}
+
+int main(int argc, char** argv) {
+  bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  std::random_device rd;
+  unsigned seed = rd();
+  std::mt19937 rng(seed);
+  std::printf("seed %u, best isa %s, default threads %d\n", seed, best_isa(), default_threads());
+  set_single_thread_bytes(0);  // exercise the pool even on small shapes
+  const char* isas[] = {"avx512", "avx2", "neon", "scalar"};
+  const DType dts[] = {F32, F16, BF16};
+  for (const char* isa_name : isas) {
+    if (!force_isa(isa_name)) continue;
+    std::printf("isa %s\n", isa_name);
+    for (int bits : {2, 3, 4, 5, 6, 8}) {
+      for (int gs : {32, 64, 128}) {
+        for (DType xdt : dts) {
+          DType sdt = dts[rng() % 3];
+          // Odd shapes: K a multiple of gs but not of the SIMD block, N not a multiple of lanes.
+          int64_t K = gs * (1 + rng() % (quick ? 5 : 9));
+          int64_t N = 1 + rng() % 37;
+          int threads = 1 + (int)(rng() % 3);
+          run_case(rng, bits, gs, xdt, sdt, 1, N, K, 1 + rng() % 3, false, isa_name, threads);
+          run_case(rng, bits, gs, xdt, sdt, 1, N, K, 9 + rng() % 12, false, isa_name, threads);
+          run_case(rng, bits, gs, xdt, sdt, 5, N, K, 1 + rng() % 20, true, isa_name, threads);
+        }
+      }
+    }
+    // A larger, block-aligned case per bits.
+    for (int bits : {2, 3, 4, 5, 6, 8})
+      run_case(rng, bits, 64, F32, BF16, 3, 67, 512, 19, true, isa_name, 2);
+  }
+  force_isa("auto");
+  std::printf("%d/%d cases passed\n", checks - failures, checks);
+  return failures ? 1 : 0;
+}
