@@ -201,45 +201,40 @@ def stream_generate(
         y, _ = step(rest, history)
         mx.async_eval(y)
     detok = tokenizer.detokenizer()
-    text_out = ""  # what has been yielded so far (after stop-string handling)
     pending = ""  # decoded text held back because it might start a stop string
-    n = 0
+    n = 0  # tokens sampled so far
     t_decode = None
+    room = limit - start_pos - len(ids)  # tokens that still fit the context
     while True:
-        if n >= max_tokens:
-            stats.finish_reason = "length"
-            break
-        if start_pos + len(ids) + n >= limit:
-            stats.finish_reason = "context"
+        if n >= max_tokens or n >= room:
+            stats.finish_reason = "length" if n >= max_tokens else "context"
             break
         if should_stop and should_stop():
             stats.finish_reason = "cancelled"
             break
+        # Queue the next step from the still-lazy token before waiting for it: building the
+        # graph in Python overlaps the device's work on the current step (as mlx-lm does).
+        y_next = None
+        if n + 1 < max_tokens and n + 1 < room:
+            if processors:
+                history = mx.concatenate([history, y.astype(mx.uint32)])
+            with mx.stream(stream):
+                y_next, _ = step(y.astype(mx.uint32), history)
+                mx.async_eval(y_next)
+        token = y.item()
         if n == 0:
-            mx.eval(y)
-            now = time.perf_counter()
-            stats.ttft_s = now - t0
+            t_decode = time.perf_counter()
+            stats.ttft_s = t_decode - t0
             stats.prompt_tps = len(ids) / stats.ttft_s
             stats.phase = "decode"
             if progress:
                 progress(len(ids), len(ids))
-            t_decode = now
-        token = y.item()
-        n += 1
+        if y_next is not None:
+            fed.append(token)
         if token in eos:
             stats.finish_reason = "eos"
-            n -= 1
             break
-        # Queue the next step before handing this token out: the device works while we yield.
-        if n < max_tokens:
-            if processors:
-                history = mx.concatenate([history, y.astype(mx.uint32)])
-            fed.append(token)
-            with mx.stream(stream):
-                y_next, _ = step(y.astype(mx.uint32), history)
-                mx.async_eval(y_next)
-        else:
-            y_next = None
+        n += 1
         pending += detok.add(token)
         stats.generation_tokens = n
         if n > 1:
@@ -247,23 +242,19 @@ def stream_generate(
         hit = next((s for s in stops if s in pending), None)
         if hit is not None:
             piece = pending[: pending.index(hit)]
-            text_out += piece
             stats.finish_reason = "stop"
             if piece:
                 yield Response(piece, token, stats)
             break
         hold = _stop_holdback(pending, stops) if stops else 0
         piece, pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
-        text_out += piece
         yield Response(piece, token, stats)
         if y_next is None:
-            stats.finish_reason = "length"
-            break
+            continue  # the checks at the top end the loop
         y = y_next
     if stats.finish_reason not in ("stop",):
         tail = pending + detok.flush()
         if tail:
-            text_out += tail
             yield Response(tail, None, stats)
     stats.phase = "done"
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9

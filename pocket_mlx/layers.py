@@ -8,6 +8,7 @@ quantized product is computed: `ops` may hand it to the CPU kernels of the C++ e
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -105,6 +106,7 @@ class QuantizedSwitchLinear(nn.Module):
         )
 
 
+@partial(mx.compile, shapeless=True)
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return nn.silu(gate) * up
 
