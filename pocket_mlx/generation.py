@@ -6,15 +6,18 @@ import time, so one loaded model can generate on the GPU, then on the CPU, witho
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
 from . import devices
-from .accounting import bytes_per_token
+from .accounting import weight_stats
 from .errors import PocketError
+from .memory import wired_limit
 
 
 @dataclass
@@ -166,8 +169,23 @@ def stream_generate(
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
 
-    stats = GenerationStats(prompt_tokens=len(ids), bytes_per_token=bytes_per_token(model),
+    weights = weight_stats(model)
+    stats = GenerationStats(prompt_tokens=len(ids), bytes_per_token=weights.bytes_per_token,
                             device=dev)
+    # On the GPU, wire the model's memory for the duration (restored when the generator ends).
+    wired = ExitStack()
+    if dev == "gpu":
+        wired.enter_context(wired_limit(weights.bytes_total, dev, streams=[stream],
+                                        warn=lambda m: print(m, file=sys.stderr)))
+    with wired:
+        yield from _run(model, tokenizer, ids, cache, stream, stats, sampler,
+                        processors, stops, eos, max_tokens, limit - start_pos - len(ids),
+                        prefill_step, progress, should_stop)
+
+
+def _run(model, tokenizer, ids, cache, stream, stats, sampler, processors, stops, eos,
+         max_tokens, room, prefill_step, progress, should_stop) -> Iterator[Response]:
+    """The prefill and decode loop of `stream_generate` (arguments already checked)."""
     mx.reset_peak_memory()
     history = mx.array(ids, mx.uint32)
     fed = list(ids)  # tokens the cache will have consumed
@@ -204,7 +222,6 @@ def stream_generate(
     pending = ""  # decoded text held back because it might start a stop string
     n = 0  # tokens sampled so far
     t_decode = None
-    room = limit - start_pos - len(ids)  # tokens that still fit the context
     while True:
         if n >= max_tokens or n >= room:
             stats.finish_reason = "length" if n >= max_tokens else "context"

@@ -1,0 +1,162 @@
+"""Caches, chunked prefill, sampling and stops of the generation loop, on real models."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import ASSET
+
+from pocket_mlx.errors import PocketError
+from pocket_mlx.generation import SamplingParams, generate, stream_generate
+from pocket_mlx.loader import load, load_model
+
+IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load(ASSET, device="cpu")
+
+
+@pytest.mark.parametrize("layer_types", [
+    ["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    ["linear_attention"] * 3 + ["full_attention"],
+])
+def test_incremental_decode_equals_full_forward(make_ckpt, layer_types):
+    model = load_model(make_ckpt(layer_types=layer_types))
+    assert [l.is_linear for l in model.layers] == [t == "linear_attention" for t in layer_types]
+    full = np.array(model(mx.array(IDS)[None]))
+    cache = model.make_cache()
+    # An uneven chunked prefill, then one token at a time.
+    parts = [model(mx.array(IDS[:7])[None], cache=cache), model(mx.array(IDS[7:12])[None], cache=cache)]
+    parts += [model(mx.array([t])[None], cache=cache) for t in IDS[12:]]
+    inc = np.concatenate([np.array(p) for p in parts], axis=1)
+    np.testing.assert_allclose(inc, full, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_types_are_honoured_not_every_fourth(make_ckpt):
+    model = load_model(make_ckpt(layer_types=["full_attention", "linear_attention"]))
+    assert hasattr(model.layers[0], "self_attn") and hasattr(model.layers[1], "linear_attn")
+
+
+def test_chunked_prefill_gives_the_same_reply(tiny):
+    model, tok = tiny
+    a = generate(model, tok, "Tell me of the kings of old.", max_tokens=16, prefill_step=4)
+    b = generate(model, tok, "Tell me of the kings of old.", max_tokens=16, prefill_step=512)
+    assert a == b and a
+
+
+def test_progress_callback_covers_the_prompt(tiny):
+    model, tok = tiny
+    seen = []
+    for _ in stream_generate(model, tok, "In the beginning", max_tokens=2, prefill_step=3,
+                             progress=lambda d, t: seen.append((d, t))):
+        pass
+    assert seen[-1][0] == seen[-1][1] and len(seen) > 2
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_seeded_sampling_is_reproducible_and_seed_matters(tiny):
+    model, tok = tiny
+    kw = dict(max_tokens=24, temperature=1.0, top_p=0.95)
+    a = generate(model, tok, "Write a poem.", seed=7, **kw)
+    b = generate(model, tok, "Write a poem.", seed=7, **kw)
+    c = [generate(model, tok, "Write a poem.", seed=s, **kw) for s in (1, 2, 3)]
+    assert a == b
+    assert any(x != a for x in c)
+
+
+def test_stats_and_finish_reasons(tiny):
+    model, tok = tiny
+    rs = list(stream_generate(model, tok, "In the beginning", max_tokens=5, raw=True))
+    st = rs[-1].stats
+    assert st.finish_reason in ("length", "eos") and st.generation_tokens <= 5
+    assert st.prompt_tokens == len(tok.encode("In the beginning"))
+    assert st.prompt_tps > 0 and st.ttft_s > 0 and st.peak_memory_gb > 0
+    assert st.bytes_per_token > 0 and st.device == "cpu"
+    assert rs[-1].fed_tokens[: st.prompt_tokens] == tok.encode("In the beginning")
+
+
+def test_max_tokens_counts_tokens(tiny):
+    model, tok = tiny
+    tok_eos = tok.eos_token_ids
+    tok.eos_token_ids = []
+    try:
+        last = list(stream_generate(model, tok, "And God said", max_tokens=7, raw=True))[-1]
+    finally:
+        tok.eos_token_ids = tok_eos
+    assert last.stats.generation_tokens == 7 and last.stats.finish_reason == "length"
+
+
+def test_stop_string_cuts_the_reply(tiny):
+    model, tok = tiny
+    full = generate(model, tok, "And God said", max_tokens=30, raw=True)
+    word = full.split()[2]
+    cut = generate(model, tok, "And God said", max_tokens=30, raw=True, stop=[word])
+    assert word not in cut and full.startswith(cut)
+
+
+def test_context_limit_stops_generation(tiny):
+    model, tok = tiny
+    ids = tok.encode("In the beginning God created the heaven and the earth.")
+    old = model.args.max_position_embeddings
+    model.args.max_position_embeddings = len(ids) + 3
+    try:
+        last = list(stream_generate(model, tok, ids, max_tokens=50))[-1]
+        with pytest.raises(PocketError, match="does not fit"):
+            list(stream_generate(model, tok, ids * 2, max_tokens=5))
+    finally:
+        model.args.max_position_embeddings = old
+    assert last.stats.finish_reason in ("context", "eos")
+    assert last.stats.generation_tokens <= 3
+
+
+def test_cache_reuse_prefills_only_the_new_turn(tiny):
+    model, tok = tiny
+    cache = model.make_cache()
+    first = list(stream_generate(model, tok, "Hello", max_tokens=8, cache=cache))[-1]
+    fed = first.fed_tokens
+    follow = tok.encode("\n<|im_start|>user\nMore<|im_end|>\n<|im_start|>assistant\n",
+                        add_special_tokens=False)
+    second = list(stream_generate(model, tok, follow, max_tokens=8, cache=cache))[-1]
+    assert second.stats.prompt_tokens == len(follow)
+    # Same continuation as a fresh cache fed with everything.
+    again = list(stream_generate(model, tok, fed + follow, max_tokens=8))[-1]
+    assert again.fed_tokens[len(fed):] == second.fed_tokens
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top-p"), (dict(top_p=1.5), "top-p"),
+])
+def test_bad_sampling_is_refused(bad, msg):
+    with pytest.raises(PocketError, match=msg):
+        SamplingParams(**bad).validate()
+
+
+def test_gpu_request_without_gpu_names_cpu_flag(tiny):
+    from pocket_mlx.devices import gpu_available
+
+    if gpu_available():
+        pytest.skip("this machine has a GPU")
+    model, tok = tiny
+    with pytest.raises(PocketError, match="--device cpu"):
+        list(stream_generate(model, tok, "hi", device="gpu"))
+
+
+def test_greedy_32_tokens_identical_to_mlx_lm(tiny):
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model as lm_load
+
+    model, tok = tiny
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me a fortune."}]),
+                     add_special_tokens=False)
+    eos = tok.eos_token_ids
+    tok.eos_token_ids = []
+    try:
+        ours = [r.token for r in stream_generate(model, tok, ids, max_tokens=32) if r.token is not None]
+    finally:
+        tok.eos_token_ids = eos
+    lm_model, _ = lm_load(ASSET)
+    theirs = [int(t) for t, _ in generate_step(mx.array(ids), lm_model, max_tokens=32)]
+    assert len(ours) == 32 and ours == theirs
