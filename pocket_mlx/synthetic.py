@@ -65,20 +65,21 @@ SHAPES: dict[str, dict] = {
 
 
 def family(path: str) -> str:
-    """The module family of a weight path, as `info` and the recipes group them."""
-    if ".switch_mlp." in path:
+    """The module family of a module path, as `info` and the recipes group them."""
+    p = path + "."
+    if ".switch_mlp." in p:
         return "experts"
-    if path.endswith(("mlp.gate", "shared_expert_gate")):
+    if p.endswith((".mlp.gate.", ".shared_expert_gate.")):
         return "router"
-    if ".shared_expert." in path:
+    if ".shared_expert." in p:
         return "shared_expert"
-    if ".linear_attn." in path:
+    if ".linear_attn." in p:
         return "linear_attention"
-    if ".self_attn." in path:
+    if ".self_attn." in p:
         return "attention"
-    if path.endswith("embed_tokens"):
+    if p.endswith(".embed_tokens."):
         return "embeddings"
-    if path.endswith("lm_head"):
+    if p.endswith(".lm_head."):
         return "lm_head"
     return "other"
 
@@ -100,6 +101,11 @@ def config_for(name: str) -> dict:
     if name not in SHAPES:
         raise PocketError(f"unknown synthetic model {name!r} (known: {', '.join(SHAPES)})")
     return {**_COMMON, **SHAPES[name]}
+
+
+def original_experts(name: str) -> int:
+    """Experts per layer of the unpruned model a synthetic shape stands for."""
+    return _QWEN35_35B["num_experts"] if name.startswith("pocket-35b") else SHAPES[name]["num_experts"]
 
 
 def _quantizable(module: nn.Module) -> bool:
@@ -269,8 +275,7 @@ def build(name: str, recipe: str = DEFAULT_RECIPE, *, out: Path | None = None,
             copy_tokenizer(ASSET, tmp)
             (tmp / "pocket.json").write_text(json.dumps(
                 {"synthetic": name, "recipe": recipe, "seed": seed,
-                 "original_num_experts": _QWEN35_35B["num_experts"] if name.startswith("pocket-35b")
-                 else config["num_experts"]}, indent=2))
+                 "original_num_experts": original_experts(name)}, indent=2))
     finally:
         if bar:
             bar.close()
