@@ -116,8 +116,8 @@ def _gated_norm(x, gate, y):
 
 
 @partial(mx.compile, shapeless=True)
-def _decay(A_log, a, dt_bias):
-    return mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias))
+def _log_decay(A_log, a, dt_bias):
+    return -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias)
 
 
 @mx.compile
@@ -132,8 +132,19 @@ def gated_delta_step(q, k, v, g, beta, state):
     return y.astype(q.dtype), state
 
 
-def gated_delta(q, k, v, g, beta, state):
-    """The recurrence over a sequence: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]."""
+def gated_delta(q, k, v, log_g, beta, state):
+    """The recurrence over a sequence: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; log_g (log of the
+    decay), beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32 or None. Long sequences (prefill) go
+    chunk-wise, single tokens (decode) step by step."""
+    if q.shape[1] >= CHUNKED_MIN_TOKENS:
+        return gated_delta_chunked(q, k, v, log_g, beta, state)
+    return gated_delta_sequential(q, k, v, mx.exp(log_g), beta, state)
+
+
+CHUNKED_MIN_TOKENS = 16
+
+
+def gated_delta_sequential(q, k, v, g, beta, state):
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     if state is None:
@@ -146,6 +157,80 @@ def gated_delta(q, k, v, g, beta, state):
         y, state = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
         ys.append(y)
     return mx.stack(ys, axis=1), state
+
+
+def _tri_inverse(A):
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C], C a power of two: block recursion,
+    log2(C) levels of batched matmuls (no O(C) Python loop)."""
+    C = A.shape[-1]
+    lead = A.shape[:-2]
+    inv = mx.ones((*lead, C, 1, 1), A.dtype)  # inverses of the 1x1 diagonal blocks
+    b = 1
+    while b < C:
+        nb = C // (2 * b)
+        blocks = A.reshape(*lead, 2 * nb, b, 2 * nb, b)
+        # Sub-diagonal blocks (i+1, i); the pairs (2m+1, 2m) are the lower-left corners.
+        l21 = mx.moveaxis(mx.diagonal(blocks, offset=-1, axis1=-4, axis2=-2), -1, -3)[..., 0::2, :, :]
+        inv11, inv22 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        x21 = -(inv22 @ l21 @ inv11)
+        top = mx.concatenate([inv11, mx.zeros_like(inv11)], axis=-1)
+        bottom = mx.concatenate([x21, inv22], axis=-1)
+        inv = mx.concatenate([top, bottom], axis=-2)
+        b *= 2
+    return inv[..., 0, :, :]
+
+def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int = 64):
+    """The same recurrence, a chunk of tokens at a time (the WY form of Gated DeltaNet): within a
+    chunk everything is batched matmuls; only the state is carried from chunk to chunk. Takes the
+    log of the decay, so every factor it exponentiates is <= 1 (stable in float32).
+
+    With S the state transposed ([Dk, Dv]) and, inside a chunk, gamma_t the cumulative decay,
+    U = (I + A)^-1 (beta V - beta gamma K S) with A_tj = beta_t gamma_t/gamma_j k_t.k_j (j < t),
+    Y = gamma Q S + (QK^T o decay) U, and S' = gamma_C S + ((gamma_C/gamma) K)^T U.
+    """
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    dtype = q.dtype
+    if Hv // Hk > 1:
+        q = mx.repeat(q, Hv // Hk, -2)
+        k = mx.repeat(k, Hv // Hk, -2)
+    C = min(chunk, 1 << (T - 1).bit_length())  # a power of two, no wider than needed
+    pad = (-T) % C
+    if pad:
+        widths = [(0, 0), (0, pad), (0, 0), (0, 0)]
+        q, k, v = (mx.pad(x, widths) for x in (q, k, v))
+        log_g, beta = (mx.pad(x, widths[:3]) for x in (log_g, beta))
+    N = (T + pad) // C
+    f32 = mx.float32
+    def chunks(x):
+        return x.astype(f32).reshape(B, N, C, Hv, -1).transpose(0, 3, 1, 2, 4)  # [B,H,N,C,D]
+    q, k, v = chunks(q), chunks(k), chunks(v)
+    log_g = log_g.astype(f32).reshape(B, N, C, Hv).transpose(0, 3, 1, 2)
+    beta = beta.astype(f32).reshape(B, N, C, Hv).transpose(0, 3, 1, 2)
+    G = mx.cumsum(log_g, axis=-1)  # [B,H,N,C]
+    idx = mx.arange(C)
+    causal = idx[:, None] >= idx[None, :]
+    strict = idx[:, None] > idx[None, :]
+    diff = G[..., :, None] - G[..., None, :]
+    decay = mx.exp(mx.where(causal, diff, -mx.inf))  # gamma_t / gamma_j for j <= t
+    A = mx.where(strict, beta[..., None] * (k @ k.swapaxes(-1, -2)) * decay, 0.0)
+    Tinv = _tri_inverse(A)
+    gamma = mx.exp(G)[..., None]
+    W = Tinv @ (beta[..., None] * gamma * k)       # [B,H,N,C,Dk]
+    U0 = Tinv @ (beta[..., None] * v)              # [B,H,N,C,Dv]
+    QK = (q @ k.swapaxes(-1, -2)) * decay          # [B,H,N,C,C]
+    Qg = q * gamma
+    last = G[..., -1:]                              # [B,H,N,1]
+    Kd = k * mx.exp(last - G)[..., None]           # (gamma_C / gamma_j) k_j
+    gC = mx.exp(last)[..., None]                   # [B,H,N,1,1]
+    P = (mx.zeros((B, Hv, Dk, Dv), f32) if state is None else state.swapaxes(-1, -2))
+    ys = []
+    for n in range(N):
+        U = U0[:, :, n] - W[:, :, n] @ P
+        ys.append(Qg[:, :, n] @ P + QK[:, :, n] @ U)
+        P = gC[:, :, n] * P + Kd[:, :, n].swapaxes(-1, -2) @ U
+    y = mx.stack(ys, axis=2).reshape(B, Hv, N * C, Dv)[:, :, :T].transpose(0, 2, 1, 3)
+    return y.astype(dtype), P.swapaxes(-1, -2)
 
 
 class LinearAttentionCache:
@@ -209,8 +294,8 @@ class GatedDeltaNet(nn.Module):
         k = inv * mx.fast.rms_norm(k, None, 1e-6 * inv * inv)
 
         beta = mx.sigmoid(b)
-        g = _decay(self.A_log, a, self.dt_bias)
-        out, state = gated_delta(q, k, v, g, beta, cache.state if cache is not None else None)
+        log_g = _log_decay(self.A_log, a, self.dt_bias)
+        out, state = gated_delta(q, k, v, log_g, beta, cache.state if cache is not None else None)
         if cache is not None:
             cache.state = state
             cache.offset += S

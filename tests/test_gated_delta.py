@@ -1,0 +1,32 @@
+"""The chunked (WY) form of the gated delta rule equals the step-by-step recurrence."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from pocket_mlx.models.qwen3_5_moe import gated_delta_chunked, gated_delta_sequential
+
+
+@pytest.mark.parametrize("B,T,Hk,Hv,D,with_state", [
+    (1, 100, 2, 4, 32, True), (2, 64, 2, 2, 16, False), (1, 17, 1, 3, 8, True),
+    (1, 130, 2, 4, 32, False),
+])
+def test_chunked_equals_sequential(B, T, Hk, Hv, D, with_state):
+    rng = np.random.default_rng(T)
+
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    q, k = arr(B, T, Hk, D), arr(B, T, Hk, D)
+    q = q / mx.linalg.norm(q, axis=-1, keepdims=True) * D**-0.5
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    v = arr(B, T, Hv, D)
+    log_g = -mx.array(rng.uniform(0, 0.5, (B, T, Hv)).astype(np.float32))
+    beta = mx.array(rng.uniform(0, 1, (B, T, Hv)).astype(np.float32))
+    s0 = arr(B, Hv, D, D) * 0.1 if with_state else None
+    y1, s1 = gated_delta_sequential(q, k, v, mx.exp(log_g), beta, s0)
+    y2, s2 = gated_delta_chunked(q, k, v, log_g, beta, s0, chunk=32)
+    np.testing.assert_allclose(np.array(y2), np.array(y1), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(s2), np.array(s1), rtol=1e-4, atol=1e-5)
