@@ -1,0 +1,147 @@
+"""Python face of the optional C++ CPU kernels (`pocket_mlx._qkernels`).
+
+`pocket_mlx.ops` calls these on the CPU device. Every entry point has the semantics of the MLX op
+it replaces and falls back to that op for anything the extension does not handle.
+
+Environment:
+  POCKET_MLX_KERNELS=0        disable the extension (MLX's own kernels are used)
+  POCKET_MLX_THREADS=N        worker threads (default: physical cores)
+  POCKET_MLX_KERNEL_MODE=fast start in the FAST mode (default: exact)
+  POCKET_MLX_ISA=avx2|scalar  force an instruction set (testing)
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+try:
+    from . import _qkernels as _ext
+
+    _import_error: str | None = None
+except ImportError as e:  # not built (no compiler at install time) or ABI mismatch
+    _ext = None
+    _import_error = f"extension pocket_mlx._qkernels not available ({e})"
+
+_SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+_SUPPORTED_GROUPS = (32, 64, 128)
+_FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
+_MODES = {"exact": 0, "fast": 1}
+_user_enabled = True
+
+if _ext is not None and os.environ.get("POCKET_MLX_KERNEL_MODE", "").lower() == "fast":
+    _ext.set_mode(_MODES["fast"])
+
+
+def _env_disabled() -> bool:
+    return os.environ.get("POCKET_MLX_KERNELS", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def enabled() -> bool:
+    """True when the extension is importable and not disabled (env or set_enabled(False))."""
+    return _ext is not None and _user_enabled and not _env_disabled()
+
+
+def set_enabled(flag: bool) -> None:
+    global _user_enabled
+    _user_enabled = bool(flag)
+
+
+def supports(x, bits: int, group_size: int) -> bool:
+    """Whether the extension handles activations `x` with this quantization."""
+    return (
+        _ext is not None
+        and bits in _SUPPORTED_BITS
+        and group_size in _SUPPORTED_GROUPS
+        and x.dtype in _FLOAT_TYPES
+        and x.ndim >= 1
+        and x.shape[-1] > 0
+        and x.shape[-1] % group_size == 0
+    )
+
+
+def _weights_ok(x, w, scales, biases, w_ndim: int, bits: int, group_size: int) -> bool:
+    return (
+        biases is not None
+        and w.ndim == w_ndim
+        and w.dtype == mx.uint32
+        and scales.dtype in _FLOAT_TYPES
+        and biases.dtype == scales.dtype
+        and scales.shape == biases.shape
+        and w.shape[-1] * 32 == x.shape[-1] * bits
+        and scales.shape[-1] * group_size == x.shape[-1]
+    )
+
+
+def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int):
+    """Same as mx.quantized_matmul(x, w, scales, biases, transpose=True, ...) (CPU)."""
+    if enabled() and supports(x, bits, group_size) and _weights_ok(x, w, scales, biases, 2,
+                                                                     bits, group_size):
+        try:
+            return _ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+        except (ValueError, TypeError):
+            pass
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
+                               bits=bits)
+
+
+def gather_qmm(x, w, scales, biases, indices, *, group_size: int, bits: int,
+               sorted_indices: bool = False):
+    """Same as mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, ...)."""
+    if (enabled() and supports(x, bits, group_size) and x.ndim >= 2 and indices is not None
+            and mx.issubdtype(indices.dtype, mx.integer)
+            and _weights_ok(x, w, scales, biases, 3, bits, group_size)):
+        try:
+            return _ext.gather_qmm(x, w, scales, biases, indices, group_size=group_size,
+                                   bits=bits)
+        except (ValueError, TypeError):
+            pass
+    return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True,
+                         group_size=group_size, bits=bits, sorted_indices=sorted_indices)
+
+
+def set_threads(n: int | None) -> None:
+    """Worker threads for the kernels (None or <= 0: physical cores)."""
+    if _ext is not None:
+        _ext.set_threads(0 if n is None else int(n))
+
+
+def get_threads() -> int:
+    return _ext.get_threads() if _ext is not None else 0
+
+
+def set_mode(mode: str) -> None:
+    """'exact' (float32 dequantize-and-FMA, default) or 'fast' (int8 activations, bits 2/4/8)."""
+    m = mode.lower()
+    if m not in _MODES:
+        raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+    if _ext is not None:
+        _ext.set_mode(_MODES[m])
+
+
+def get_mode() -> str:
+    if _ext is None:
+        return "exact"
+    return {v: k for k, v in _MODES.items()}[_ext.get_mode()]
+
+
+def set_isa(name: str) -> bool:
+    """Force 'avx512' | 'avx2' | 'neon' | 'scalar' | 'auto'; False if this CPU cannot."""
+    return bool(_ext is not None and _ext.force_isa(name))
+
+
+def info() -> dict:
+    """What runs the CPU quantized matmuls, for the TUI / `info` / `bench`."""
+    if _ext is None:
+        return {"active": False, "reason": _import_error}
+    if _env_disabled():
+        return {"active": False, "reason": "disabled by POCKET_MLX_KERNELS=0"}
+    if not _user_enabled:
+        return {"active": False, "reason": "disabled by set_enabled(False)"}
+    return {
+        "active": True,
+        "isa": _ext.isa(),
+        "threads": _ext.get_threads(),
+        "mode": get_mode(),
+    }
