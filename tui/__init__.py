@@ -1,0 +1,14 @@
+"""pocket-mlx's terminal chat (Textual). `ChatApp` lives in `app`; imported lazily so that the
+Textual-free parts (`session`, `model_info`) load without Textual."""
+
+from __future__ import annotations
+
+__all__ = ["ChatApp"]
+
+
+def __getattr__(name: str):
+    if name == "ChatApp":
+        from .app import ChatApp
+
+        return ChatApp
+    raise AttributeError(name)

@@ -1,0 +1,397 @@
+"""`pocket-mlx chat`: the Textual app.
+
+All MLX work (loading, generating, the KV cache) happens on one long-lived engine worker thread:
+MLX streams belong to the thread that made them, so the model and its cache stay with one thread.
+The UI sends it jobs through a queue and hears back only through messages (`events`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import NamedTuple
+
+from textual import work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.screen import Screen
+from textual.widgets import Footer
+from textual.worker import Worker, get_current_worker
+
+from pocket_mlx.conversations import Conversation, ConversationStore, new_id
+from pocket_mlx.devices import describe, gpu_available
+from pocket_mlx.errors import PocketError
+from pocket_mlx.generation import GenerationStats
+
+from .conversation import AssistantMessage, ConversationView, finish_notice
+from .events import EngineNotice, ModelFailed, ModelReady, PrefillProgress, ReplyChunk, ReplyDone
+from .header import ModelHeader
+from .model_info import ModelInfo, kernels_label, model_info
+from .prompt import PromptInput
+from .screens import HelpScreen, OpenScreen, SettingsScreen
+from .session import ChatSession, Settings, claim_device_streams
+from .stats_panel import StatsPanel
+
+CHUNK_S = 0.05  # the engine batches reply text into messages at most this often
+
+
+class Job(NamedTuple):
+    messages: list[dict]
+    settings: Settings
+    device: str
+
+
+class ChatApp(App[None]):
+    CSS_PATH = "chat.tcss"
+    TITLE = "pocket-mlx chat"
+    BINDINGS = [
+        Binding("escape", "stop", "Stop"),
+        Binding("ctrl+g", "toggle_device", "GPU/CPU"),
+        Binding("ctrl+n", "new_chat", "New"),
+        Binding("ctrl+r", "regenerate", "Regenerate"),
+        Binding("ctrl+o", "open_chat", "Open"),
+        Binding("ctrl+s", "settings", "Settings"),
+        Binding("f1", "help", "Help"),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(self, model: str | None = None, *, device: str = "cpu",
+                 settings: Settings | None = None, conversation: Conversation | None = None,
+                 store: ConversationStore | None = None, model_name: str | None = None) -> None:
+        super().__init__()
+        self.model_ref = model
+        self.model_name = model_name or (str(model).rstrip("/").split("/")[-1] if model
+                                         else "pocket-tiny")
+        self.device = device
+        self.settings = settings or Settings()
+        self.store = store or ConversationStore()
+        self.conversation = conversation or self._new_conversation()
+        self.info: ModelInfo | None = None
+        self.ready = False
+        self.busy = False
+        self.last_stats: GenerationStats | None = None  # of the last finished reply
+        self.replies_done = 0  # replies ended (finished, stopped or failed): tests wait on it
+        self._jobs: queue.Queue[Job] = queue.Queue()
+        self._stop = threading.Event()
+        self._reply: AssistantMessage | None = None
+        self._reply_settings = self.settings
+        self._engine: Worker | None = None
+
+    def _new_conversation(self) -> Conversation:
+        return Conversation(id=new_id(), model=str(self.model_ref or ""),
+                            settings=self.settings.to_dict())
+
+    # ---- layout ----------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield ModelHeader(id="model-header")
+        with Horizontal(id="main"):
+            yield ConversationView(id="conversation")
+            yield StatsPanel(id="stats")
+        yield PromptInput(id="prompt")
+        yield Footer()
+
+    @property
+    def view(self) -> ConversationView:
+        return self.query_one(ConversationView)
+
+    @property
+    def stats_panel(self) -> StatsPanel:
+        return self.query_one(StatsPanel)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    async def on_mount(self) -> None:
+        self.query_one(ModelHeader).show_loading(self.model_name)
+        self.prompt.disabled = True
+        panel = self.stats_panel
+        panel.device_label = describe(self.device)
+        panel.kernels = kernels_label()
+        try:
+            from pocket_mlx.memory import wired_limit_status
+
+            panel.wired = wired_limit_status()
+        except Exception:  # noqa: BLE001 - a missing sysctl must not stop the chat
+            panel.wired = None
+        await self._show_conversation()
+        self._engine = self.engine()
+
+    # ---- the engine thread -----------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="engine", name="engine", exit_on_error=True)
+    def engine(self) -> None:
+        """Load the model, then serve generation jobs until the app closes."""
+        worker = get_current_worker()
+        claim_device_streams()
+        try:
+            from pocket_mlx.loader import load
+
+            model, tokenizer = load(self.model_ref, device=self.device)
+            info = model_info(model, self.model_name)
+        except PocketError as e:
+            self.post_message(ModelFailed(str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 - any load failure is reported, not a traceback
+            self.post_message(ModelFailed(f"{type(e).__name__}: {e}"))
+            return
+        session = ChatSession(model, tokenizer)
+        self.post_message(ModelReady(info))
+        while not worker.is_cancelled:
+            try:
+                job = self._jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._run_job(session, job, worker)
+
+    def _run_job(self, session: ChatSession, job: Job, worker: Worker) -> None:
+        pending, last, used, last_post = "", None, 0, 0.0
+
+        def should_stop() -> bool:
+            return self._stop.is_set() or worker.is_cancelled
+
+        def progress(done: int, total: int, context: int) -> None:
+            self.post_message(PrefillProgress(done, total, context))
+
+        try:
+            for r, used in session.generate(
+                job.messages, job.settings, job.device, progress=progress,
+                should_stop=should_stop, warn=lambda m: self.post_message(EngineNotice(m)),
+            ):
+                last = r
+                pending += r.text
+                now = time.perf_counter()
+                if now - last_post >= CHUNK_S and r.stats.phase != "done":
+                    self.post_message(ReplyChunk(pending, replace(r.stats), used))
+                    pending, last_post = "", now
+            stats = replace(last.stats) if last is not None else None
+            self.post_message(ReplyDone(pending, stats, used))
+        except PocketError as e:
+            self.post_message(ReplyDone(pending, None, used, error=str(e)))
+        except Exception as e:  # noqa: BLE001 - keep the app alive, show what broke
+            self.post_message(ReplyDone(pending, None, used, error=f"{type(e).__name__}: {e}"))
+
+    # ---- engine messages -------------------------------------------------------------------
+    def on_model_ready(self, msg: ModelReady) -> None:
+        self.info = msg.info
+        self.ready = True
+        self.query_one(ModelHeader).show_model(msg.info)
+        panel = self.stats_panel
+        panel.context_max = msg.info.context_max
+        panel.bytes_per_token = msg.info.bytes_per_token
+        panel.set_phase("idle")
+        self.prompt.disabled = False
+        self.prompt.focus()
+
+    def on_model_failed(self, msg: ModelFailed) -> None:
+        self.exit(return_code=2, message=f"pocket-mlx chat: error: {msg.error}")
+
+    def on_engine_notice(self, msg: EngineNotice) -> None:
+        self.notify(msg.text, severity="warning", timeout=10)
+
+    def on_prefill_progress(self, msg: PrefillProgress) -> None:
+        self.stats_panel.set_prefill(msg.done, msg.total, msg.context)
+
+    async def on_reply_chunk(self, msg: ReplyChunk) -> None:
+        if self._reply is not None:
+            await self._reply.write(msg.text)
+        self.stats_panel.set_stats(msg.stats, msg.context)
+
+    async def on_reply_done(self, msg: ReplyDone) -> None:
+        reply, self._reply = self._reply, None
+        self.busy = False
+        self.replies_done += 1
+        panel = self.stats_panel
+        if reply is None:
+            return
+        if msg.text:
+            await reply.write(msg.text)
+        await reply.finish()
+        if msg.error or msg.stats is None:
+            panel.set_phase("idle")
+            await self.view.add_notice(f"■ error: {msg.error}", "error")
+            self.notify(msg.error or "generation failed", title="Generation failed",
+                        severity="error")
+            if not reply.text:
+                await reply.remove()
+            return
+        panel.set_stats(msg.stats, msg.context)
+        panel.set_phase("idle")
+        self.last_stats = msg.stats
+        reason = msg.stats.finish_reason
+        if reason == "cancelled" and not reply.text:
+            await reply.remove()
+            await self.view.add_notice("■ stopped before the reply began")
+            return
+        notice = finish_notice(reason, self._reply_settings.max_tokens)
+        if notice:
+            await self.view.add_notice(notice)
+        self.conversation.messages.append(
+            {"role": "assistant", "content": reply.text, "stats": msg.stats.to_dict()})
+        self._save()
+
+    # ---- conversation ----------------------------------------------------------------------
+    def _save(self) -> None:
+        if not self.conversation.messages:
+            return
+        self.conversation.settings = self.settings.to_dict()
+        try:
+            self.store.save(self.conversation)
+        except (OSError, PocketError) as e:
+            self.notify(f"could not save the conversation: {e}", severity="error")
+
+    async def _show_conversation(self) -> None:
+        """Render the whole conversation (after resume or open)."""
+        view = self.view
+        await view.clear()
+        for m in self.conversation.messages:
+            if m["role"] == "user":
+                await view.add_user(m["content"])
+                self.prompt.remember(m["content"])
+            elif m["role"] == "assistant":
+                stats = m.get("stats") or {}
+                device = describe(stats["device"]) if stats.get("device") else ""
+                title = " · ".join(x for x in (self.model_name, device) if x)
+                await view.add_assistant(m["content"], title)
+                notice = finish_notice(stats.get("finish_reason"), stats.get("generation_tokens"))
+                if notice:
+                    await view.add_notice(notice)
+
+    async def on_prompt_input_submitted(self, msg: PromptInput.Submitted) -> None:
+        if not self.ready:
+            self.notify("The model is still loading.", severity="warning")
+            return
+        if self.busy:
+            self.notify("A reply is being written: wait, or press escape to stop it.",
+                        severity="warning")
+            return
+        self.prompt.remember(msg.text)
+        self.prompt.text = ""
+        self.conversation.messages.append({"role": "user", "content": msg.text})
+        self._save()
+        await self.view.add_user(msg.text)
+        await self._start_reply()
+
+    async def _start_reply(self) -> None:
+        assert self.info is not None
+        self._reply = await self.view.add_assistant(
+            title=f"{self.model_name} · {describe(self.device)}")
+        self._reply.start_stream()
+        self._stop.clear()
+        self.busy = True
+        self._reply_settings = replace(self.settings)
+        panel = self.stats_panel
+        panel.device_label = describe(self.device)
+        panel.set_phase("prefill")
+        self._jobs.put(Job(self.conversation.chat_messages(), self._reply_settings, self.device))
+
+    def _idle_or_warn(self) -> bool:
+        if not self.ready:
+            self.notify("The model is still loading.", severity="warning")
+            return False
+        if self.busy:
+            self.notify("A reply is being written: press escape to stop it first.",
+                        severity="warning")
+            return False
+        return True
+
+    # ---- actions ---------------------------------------------------------------------------
+    def action_stop(self) -> None:
+        if self.busy:
+            self._stop.set()
+
+    def action_toggle_device(self) -> None:
+        target = "cpu" if self.device == "gpu" else "gpu"
+        if target == "gpu" and not gpu_available():
+            self.notify("No GPU is available to MLX on this machine (CPU-only MLX build): "
+                        "replies keep running on the CPU.", title="Device", severity="warning")
+            return
+        self.device = target
+        self.stats_panel.device_label = describe(target)
+        when = "the next reply" if self.busy else "replies"
+        self.notify(f"{when.capitalize()} will run on the {describe(target)}.", title="Device")
+
+    async def action_new_chat(self) -> None:
+        if not self._idle_or_warn():
+            return
+        self.conversation = self._new_conversation()
+        await self.view.clear()
+        self.stats_panel.set_phase("idle")
+        self.notify("New conversation.")
+
+    async def action_regenerate(self) -> None:
+        if not self._idle_or_warn():
+            return
+        msgs = self.conversation.messages
+        if msgs and msgs[-1]["role"] == "assistant":
+            msgs.pop()
+            await self.view.remove_last_reply()
+        if not msgs or msgs[-1]["role"] != "user":
+            self.notify("Nothing to regenerate yet.", severity="warning")
+            return
+        self._save()
+        await self._start_reply()
+
+    def action_open_chat(self) -> None:
+        if not self._idle_or_warn():
+            return
+        convs, errors = self.store.list()
+        for e in errors:
+            self.notify(e, title="Corrupt conversation file skipped", severity="error",
+                        timeout=10)
+        self.push_screen(OpenScreen(convs), self._open_conversation)
+
+    async def _open_conversation(self, conv_id: str | None) -> None:
+        if not conv_id:
+            return
+        try:
+            conv = self.store.load(conv_id)
+        except PocketError as e:
+            self.notify(str(e), severity="error")
+            return
+        self.conversation = conv
+        try:
+            settings = Settings.from_dict(conv.settings)
+            settings.validate()
+            self.settings = settings
+        except (ValueError, TypeError, PocketError):
+            self.notify("The saved settings are invalid; keeping the current ones.",
+                        severity="warning")
+        await self._show_conversation()
+        self.notify(f"Opened conversation {conv.id}.")
+
+    def action_settings(self) -> None:
+        self.push_screen(SettingsScreen(self.settings), self._apply_settings)
+
+    def _apply_settings(self, settings: Settings | None) -> None:
+        if settings is None:
+            return
+        changed_system = settings.system != self.settings.system
+        self.settings = settings
+        self._save()
+        extra = " The system prompt changed: the next reply re-reads the conversation." \
+            if changed_system and self.conversation.messages else ""
+        self.notify("Settings saved." + extra, title="Settings")
+
+    def action_help(self) -> None:
+        keys = [(b.key, b.description) for b in self.BINDINGS if isinstance(b, Binding)]
+        keys.append(("ctrl+p", "command palette"))
+        self.push_screen(HelpScreen(keys))
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Stop generation", "Stop the reply, keep what was written",
+                            self.action_stop)
+        yield SystemCommand("Switch device", "GPU <-> CPU for the next reply",
+                            self.action_toggle_device)
+        yield SystemCommand("New conversation", "Start over", self.action_new_chat)
+        yield SystemCommand("Regenerate", "Write the last reply again", self.action_regenerate)
+        yield SystemCommand("Open conversation", "Load a saved conversation",
+                            self.action_open_chat)
+        yield SystemCommand("Settings", "System prompt, temperature, top-p, max tokens",
+                            self.action_settings)
+        yield SystemCommand("Keys", "Show every key", self.action_help)
+
