@@ -44,7 +44,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     ap.add_argument("--tiny", default="-p 512 -n 128 -r 3", help="bench flags for tiny")
-    ap.add_argument("--big", default="-p 32 -n 8 -r 2",
+    ap.add_argument("--big", default="-p 16 -n 8 -r 2",
                     help="bench flags for pocket-35b-e128 on the CPU")
     ap.add_argument("--big-gpu", default="-p 512 -n 128 -r 3",
                     help="bench flags for pocket-35b-e128 on the GPU")
