@@ -1,0 +1,248 @@
+"""Convert the bundled model with every recipe and several pruning settings; write docs/QUALITY.md.
+
+Perplexity is measured like `pocket-mlx eval-ppl` (float32 activations on the CPU, 512-token
+windows) on an evenly spaced sample of windows of each validation file in assets/text/, the same
+windows for every build, so builds compare pairwise. Results are cached in a JSON file, so an
+interrupted run resumes where it stopped.
+
+    python scripts/quality_report.py [--windows 4] [--calib-tokens 8192] [--cache FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pocket_mlx.calibrate import read_documents, token_stream, windows  # noqa: E402
+from pocket_mlx.convert import ConvertOptions, calibrate, convert  # noqa: E402
+from pocket_mlx.loader import load_model, read_config  # noqa: E402
+from pocket_mlx.perplexity import perplexity  # noqa: E402
+from pocket_mlx.prune import ExpertStats  # noqa: E402
+from pocket_mlx.recipes import load_recipe  # noqa: E402
+from pocket_mlx.tokenizer import load_tokenizer  # noqa: E402
+
+SRC = ROOT / "assets" / "pocket-tiny"
+TEXT = ROOT / "assets" / "text"
+DOMAINS = ("en", "zh", "code")
+WINDOW = 512
+
+
+def sample_ids(tokenizer, domain: str, n_windows: int) -> list[int]:
+    """`n_windows` full windows spread evenly over the validation file, concatenated."""
+    ids = token_stream(read_documents(TEXT / f"{domain}.val.txt"), tokenizer)
+    full = [w for w in windows(ids, WINDOW) if len(w) == WINDOW]
+    pick = np.linspace(0, len(full) - 1, min(n_windows, len(full))).round().astype(int)
+    return [t for i in sorted(set(pick.tolist())) for t in full[i]]
+
+
+def merged(parts: list[ExpertStats]) -> ExpertStats:
+    out = ExpertStats(parts[0].num_layers, parts[0].num_experts)
+    for p in parts:
+        out.freq += p.freq
+        out.reap_sum += p.reap_sum
+        out.tokens += p.tokens
+    return out
+
+
+class Report:
+    def __init__(self, cache: Path, n_windows: int, calib_tokens: int):
+        self.cache_path = cache
+        self.cache = json.loads(cache.read_text()) if cache.exists() else {}
+        self.tokenizer = load_tokenizer(SRC)
+        self.config = read_config(SRC)
+        self.ids = {d: sample_ids(self.tokenizer, d, n_windows) for d in DOMAINS}
+        self.calib_tokens = calib_tokens
+        self._stats: dict[str, tuple[ExpertStats, list[dict]]] = {}
+        self.tmp = Path(tempfile.mkdtemp(prefix="pocket-quality-"))
+
+    def save(self) -> None:
+        self.cache_path.write_text(json.dumps(self.cache, indent=1))
+
+    def stats(self, calib: tuple[str, ...]) -> tuple[ExpertStats, list[dict]]:
+        for d in calib:
+            if d not in self._stats:
+                t = time.perf_counter()
+                self._stats[d] = calibrate(SRC, self.config, [TEXT / f"{d}.calib.txt"], WINDOW,
+                                           self.calib_tokens, progress=False)
+                print(f"  calibrated on {d} in {time.perf_counter() - t:.0f} s", flush=True)
+        parts = [self._stats[d] for d in calib]
+        return merged([p[0] for p in parts]), [i for p in parts for i in p[1]]
+
+    def build(self, key: str, recipe: str, prune: int | None = None,
+              calib: tuple[str, ...] = (), criterion: str = "reap-sum", seed: int = 0,
+              domains: tuple[str, ...] = DOMAINS) -> dict:
+        """Convert, measure perplexity on `domains`, cache the row under `key`."""
+        row = self.cache.get(key, {})
+        if row and all(d in row.get("ppl", {}) for d in domains):
+            return row
+        print(f"{key}: converting", flush=True)
+        out = self.tmp / key
+        stats, infos = (self.stats(calib) if calib and prune else (None, None))
+        opts = ConvertOptions(recipe=load_recipe(recipe), prune_to=prune,
+                              calib=[TEXT / f"{d}.calib.txt" for d in calib] if prune else [],
+                              criterion=criterion, seed=seed, force=True, progress=False)
+        info = convert(str(SRC), out, opts, log=lambda m: None, stats=stats,
+                       calib_info=infos).info
+        model = load_model(out, dtype="float32")
+        row = {"recipe": recipe, "prune": prune, "calib": list(calib), "criterion": criterion,
+               "seed": seed, **{k: info["stats"][k] for k in
+                                ("bits_per_weight", "bytes_per_token", "size_on_disk")},
+               "ppl": dict(row.get("ppl", {}))}
+        for d in domains:
+            if d in row["ppl"]:
+                continue
+            r = perplexity(model, self.ids[d], WINDOW)
+            row["ppl"][d] = round(r.ppl, 3)
+            row.setdefault("tokens", {})[d] = r.tokens
+            print(f"  {d}: ppl {r.ppl:.2f} ({r.tokens} tokens, {r.seconds:.0f} s)", flush=True)
+        del model
+        mx.clear_cache()
+        self.cache[key] = row
+        self.save()
+        return row
+
+
+def fmt_row(name: str, r: dict, base: dict | None = None, size: bool = True) -> str:
+    cells = [name]
+    if size:
+        cells += [f"{r['bits_per_weight']:.2f}", f"{r['bytes_per_token'] / 1e6:.2f}",
+                  f"{r['size_on_disk'] / 1e6:.1f}"]
+    for d in DOMAINS:
+        p = r["ppl"].get(d)
+        if p is None:
+            cells.append("")
+        elif base:
+            cells.append(f"{p:.2f} ({p / base['ppl'][d]:.2f}x)")
+        else:
+            cells.append(f"{p:.2f}")
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--windows", type=int, default=4, help="512-token windows per domain")
+    ap.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens/domain")
+    ap.add_argument("--cache", type=Path, default=ROOT / "build" / "quality_cache.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "QUALITY.md")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip")
+    a = ap.parse_args()
+    a.cache.parent.mkdir(parents=True, exist_ok=True)
+    rep = Report(a.cache, a.windows, a.calib_tokens)
+    skip = set(filter(None, a.skip.split(",")))
+    t0 = time.perf_counter()
+
+    recipes = ["bf16", "uniform-8", "uniform-6", "uniform-4", "uniform-3", "uniform-2",
+               "pocket-3bit", "pocket-2bit"]
+    rows = {r: rep.build(r, r) for r in recipes}
+    base = rows["bf16"]
+    calibs = {"en": ("en",), "zh": ("zh",), "code": ("code",), "en+zh+code": DOMAINS}
+    pruned = {}
+    if "prune" not in skip:
+        for name, c in calibs.items():
+            pruned[name] = rep.build(f"p16-{name}", "bf16", 16, c)
+        for s in range(3):
+            pruned[f"random seed {s}"] = rep.build(f"p16-random{s}", "bf16", 16, (),
+                                                   "random", s)
+    crit = {}
+    if "criteria" not in skip:
+        for d in DOMAINS:
+            for c in ("reap", "frequency"):
+                crit[(d, c)] = rep.build(f"p16-{d}-{c}", "bf16", 16, (d,), c, domains=(d,))
+    combined = {}
+    if "combined" not in skip:
+        for k in (24, 16):
+            for r in ("pocket-3bit", "pocket-2bit"):
+                combined[(k, r)] = rep.build(f"p{k}-all-{r}", r, k, DOMAINS)
+    write_report(a, rows, base, pruned, crit, combined, time.perf_counter() - t0, rep)
+    return 0
+
+
+def write_report(a, rows, base, pruned, crit, combined, seconds, rep) -> None:
+    toks = {d: len(rep.ids[d]) for d in DOMAINS}
+    L = ["# Quality of converted builds (pocket-tiny)", "",
+         "Generated by `python scripts/quality_report.py "
+         f"--windows {a.windows} --calib-tokens {a.calib_tokens}` "
+         "(do not edit by hand). Source: `assets/pocket-tiny` (bf16, 32 experts, top-4).", "",
+         "Perplexity as `pocket-mlx eval-ppl` computes it: float32 activations on the CPU, "
+         f"{WINDOW}-token non-overlapping windows; here on {a.windows} windows spread evenly over "
+         "each validation file in `assets/text/` "
+         f"({', '.join(f'{d} {t} tokens' for d, t in toks.items())}), the same windows for every "
+         "build. Absolute values differ from whole-file numbers; ratios are what matter. "
+         "Bits per weight: all stored bytes x 8 / parameters (scales and biases included). "
+         "MB per token: weights read per decoded token (top-k experts, one embedding row).", "",
+         "## Recipes (no pruning)", "",
+         "| build | bits/weight | MB/token | size MB | en | zh | code |",
+         "|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        L.append(fmt_row(name, r, None if name == "bf16" else base))
+    checks = []
+
+    def check(ok: bool, text: str) -> None:
+        checks.append(f"- {'PASS' if ok else 'FAIL'}: {text}")
+
+    p2, u2 = rows["pocket-2bit"], rows["uniform-2"]
+    check(all(p2["ppl"][d] <= 1.2 * base["ppl"][d] for d in DOMAINS),
+          "pocket-2bit within 1.2x of bf16 on en, zh, code")
+    check(all(u2["ppl"][d] >= 2 * base["ppl"][d] for d in DOMAINS),
+          "uniform-2 at least 2x worse than bf16 on en, zh, code")
+    if pruned:
+        L += ["", "## Pruning 32 -> 16 experts per layer (bf16 weights, REAP-sum)", "",
+              f"Calibration: {a.calib_tokens} tokens per domain from `assets/text/*.calib.txt`. "
+              "Random: 16 experts drawn per layer (`--criterion random --seed S`).", "",
+              "| calibration | bits/weight | MB/token | size MB | en | zh | code |",
+              "|---|---|---|---|---|---|---|",
+              fmt_row("none (32 experts)", base)]
+        for name, r in pruned.items():
+            L.append(fmt_row(name, r, base))
+        rnd = [pruned[f"random seed {s}"] for s in range(3)]
+        avg = {d: float(np.mean([r["ppl"][d] for r in rnd])) for d in DOMAINS}
+        L.append("| random, mean of 3 seeds | | | | "
+                 + " | ".join(f"{avg[d]:.2f} ({avg[d] / base['ppl'][d]:.2f}x)" for d in DOMAINS)
+                 + " |")
+        for d in DOMAINS:
+            own = pruned[d]["ppl"][d]
+            others = [pruned[n]["ppl"][d] for n in ("en", "zh", "code", "en+zh+code") if n != d]
+            check(own <= min(others), f"{d}: calibrating on {d} gives the best {d} perplexity "
+                  f"({own:.2f} vs {', '.join(f'{o:.2f}' for o in others)})")
+            check(own <= 1.3 * base["ppl"][d],
+                  f"{d}: own-domain pruning within 1.3x of unpruned ({own / base['ppl'][d]:.2f}x)")
+            check(own < avg[d], f"{d}: own-domain pruning beats random experts "
+                  f"({own:.2f} vs {avg[d]:.2f})")
+    if crit:
+        L += ["", "## Pruning criterion (32 -> 16, own-domain calibration)", "",
+              "| criterion | en | zh | code |", "|---|---|---|---|"]
+        for c in ("reap-sum", "reap", "frequency"):
+            cells = []
+            for d in DOMAINS:
+                r = pruned[d] if c == "reap-sum" else crit[(d, c)]
+                cells.append(f"{r['ppl'][d]:.2f}")
+            L.append(f"| {c} | " + " | ".join(cells) + " |")
+        wins = sum(pruned[d]["ppl"][d] <= min(crit[(d, c)]["ppl"][d] for c in ("reap", "frequency"))
+                   for d in DOMAINS)
+        L += ["", f"REAP-sum is best in {wins} of 3 domains: it stays the default criterion."
+              if wins >= 2 else f"REAP-sum is best in only {wins} of 3 domains."]
+    if combined:
+        L += ["", "## Combined builds (pruned + mixed precision, calibrated on en+zh+code)", "",
+              "| build | bits/weight | MB/token | size MB | en | zh | code |",
+              "|---|---|---|---|---|---|---|", fmt_row("bf16, 32 experts", base)]
+        for (k, r), row in combined.items():
+            L.append(fmt_row(f"{k} experts, {r}", row, base))
+    L += ["", "## Checks", "", *checks, "",
+          f"Run time: {seconds / 60:.0f} min (results cached in `{a.cache.name}`).", ""]
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text("\n".join(L))
+    print("\n".join(L))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
