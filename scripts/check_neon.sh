@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Builds the plain C++ core (csrc/core) with its parity test program (test_core.cpp, which compares
+# against a scalar reference written inside the program) and runs it:
+#   1. natively (x86-64: AVX-512 / AVX2 / scalar paths the CPU supports; arm64: NEON + scalar),
+#   2. cross-compiled for arm64 with Debian's aarch64-linux-gnu-g++, under qemu-aarch64 (NEON).
+# Usage: scripts/check_neon.sh [native|neon|all]   (default: all)
+# Exit: 0 all ran and passed, 1 a build or a test failed, 77 a required tool is missing (skip).
+# Tools: apt-get install -y g++ g++-aarch64-linux-gnu qemu-user
+set -u
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+CORE="$ROOT/csrc/core"
+OUT="${QK_BUILD_DIR:-$ROOT/build/check_core}"
+WHAT="${1:-all}"
+mkdir -p "$OUT"
+SRCS=("$CORE/qkernels.cpp" "$CORE/qk_avx512.cpp" "$CORE/qk_avx2.cpp" "$CORE/qk_neon.cpp"
+      "$CORE/test_core.cpp")
+FLAGS=(-O2 -std=c++17 -ffp-contract=fast -Wall -Wno-psabi -Wno-maybe-uninitialized -pthread
+       -I"$CORE")
+status=0
+
+native() {
+  local cxx="${CXX:-g++}"
+  if ! command -v "$cxx" >/dev/null 2>&1; then
+    echo "SKIP native: no C++ compiler ($cxx)"; return 77
+  fi
+  local arch=()
+  case "$(uname -m)" in x86_64|amd64) arch=(-march=x86-64-v2) ;; esac
+  echo "== native build ($(uname -m), $cxx ${arch[*]})"
+  "$cxx" "${FLAGS[@]}" "${arch[@]}" "${SRCS[@]}" -o "$OUT/test_core_native" || return 1
+  "$OUT/test_core_native" --quick || return 1
+}
+
+neon() {
+  local cxx="${AARCH64_CXX:-aarch64-linux-gnu-g++}"
+  if ! command -v "$cxx" >/dev/null 2>&1; then
+    echo "SKIP neon: $cxx not found (apt-get install -y g++-aarch64-linux-gnu)"; return 77
+  fi
+  if ! command -v qemu-aarch64 >/dev/null 2>&1; then
+    echo "SKIP neon: qemu-aarch64 not found (apt-get install -y qemu-user)"; return 77
+  fi
+  echo "== arm64 cross build ($cxx), run under qemu-aarch64"
+  "$cxx" "${FLAGS[@]}" -static "${SRCS[@]}" -o "$OUT/test_core_arm64" || return 1
+  QEMU_LD_PREFIX=/usr/aarch64-linux-gnu qemu-aarch64 "$OUT/test_core_arm64" --quick || return 1
+}
+
+run() {
+  "$1"; local rc=$?
+  if [ $rc -eq 77 ]; then
+    [ $status -eq 0 ] && status=77
+  elif [ $rc -ne 0 ]; then
+    echo "FAILED: $1"; status=1
+  fi
+}
+
+case "$WHAT" in
+  native) run native ;;
+  neon) run neon ;;
+  all) run native; run neon ;;
+  *) echo "usage: $0 [native|neon|all]"; exit 2 ;;
+esac
+exit $status
