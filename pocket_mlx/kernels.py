@@ -22,7 +22,11 @@ try:
     _import_error: str | None = None
 except ImportError as e:  # not built (no compiler at install time) or ABI mismatch
     _ext = None
-    _import_error = f"extension pocket_mlx._qkernels not available ({e})"
+    if "_qkernels" in str(e) and ("cannot import name" in str(e) or "No module named" in str(e)):
+        _import_error = ("C++ extension pocket_mlx._qkernels is not built (installing it needs a "
+                         "C++17 compiler and CMake; see the pip install log)")
+    else:
+        _import_error = f"C++ extension pocket_mlx._qkernels failed to load: {e}"
 
 _SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 _SUPPORTED_GROUPS = (32, 64, 128)
