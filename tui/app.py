@@ -202,16 +202,20 @@ class ChatApp(App[None]):
 
     async def on_reply_done(self, msg: ReplyDone) -> None:
         reply, self._reply = self._reply, None
-        self.busy = False
-        self.replies_done += 1
+        try:
+            if reply is not None:
+                await self._finish_reply(reply, msg)
+        finally:
+            self.busy = False
+            self.replies_done += 1
+
+    async def _finish_reply(self, reply: AssistantMessage, msg: ReplyDone) -> None:
         panel = self.stats_panel
-        if reply is None:
-            return
         if msg.text:
             await reply.write(msg.text)
         await reply.finish()
+        panel.set_phase("idle")
         if msg.error or msg.stats is None:
-            panel.set_phase("idle")
             await self.view.add_notice(f"■ error: {msg.error}", "error")
             self.notify(msg.error or "generation failed", title="Generation failed",
                         severity="error")
@@ -219,7 +223,6 @@ class ChatApp(App[None]):
                 await reply.remove()
             return
         panel.set_stats(msg.stats, msg.context)
-        panel.set_phase("idle")
         self.last_stats = msg.stats
         reason = msg.stats.finish_reason
         if reason == "cancelled" and not reply.text:

@@ -48,7 +48,7 @@ class Settings:
                    max_tokens=int(d.get("max_tokens", base.max_tokens)))
 
 
-_stream_owner: int | None = None
+_stream_owner: threading.Thread | None = None  # held, so never confused with a later thread
 
 
 def claim_device_streams() -> None:
@@ -61,8 +61,8 @@ def claim_device_streams() -> None:
     re-created here.
     """
     global _stream_owner
-    me = threading.get_ident()
-    if _stream_owner != me:
+    me = threading.current_thread()
+    if _stream_owner is not me:
         cached = getattr(devices, "_STREAMS", None)
         if isinstance(cached, dict):
             cached.clear()

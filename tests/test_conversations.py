@@ -1,0 +1,125 @@
+"""The conversation store: atomic saves, listing, corrupt files reported and left alone."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pocket_mlx.conversations import (
+    Conversation,
+    ConversationStore,
+    CorruptConversation,
+    data_dir,
+    new_id,
+)
+from pocket_mlx.errors import PocketError
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch) -> ConversationStore:
+    monkeypatch.setenv("POCKET_MLX_HOME", str(tmp_path / "home"))
+    return ConversationStore()
+
+
+def conv(**kw) -> Conversation:
+    c = Conversation(id=kw.pop("id", new_id()), model="assets/pocket-tiny",
+                     settings={"system": "", "temperature": 0.0, "top_p": 1.0, "max_tokens": 8})
+    c.messages = kw.pop("messages", [
+        {"role": "user", "content": "Tell me a fortune"},
+        {"role": "assistant", "content": "You will **win**.", "stats": {"generation_tokens": 4}},
+    ])
+    return c
+
+
+def test_data_dir_env_and_xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("POCKET_MLX_HOME", str(tmp_path / "x"))
+    assert data_dir() == tmp_path / "x"
+    monkeypatch.delenv("POCKET_MLX_HOME")
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert data_dir() == tmp_path / "xdg" / "pocket-mlx"
+    monkeypatch.delenv("XDG_DATA_HOME")
+    assert data_dir() == Path.home() / ".local" / "share" / "pocket-mlx"
+    monkeypatch.setattr("sys.platform", "darwin")
+    assert data_dir() == Path.home() / "Library" / "Application Support" / "pocket-mlx"
+
+
+def test_save_load_roundtrip(store):
+    c = conv()
+    path = store.save(c)
+    assert path == store.root / f"{c.id}.json" and path.parent.parent == data_dir()
+    back = store.load(c.id)
+    assert back.messages == c.messages and back.settings == c.settings
+    assert back.model == c.model and back.title == "Tell me a fortune"
+    assert back.chat_messages()[1] == {"role": "assistant", "content": "You will **win**."}
+    assert json.loads(path.read_text())["version"] == 1
+
+
+def test_save_is_atomic_and_leaves_no_temp_files(store, monkeypatch):
+    c = conv()
+    store.save(c)
+    before = (store.root / f"{c.id}.json").read_text()
+    c.messages.append({"role": "user", "content": "x" * 100})
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        store.save(c)
+    assert (store.root / f"{c.id}.json").read_text() == before  # old version intact
+    assert [p.name for p in store.root.iterdir()] == [f"{c.id}.json"]
+
+
+def test_list_newest_first_and_reports_corrupt(store):
+    a, b = conv(id="20260101-000000-aaaa"), conv(id="20260102-000000-bbbb")
+    store.save(a)
+    store.save(b)
+    a.messages.append({"role": "user", "content": "later"})
+    store.save(a)
+    bad = store.root / "20260103-000000-cccc.json"
+    bad.write_text("{truncated")
+    wrong = store.root / "20260104-000000-dddd.json"
+    wrong.write_text(json.dumps({"id": "someone-else", "messages": []}))
+    convs, errors = store.list()
+    assert [c.id for c in convs] == [a.id, b.id]
+    assert len(errors) == 2 and all("corrupt" in e or "holds id" in e for e in errors)
+    assert bad.read_text() == "{truncated"  # never deleted or rewritten
+    with pytest.raises(CorruptConversation):
+        store.load("20260103-000000-cccc")
+
+
+def test_unknown_and_invalid_ids(store):
+    assert store.list() == ([], [])
+    with pytest.raises(PocketError, match="no saved conversation"):
+        store.load("nope")
+    for bad in ("../etc/passwd", ".hidden", ""):
+        with pytest.raises(PocketError):
+            store.path_for(bad)
+
+
+@pytest.mark.parametrize("payload", [
+    [1, 2],
+    {"id": "x"} | {"messages": [{"role": "robot", "content": "hi"}]},
+    {"id": "x", "messages": [{"role": "user"}]},
+    {"id": "x", "settings": "hot"},
+])
+def test_malformed_is_corrupt(store, payload):
+    store.root.mkdir(parents=True)
+    (store.root / "x.json").write_text(json.dumps(payload))
+    with pytest.raises(CorruptConversation):
+        store.load("x")
+
+
+def test_settings_roundtrip_and_validation():
+    from pocket_mlx.tui.session import Settings
+
+    s = Settings(system="be brief", temperature=0.7, top_p=0.9, max_tokens=64)
+    assert Settings.from_dict(s.to_dict()) == s
+    assert Settings.from_dict({}) == Settings()
+    for bad in (Settings(temperature=-1), Settings(top_p=0), Settings(max_tokens=0)):
+        with pytest.raises(PocketError):
+            bad.validate()
