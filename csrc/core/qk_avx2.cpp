@@ -28,6 +28,12 @@ static inline __attribute__((always_inline)) auto qk_shuffle_load(const uint8_t*
 }
 
 #include "qk_simd.inc"
+
+static inline vi qk_dot8(vi acc, vu q, vu x) {
+  __m256i p = _mm256_maddubs_epi16((__m256i)q, (__m256i)x);
+  return acc + (vi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+#include "qk_fast.inc"
 #undef QK_W
 
 }  // namespace isa_avx2
@@ -38,7 +44,8 @@ static inline __attribute__((always_inline)) auto qk_shuffle_load(const uint8_t*
 namespace pqk {
 namespace detail {
 extern const IsaOps avx2_ops;
-const IsaOps avx2_ops = {"avx2", 8, &isa_avx2::rows_exact, nullptr, {}};
+const IsaOps avx2_ops = {"avx2", 8, &isa_avx2::rows_exact, &isa_avx2::rows_fast,
+                         {false, false, true, false, true, false, false, false, false}};
 }  // namespace detail
 }  // namespace pqk
 #endif

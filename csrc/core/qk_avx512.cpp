@@ -32,17 +32,43 @@ static inline __attribute__((always_inline)) auto qk_shuffle_load(const uint8_t*
 }
 
 #include "qk_simd.inc"
-#undef QK_W
+
+// u8 x s8 dot products without VNNI (AVX512BW): no saturation for 2/4-bit codes.
+static inline vi qk_dot8(vi acc, vu q, vu x) {
+  __m512i p = _mm512_maddubs_epi16((__m512i)q, (__m512i)x);
+  return acc + (vi)_mm512_madd_epi16(p, _mm512_set1_epi16(1));
+}
+#include "qk_fast.inc"
 
 }  // namespace isa_avx512
 }  // namespace pqk
 
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2,avx512vnni")
+namespace pqk {
+namespace isa_avx512 {
+namespace vnni {
+static inline vi qk_dot8(vi acc, vu q, vu x) {
+  return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)q, (__m512i)x);
+}
+#include "qk_fast.inc"
+}  // namespace vnni
+#undef QK_W
+}  // namespace isa_avx512
+}  // namespace pqk
+#pragma GCC pop_options
+
 namespace pqk {
 namespace detail {
 extern const IsaOps avx512_ops;
-const IsaOps avx512_ops = {"avx512", 16, &isa_avx512::rows_exact, nullptr, {}};
+extern const IsaOps avx512vnni_ops;
+// maddubs would saturate for 8-bit codes: FAST handles 2/4 bits without VNNI, 2/4/8 with it.
+const IsaOps avx512_ops = {"avx512", 16, &isa_avx512::rows_exact, &isa_avx512::rows_fast,
+                           {false, false, true, false, true, false, false, false, false}};
+const IsaOps avx512vnni_ops = {"avx512", 16, &isa_avx512::rows_exact, &isa_avx512::vnni::rows_fast,
+                               {false, false, true, false, true, false, false, false, true}};
 }  // namespace detail
 }  // namespace pqk
 #endif

@@ -2,6 +2,7 @@
 #include "qkernels.h"
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -26,6 +27,7 @@ namespace pqk {
 namespace detail {
 #if defined(__x86_64__) || defined(_M_X64)
 extern const IsaOps avx512_ops;
+extern const IsaOps avx512vnni_ops;
 extern const IsaOps avx2_ops;
 #endif
 #if defined(__aarch64__)
@@ -79,7 +81,7 @@ static const IsaOps* isa_by_name(const std::string& name) {
   if (name == "avx512") {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-      return &avx512_ops;
+      return __builtin_cpu_supports("avx512vnni") ? &avx512vnni_ops : &avx512_ops;
     return nullptr;
   }
   if (name == "avx2") {
@@ -278,6 +280,42 @@ static void prep_row(const void* x, DType xdt, int64_t off, int64_t K, int W, in
   std::memcpy(dst + nblk * BV, tmp + nblk * BV, (K - nblk * BV) * sizeof(float));
 }
 
+// FAST mode: x row -> int8 codes per group (ISA layout for 2/4/8-bit lanes), group scales and
+// exact float group sums.
+static void prep_row_fast(const float* src, int64_t K, int gs, int W, int bits, int8_t* tmpq,
+                          int8_t* dstq, float* xd, float* xsum) {
+  const int64_t G = K / gs;
+  for (int64_t g = 0; g < G; g++) {
+    const float* s = src + g * gs;
+    float amax = 0.f, sum = 0.f;
+    for (int i = 0; i < gs; i++) {
+      amax = std::max(amax, std::fabs(s[i]));
+      sum += s[i];
+    }
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    for (int i = 0; i < gs; i++) {
+      float v = std::nearbyint(s[i] * id);
+      v = std::min(127.f, std::max(-127.f, v));
+      tmpq[g * gs + i] = (int8_t)v;
+    }
+    xd[g] = d;
+    xsum[g] = sum;
+  }
+  const int T = vals_per_lane(bits);
+  const int S = T / 4;
+  const int64_t BV = (int64_t)W * T;
+  const int64_t nblk = W > 1 ? K / BV : 0;
+  for (int64_t b = 0; b < nblk; b++) {
+    const int8_t* s = tmpq + b * BV;
+    int8_t* d = dstq + b * BV;
+    for (int st = 0; st < S; st++)
+      for (int j = 0; j < W; j++)
+        for (int i = 0; i < 4; i++) d[st * W * 4 + j * 4 + i] = s[j * T + S * i + st];
+  }
+  std::memcpy(dstq + nblk * BV, tmpq + nblk * BV, K - nblk * BV);
+}
+
 }  // namespace detail
 
 using namespace detail;
@@ -391,14 +429,25 @@ void gather_qmm(const GatherProblem& p) {
   const int MRMAX = 8;
   // Activation rows prepared per pass (bounds the float32 buffer to ~32 MB).
   const int64_t chunk_rows = std::max<int64_t>(MRMAX, ((int64_t)8 << 20) / K / MRMAX * MRMAX);
-  std::vector<float> xbuf((size_t)std::min(total, chunk_rows) * K);
+  const bool fast = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[bits];
+  const int64_t crow = std::min(total, chunk_rows);
+  std::vector<float> xbuf(fast ? 0 : (size_t)crow * K);
+  std::vector<int8_t> xqbuf(fast ? (size_t)crow * K : 0), tmpq(fast ? K : 0);
+  std::vector<float> xdbuf(fast ? (size_t)crow * (G + 64) : 0), xsbuf(fast ? (size_t)crow * G : 0);
   std::vector<float> tmp(K);
 
   for (int64_t c0 = 0; c0 < total; c0 += chunk_rows) {
     const int64_t c1 = std::min(total, c0 + chunk_rows);
-    for (int64_t i = c0; i < c1; i++)
-      prep_row(p.x, p.xdt, p.xrow_off[order[i]], K, W, bits, tmp.data(),
-               xbuf.data() + (i - c0) * K);
+    for (int64_t i = c0; i < c1; i++) {
+      if (fast) {
+        convert_to_f32(p.x, p.xdt, p.xrow_off[order[i]], K, tmp.data());
+        prep_row_fast(tmp.data(), K, gs, W, bits, tmpq.data(), xqbuf.data() + (i - c0) * K,
+                      xdbuf.data() + (i - c0) * (G + 64), xsbuf.data() + (i - c0) * G);
+      } else {
+        prep_row(p.x, p.xdt, p.xrow_off[order[i]], K, W, bits, tmp.data(),
+                 xbuf.data() + (i - c0) * K);
+      }
+    }
 
     // Tasks: (segment part within [c0, c1), n range).
     struct Task {
@@ -424,8 +473,6 @@ void gather_qmm(const GatherProblem& p) {
       for (int64_t n0 = 0; n0 < N; n0 += nc)
         tasks.push_back({segs[s].first, r0, r1, n0, std::min(N, n0 + nc)});
     }
-    const bool fast = false;  // FAST mode kernels: see rows_fast (not yet wired)
-    (void)fast;
     auto fn = [&](int64_t ti) {
       const Task& t = tasks[ti];
       thread_local std::vector<float> scratch;
@@ -444,17 +491,33 @@ void gather_qmm(const GatherProblem& p) {
       a.gs = gs;
       a.scratch = scratch.data();
       const float* xps[MRMAX];
+      const int8_t* xqs[MRMAX];
+      const float* xds[MRMAX];
+      const float* xss[MRMAX];
       void* outs[MRMAX];
       for (int64_t r = t.r0; r < t.r1; r += MRMAX) {
         int mr = (int)std::min<int64_t>(MRMAX, t.r1 - r);
         for (int m = 0; m < mr; m++) {
-          xps[m] = xbuf.data() + (r + m - c0) * K;
+          const int64_t li = r + m - c0;
+          if (fast) {
+            xqs[m] = xqbuf.data() + li * K;
+            xds[m] = xdbuf.data() + li * (G + 64);
+            xss[m] = xsbuf.data() + li * G;
+          } else {
+            xps[m] = xbuf.data() + li * K;
+          }
           outs[m] = static_cast<uint8_t*>(p.out) + (size_t)order[r + m] * N * osz;
         }
         a.xp = xps;
+        a.xq = xqs;
+        a.xd = xds;
+        a.xsum = xss;
         a.out = outs;
         a.mr = mr;
-        ops->rows_exact(a);
+        if (fast)
+          ops->rows_fast(a);
+        else
+          ops->rows_exact(a);
       }
     };
     pl.run((int64_t)tasks.size(), fn, wbytes >= g_single_bytes.load());
