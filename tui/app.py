@@ -36,7 +36,7 @@ from .screens import HelpScreen, OpenScreen, SettingsScreen
 from .session import ChatSession, Settings, claim_device_streams
 from .stats_panel import StatsPanel
 
-CHUNK_S = 0.05  # the engine batches reply text into messages at most this often
+CHUNK_S = 0.1  # the engine batches reply text into messages at most this often (10 Hz)
 
 
 class Job(NamedTuple):
@@ -49,14 +49,16 @@ class ChatApp(App[None]):
     CSS_PATH = "chat.tcss"
     TITLE = "pocket-mlx chat"
     BINDINGS = [
-        Binding("escape", "stop", "Stop"),
-        Binding("ctrl+g", "toggle_device", "GPU/CPU"),
-        Binding("ctrl+n", "new_chat", "New"),
-        Binding("ctrl+r", "regenerate", "Regenerate"),
-        Binding("ctrl+o", "open_chat", "Open"),
-        Binding("ctrl+s", "settings", "Settings"),
-        Binding("f1", "help", "Help"),
-        Binding("ctrl+q", "quit", "Quit", priority=True),
+        Binding("escape", "stop", "Stop", tooltip="stop the reply, keep what was written"),
+        Binding("ctrl+g", "toggle_device", "GPU/CPU",
+                tooltip="switch GPU <-> CPU for the next reply (no reload)"),
+        Binding("ctrl+n", "new_chat", "New", tooltip="start a new conversation"),
+        Binding("ctrl+r", "regenerate", "Regenerate", tooltip="write the last reply again"),
+        Binding("ctrl+o", "open_chat", "Open", tooltip="open a saved conversation"),
+        Binding("ctrl+s", "settings", "Settings",
+                tooltip="system prompt, temperature, top-p, max tokens"),
+        Binding("f1", "help", "Help", tooltip="this list of keys"),
+        Binding("ctrl+q", "quit", "Quit", priority=True, tooltip="quit (everything is saved)"),
     ]
 
     def __init__(self, model: str | None = None, *, device: str = "cpu",
@@ -380,8 +382,9 @@ class ChatApp(App[None]):
         self.notify("Settings saved." + extra, title="Settings")
 
     def action_help(self) -> None:
-        keys = [(b.key, b.description) for b in self.BINDINGS if isinstance(b, Binding)]
-        keys.append(("ctrl+p", "command palette"))
+        keys = [(b.key, b.tooltip or b.description) for b in self.BINDINGS
+                if isinstance(b, Binding)]
+        keys.append(("ctrl+p", "command palette (every action by name)"))
         self.push_screen(HelpScreen(keys))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:

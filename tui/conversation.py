@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from markdown_it import MarkdownIt
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
@@ -27,11 +28,16 @@ class UserMessage(Static):
         self.border_title = "you"
 
 
+def _parser() -> MarkdownIt:
+    """GFM with line breaks kept: verses, poems and unfenced code are written line by line."""
+    return MarkdownIt("gfm-like", {"breaks": True})
+
+
 class AssistantMessage(Markdown):
     """A reply, rendered as Markdown; `stream` is set while tokens are arriving."""
 
     def __init__(self, text: str = "", title: str = "assistant") -> None:
-        super().__init__(text)
+        super().__init__(text, parser_factory=_parser)
         self.border_title = title
         self.stream: MarkdownStream | None = None
         self.text = text

@@ -111,5 +111,8 @@ def kernels_label() -> str:
         if data.get("active") is False or data.get("enabled") is False:
             return "MLX"
         isa = data.get("isa") or data.get("name") or data.get("backend")
-        return str(isa) if isa else "MLX"
+        if not isa:
+            return "MLX"
+        threads = data.get("threads")
+        return f"{isa} ×{threads}" if threads else str(isa)
     return "MLX"

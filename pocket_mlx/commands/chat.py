@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from .generate import add_model_args
 
@@ -48,4 +50,11 @@ def run(args) -> int:
     app = ChatApp(model, device=device, settings=settings, conversation=conv, store=store,
                   model_name=name)
     app.run()
-    return app.return_code or 0
+    code = app.return_code or 0
+    # Workaround: after MLX ran on a worker thread (the app's engine), the interpreter's exit
+    # often aborts in MLX's C++ teardown ("terminate called without an active exception",
+    # SIGABRT). Everything is saved (atomic writes) and the terminal restored by now, so leave
+    # without running the native destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
