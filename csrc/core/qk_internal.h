@@ -8,17 +8,21 @@
 
 #include "qkernels.h"
 
+// Always inlined: these run inside AVX/AVX-512 kernels; an out-of-line copy compiled for the
+// baseline (legacy SSE encoding) would pay SSE/AVX transition penalties on every call.
+#define QK_INLINE __attribute__((always_inline))
+
 namespace pqk {
 namespace detail {
 
-static inline float bf16_to_f32(uint16_t h) {
+static inline QK_INLINE float bf16_to_f32(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
 
-static inline float f16_to_f32(uint16_t h) {
+static inline QK_INLINE float f16_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1f;
   uint32_t man = h & 0x3ffu;
@@ -45,7 +49,7 @@ static inline float f16_to_f32(uint16_t h) {
   return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) {
+static inline QK_INLINE uint16_t f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // quiet NaN
@@ -53,7 +57,7 @@ static inline uint16_t f32_to_bf16(float f) {
   return (uint16_t)(u >> 16);
 }
 
-static inline uint16_t f32_to_f16(float f) {
+static inline QK_INLINE uint16_t f32_to_f16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   uint32_t sign = (u >> 16) & 0x8000u;
@@ -75,7 +79,7 @@ static inline uint16_t f32_to_f16(float f) {
   return (uint16_t)(sign | (r >> 13));
 }
 
-static inline float load_elem(const void* p, DType dt, int64_t i) {
+static inline QK_INLINE float load_elem(const void* p, DType dt, int64_t i) {
   switch (dt) {
     case F32:
       return static_cast<const float*>(p)[i];
@@ -86,7 +90,7 @@ static inline float load_elem(const void* p, DType dt, int64_t i) {
   }
 }
 
-static inline void store_elem(void* p, DType dt, int64_t i, float v) {
+static inline QK_INLINE void store_elem(void* p, DType dt, int64_t i, float v) {
   switch (dt) {
     case F32:
       static_cast<float*>(p)[i] = v;
@@ -100,7 +104,7 @@ static inline void store_elem(void* p, DType dt, int64_t i, float v) {
   }
 }
 
-static inline void convert_to_f32(const void* p, DType dt, int64_t off, int64_t n, float* dst) {
+static inline QK_INLINE void convert_to_f32(const void* p, DType dt, int64_t off, int64_t n, float* dst) {
   if (dt == F32) {
     std::memcpy(dst, static_cast<const float*>(p) + off, n * sizeof(float));
   } else if (dt == BF16) {
@@ -113,7 +117,7 @@ static inline void convert_to_f32(const void* p, DType dt, int64_t off, int64_t 
 }
 
 // Code q of value k in a row (bit stream). Never reads past the byte holding the last bit.
-static inline uint32_t get_q(const uint8_t* row, int64_t k, int bits) {
+static inline QK_INLINE uint32_t get_q(const uint8_t* row, int64_t k, int bits) {
   int64_t bit = k * bits;
   const uint8_t* p = row + (bit >> 3);
   int sh = (int)(bit & 7);
