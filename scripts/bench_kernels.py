@@ -101,10 +101,11 @@ def main():
         w, s, b = mx.quantize(W, 64, b_)
         mx.eval(w, s, b)
         xv = mx.random.normal((1, K))
-        report(name, qbytes(w, s, b),
-               timeit(lambda: kernels.quantized_matmul(xv, w, s, b, group_size=64, bits=b_), mt),
-               timeit(lambda: mx.quantized_matmul(xv, w, s, b, transpose=True, group_size=64,
-                                                  bits=b_), mt))
+        f_o = lambda xv=xv, w=w, s=s, b=b, b_=b_: kernels.quantized_matmul(  # noqa: E731
+            xv, w, s, b, group_size=64, bits=b_)
+        f_m = lambda xv=xv, w=w, s=s, b=b, b_=b_: mx.quantized_matmul(  # noqa: E731
+            xv, w, s, b, transpose=True, group_size=64, bits=b_)
+        report(name, qbytes(w, s, b), timeit(f_o, mt), timeit(f_m, mt))
 
     # --- prefill M=512 on the 4-bit 2048x4096 weight
     w, s, b = mx.quantize(W, 64, 4)
