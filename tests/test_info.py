@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pocket_mlx import chips, info
-from pocket_mlx.platform import FakePlatform
+from pocket_mlx.platform import CommandResult, FakePlatform
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
@@ -134,6 +134,30 @@ def test_chips():
     assert chips.chip_bandwidth("M4 Max", 12) == 546 and chips.chip_bandwidth("M4 Max", 10) == 410
     assert chips.chip_bandwidth("M3 Max") == 300
     assert chips.chip_bandwidth("M2 Ultra") == 800
+
+
+def _mac(brand: str, perf_cores: int, ram: int = 36 * GiB) -> FakePlatform:
+    ok = CommandResult
+    return FakePlatform(responses={
+        "uname -s": ok(0, "Darwin\n"), "sw_vers -productVersion": ok(0, "15.1\n"),
+        "sysctl hw.memsize": ok(0, f"hw.memsize: {ram}\n"),
+        "sysctl -n machdep.cpu.brand_string": ok(0, brand + "\n"),
+        "sysctl -n hw.perflevel0.physicalcpu": ok(0, f"{perf_cores}\n"),
+    })
+
+
+def test_mac_chip_detection_and_ceiling():
+    assert chips.detect(_mac("Apple M3 Pro", 6)) == ("M3 Pro", 150.0)
+    assert chips.detect(_mac("Apple M4 Max", 12)) == ("M4 Max", 546.0)
+    assert chips.detect(_Host(8 * GiB)) is None
+    d = info.describe("synthetic:pocket-35b-e128", context=4096,
+                      platform=_mac("Apple M3 Pro", 6))
+    assert d["bandwidth_source"] == "Apple M3 Pro (published spec)"
+    assert d["decode_ceiling_tps"] == pytest.approx(150e9 / d["bytes_per_token"])
+    assert d["ram_total_bytes"] == 36 * GiB and d["fits"] is True
+    # --bandwidth wins over the table.
+    d = info.describe("synthetic:tiny", bandwidth_gbps=50.0, platform=_mac("Apple M3 Pro", 6))
+    assert d["bandwidth_source"] == "--bandwidth" and d["bandwidth_gbps"] == 50.0
 
 
 def test_cli_info_json():
