@@ -2,7 +2,8 @@
 
 Why: the UI shares the process (and the GIL) with the decode loop; it may cost at most 10%.
 Runs `generate --json` in a subprocess and the TUI headless (Textual Pilot) in this process,
-alternating, and prints the medians and their ratio.
+alternating run by run (so load from other processes hits both alike), and prints medians, bests
+and their ratio. Exit code 1 when the TUI's median is more than 10% slower.
 
     python scripts/tui_overhead.py [--prompt "def main():"] [--max-tokens 200] [--runs 3]
 """
@@ -17,7 +18,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 
 def generate_tps(prompt: str, max_tokens: int, model: str | None) -> tuple[float, int]:
@@ -27,27 +27,28 @@ def generate_tps(prompt: str, max_tokens: int, model: str | None) -> tuple[float
     return out["generation_tps"], out["generation_tokens"]
 
 
-async def tui_tps(prompt: str, max_tokens: int, model: str | None, runs: int,
-                  size: tuple[int, int]) -> list[tuple[float, int]]:
+async def measure(prompt: str, max_tokens: int, model: str | None, runs: int,
+                  size: tuple[int, int]) -> tuple[list, list]:
+    """Alternate: one `generate --json` subprocess (the app idle), then one TUI reply."""
     from pocket_mlx.tui.app import ChatApp
     from pocket_mlx.tui.session import Settings
 
     app = ChatApp(model, device="cpu", settings=Settings(max_tokens=max_tokens))
-    results = []
+    gen, tui = [], []
     async with app.run_test(size=size) as pilot:
         while not app.ready:
             await pilot.pause(0.05)
         for _ in range(runs):
+            gen.append(await asyncio.to_thread(generate_tps, prompt, max_tokens, model))
             await app.action_new_chat()
             done = app.replies_done
             app.prompt.text = prompt
             await pilot.press("enter")
             while app.replies_done == done:
-                await pilot.pause(0.05)
-            # What the panel shows: the stats of the finished reply.
-            results.append((app.stats_panel.stats.generation_tps,
-                            app.stats_panel.stats.generation_tokens))
-    return results
+                await asyncio.sleep(0.25)  # not pilot.pause: keep the harness off the UI thread
+            shown = app.stats_panel.stats  # what the panel shows for the finished reply
+            tui.append((shown.generation_tps, shown.generation_tokens))
+    return gen, tui
 
 
 def main() -> int:
@@ -61,22 +62,19 @@ def main() -> int:
     os.environ.setdefault("POCKET_MLX_HOME", tempfile.mkdtemp(prefix="pocket-mlx-overhead-"))
     w, h = (int(x) for x in args.size.split("x"))
 
-    gen = []
-    for _ in range(args.runs):
-        gen.append(generate_tps(args.prompt, args.max_tokens, args.model))
-    t0 = time.perf_counter()
-    tui = asyncio.run(tui_tps(args.prompt, args.max_tokens, args.model, args.runs, (w, h)))
-    t_tui = time.perf_counter() - t0
-    g = statistics.median(t for t, _ in gen)
-    u = statistics.median(t for t, _ in tui)
-    print(f"generate --json : {g:.1f} tok/s  (runs: {', '.join(f'{t:.1f}' for t, _ in gen)}; "
-          f"tokens {gen[0][1]})")
-    print(f"chat TUI        : {u:.1f} tok/s  (runs: {', '.join(f'{t:.1f}' for t, _ in tui)}; "
-          f"tokens {tui[0][1]}; {t_tui:.1f} s incl. load)")
-    ratio = u / g
-    print(f"TUI / generate  : {ratio:.3f}  (UI overhead {100 * (1 - ratio):.1f}%, budget 10%)")
+    gen, tui = asyncio.run(measure(args.prompt, args.max_tokens, args.model, args.runs, (w, h)))
+    for name, res in (("generate --json", gen), ("chat TUI", tui)):
+        print(f"{name:<16}: median {statistics.median(t for t, _ in res):.1f} tok/s, "
+              f"best {max(t for t, _ in res):.1f}  (runs: {', '.join(f'{t:.1f}' for t, _ in res)};"
+              f" tokens {res[0][1]})")
+    ratio = statistics.median(t for t, _ in tui) / statistics.median(t for t, _ in gen)
+    best = max(t for t, _ in tui) / max(t for t, _ in gen)
+    print(f"TUI / generate  : {ratio:.3f} median, {best:.3f} best "
+          f"(UI overhead {100 * (1 - ratio):.1f}%, budget 10%)")
     return 0 if ratio >= 0.9 else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # skip MLX's native teardown after thread use (see pocket_mlx/commands/chat.py)

@@ -8,6 +8,7 @@ The UI sends it jobs through a queue and hears back only through messages (`even
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -36,7 +37,9 @@ from .screens import HelpScreen, OpenScreen, SettingsScreen
 from .session import ChatSession, Settings, claim_device_streams
 from .stats_panel import StatsPanel
 
-CHUNK_S = 0.1  # the engine batches reply text into messages at most this often (10 Hz)
+CHUNK_S = 0.2  # the engine batches reply text into messages at most this often (5 Hz): each
+# Markdown append re-lays out the screen, and that Python work competes with decode for the GIL.
+GIL_SWITCH_S = 0.001  # see on_mount
 
 
 class Job(NamedTuple):
@@ -109,6 +112,10 @@ class ChatApp(App[None]):
         return self.query_one(PromptInput)
 
     async def on_mount(self) -> None:
+        # The engine thread drops the GIL in every MLX eval and must get it back at once; with
+        # the default 5 ms switch interval a busy UI thread can make it wait that long each time.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_S))
         self.query_one(ModelHeader).show_loading(self.model_name)
         self.prompt.disabled = True
         panel = self.stats_panel
@@ -122,6 +129,9 @@ class ChatApp(App[None]):
             panel.wired = None
         await self._show_conversation()
         self._engine = self.engine()
+
+    def on_unmount(self) -> None:
+        sys.setswitchinterval(self._switch_interval)
 
     # ---- the engine thread -----------------------------------------------------------------
     @work(thread=True, exclusive=True, group="engine", name="engine", exit_on_error=True)
