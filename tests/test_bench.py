@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from pocket_mlx import bench, synthetic
 from pocket_mlx.accounting import weight_stats
@@ -146,10 +146,14 @@ def test_synthetic_checkpoint_loads_everywhere(tiny_ckpt):
     w = a[f"{p}.switch_mlp.gate_proj.weight"]
     assert w.shape == (16, 64, 128 * 2 // 32) and w.dtype == mx.uint32
     assert a[f"{p}.switch_mlp.gate_proj.scales"].shape == (16, 64, 2)
-    # Same weights, same logits; and they are finite and not degenerate.
+    # Same weights, same logits (in float32: bf16 rounding differs between MLX's kernels and
+    # ours, and a flipped top-k routing choice then amplifies it); finite, not degenerate.
+    ours, _ = load(tiny_ckpt, dtype="float32")
+    theirs.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating)
+                           else v, theirs.parameters()))
     x = mx.array([[1, 2, 3, 4, 5]])
     lo, lt = ours(x), theirs(x)
-    assert mx.allclose(lo.astype(mx.float32), lt.astype(mx.float32), atol=1e-2).item()
+    assert mx.allclose(lo, lt, atol=1e-3).item()
     assert mx.all(mx.isfinite(lo)).item() and lo.astype(mx.float32).std().item() > 1e-3
     # Reused, not rebuilt.
     stamp = (tiny_ckpt / "model.safetensors").stat().st_mtime_ns
