@@ -13,10 +13,11 @@ import time
 import pytest
 from pocket_mlx.tui.app import ChatApp
 from pocket_mlx.tui.conversation import AssistantMessage, Notice, UserMessage
-from pocket_mlx.tui.session import Settings
+from pocket_mlx.tui.session import ChatSession, Settings
 
 from pocket_mlx.conversations import ConversationStore
 from pocket_mlx.devices import gpu_available
+from pocket_mlx.loader import load
 
 LONG_PROMPT = "def main():"  # the bundled model writes code here without stopping
 
@@ -290,3 +291,50 @@ def test_resume_corrupt_id_exits_2_and_keeps_file(home):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "corrupt" in r.stderr
     assert json.loads((root / "broken.json").read_text())["messages"] == "oops"
+
+
+# ---- the engine's session, without the UI ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def session():
+    return ChatSession(*load())
+
+
+def reply(session, messages, settings=None, **kw):
+    text, last = "", None
+    for r, _ in session.generate(messages, settings or Settings(max_tokens=6), "cpu", **kw):
+        text += r.text
+        last = r
+    return text, last.stats
+
+
+def test_session_reuse_regenerate_and_edit(session):
+    session.reset()
+    turn1 = [{"role": "user", "content": "Tell me a fortune"}]
+    a, s1 = reply(session, turn1)
+    assert session.plan_kind == "fresh"
+    turn2 = turn1 + [{"role": "assistant", "content": a},
+                     {"role": "user", "content": "Another"}]
+    b, s2 = reply(session, turn2)
+    assert session.plan_kind == "cache" and s2.prompt_tokens < s1.prompt_tokens + 6
+    b2, s3 = reply(session, turn2)  # regenerate: rewind to the snapshot before turn 2
+    assert session.plan_kind == "snapshot" and b2 == b and s3.prompt_tokens == s2.prompt_tokens
+    full = len(session.conversation_ids(turn2, "Be kind."))
+    _, s4 = reply(session, turn2, Settings(max_tokens=6, system="Be kind."))  # an edit
+    assert session.plan_kind == "fresh" and s4.prompt_tokens == full
+
+
+def test_session_stop_during_prefill_rolls_back(session):
+    session.reset()
+    turn1 = [{"role": "user", "content": "Tell me a fortune"}]
+    a, _ = reply(session, turn1)
+    held = list(session.cache_tokens)
+    turn2 = turn1 + [{"role": "assistant", "content": a},
+                     {"role": "user", "content": "Another one, please"}]
+    _, s = reply(session, turn2, should_stop=lambda: True)
+    assert s.finish_reason == "cancelled" and s.generation_tokens == 0
+    assert session.cache_tokens == held  # back to the state before the cancelled turn
+    b, s2 = reply(session, turn2)
+    assert session.plan_kind == "cache" and b
+    session.reset()
+    assert reply(session, turn2)[0] == b  # same as from scratch

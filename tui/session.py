@@ -98,6 +98,7 @@ class ChatSession:
         self.cache: list | None = None
         self.cache_tokens: list[int] = []
         self._snap: tuple[list[int], list[tuple]] | None = None
+        self.plan_kind = ""  # how the last turn started: "cache" | "snapshot" | "fresh"
 
     @property
     def context_max(self) -> int:
@@ -145,6 +146,7 @@ class ChatSession:
         claim_device_streams()
         ids = self.conversation_ids(messages, settings.system)
         plan = self.plan(ids)
+        self.plan_kind = plan.reused
         from pocket_mlx.accounting import weight_stats
         from pocket_mlx.memory import wired_limit
 
