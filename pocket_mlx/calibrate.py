@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_unflatten
 
 from .errors import PocketError
 from .prune import ExpertStats
@@ -123,3 +124,97 @@ def collect_stats(model, chunks: list[list[int]], progress: bool = True) -> Expe
         layers[i] = None  # drop this layer's weights
         del layer
     return stats
+
+
+# ---- `--recipe auto`: spend a bit budget where it lowers the output error most -------------------
+AUTO_BITS = (2, 3, 4, 6)
+OVERHEAD = 0.5  # bits per weight of the bf16 scale and bias of a 64-group
+
+
+def _groups(model) -> dict[str, list[str]]:
+    """Per layer: routed experts, and the dense rest (attention or linear attention plus the
+    shared expert); then embeddings and lm_head. Routers and the shared-expert gate are not in
+    play (8 bits, tiny). Few groups keep the measurement cheap."""
+    groups: dict[str, list[str]] = {}
+    for path, m in model.named_modules():
+        if not hasattr(m, "to_quantized"):
+            continue
+        if path.endswith(("mlp.gate", "shared_expert_gate")):
+            continue
+        parts = path.split(".")
+        if "layers" in parts:
+            i = parts[parts.index("layers") + 1]
+            fam = "experts" if ".switch_mlp." in path else "dense"
+            key = f"layers.{i}.{fam}"
+        else:
+            key = parts[-1]
+        groups.setdefault(key, []).append(path)
+    return groups
+
+
+def _kl(base_logp: mx.array, logits: mx.array) -> float:
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return float((mx.exp(base_logp) * (base_logp - logp)).sum(-1).mean().item())
+
+
+def auto_recipe(model, chunks: list[list[int]], target_bpw: float, progress: bool = True):
+    """A Recipe for `model` at about `target_bpw` bits per weight: measure the KL divergence of
+    the logits when one group alone is quantized at each width, then upgrade greedily the
+    group with the best KL drop per extra bit until the budget is spent (KL assumed additive)."""
+    import mlx.nn as nn
+    from tqdm import tqdm
+
+    from .recipes import Recipe, Spec, glob_rule
+
+    x = mx.array([c for c in chunks if len(c) == len(chunks[0])], mx.int32)
+    base = model(x).astype(mx.float32)
+    base = base - mx.logsumexp(base, axis=-1, keepdims=True)
+    mx.eval(base)
+    groups = _groups(model)
+    modules = dict(model.named_modules())
+    size = {g: sum(modules[p].weight.size for p in ps) for g, ps in groups.items()}
+    kl: dict[tuple[str, int], float] = {}
+    todo = [(g, b) for g in groups for b in AUTO_BITS]
+    for g, b in tqdm(todo, desc="auto recipe", disable=not progress, leave=False):
+        paths = set(groups[g])
+        saved = [(p, modules[p]) for p in paths]
+        nn.quantize(model, 64, b, class_predicate=lambda p, m, s=paths: p in s)
+        kl[(g, b)] = _kl(base, model(x).astype(mx.float32))
+        model.update_modules(tree_unflatten(saved))
+    # Budget over the groups in play; routers and gates are added at 8.5 bits.
+    fixed = [p for p in modules if p.endswith(("mlp.gate", "shared_expert_gate"))]
+    fixed_bits = sum(modules[p].weight.size for p in fixed) * (8 + OVERHEAD)
+    total = sum(size.values()) + sum(modules[p].weight.size for p in fixed)
+    budget = target_bpw * total - fixed_bits
+    bits = {g: AUTO_BITS[0] for g in groups}
+    spent = sum(size[g] * (bits[g] + OVERHEAD) for g in groups)
+    if spent > budget:
+        from .errors import PocketError
+
+        lowest = (spent + fixed_bits) / total
+        raise PocketError(f"--target-bpw {target_bpw:g} is below the lowest this recipe "
+                          f"reaches ({lowest:.2f})")
+    while True:
+        best = None
+        for g in groups:
+            i = AUTO_BITS.index(bits[g])
+            if i + 1 == len(AUTO_BITS):
+                continue
+            nb = AUTO_BITS[i + 1]
+            cost = size[g] * (nb - bits[g])
+            if spent + cost > budget:
+                continue
+            gain = (kl[(g, bits[g])] - kl[(g, nb)]) / cost
+            if best is None or gain > best[0]:
+                best = (gain, g, nb, cost)
+        if best is None or best[0] <= 0:
+            break
+        _, g, nb, cost = best
+        bits[g] = nb
+        spent += cost
+    rules = [glob_rule("*.mlp.gate", Spec(8)), glob_rule("*.shared_expert_gate", Spec(8))]
+    for g, ps in groups.items():
+        rules += [glob_rule(p, Spec(bits[g])) for p in ps]
+    recipe = Recipe(f"auto-{target_bpw:g}", rules, default=Spec(4))
+    return recipe, {g: {"bits": bits[g], "kl": {b: round(kl[(g, b)], 5) for b in AUTO_BITS}}
+                    for g in groups}

@@ -43,7 +43,8 @@ _ST_DTYPES = {
 
 @dataclass
 class ConvertOptions:
-    recipe: Recipe
+    recipe: Recipe | None  # None with auto_bpw: measured on the calibration text
+    auto_bpw: float | None = None
     prune_to: int | None = None
     calib: list[Path] = field(default_factory=list)
     criterion: str = "reap-sum"
@@ -257,6 +258,20 @@ def calibrate(path: Path, config: dict, files: list[Path], window: int, max_toke
     return stats, [i.as_dict() for i in infos]
 
 
+def auto_for(path: Path, config: dict, opts: ConvertOptions) -> tuple[Recipe, dict]:
+    """Measure per-group quantization sensitivity on (at most 256 tokens of) the calibration
+    text and build a recipe for `opts.auto_bpw`. Loads the whole model: small models only."""
+    from .calibrate import auto_recipe, calibration_windows
+    from .tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path, config)
+    per_file = max(2, min(opts.calib_tokens, 256 // len(opts.calib)))
+    chunks, _ = calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)
+    dtype = "float32" if mx.default_device() == mx.cpu else None
+    model = load_model(path, config, dtype=dtype)
+    return auto_recipe(model, chunks, opts.auto_bpw, opts.progress)
+
+
 def convert(src: str, out: Path, opts: ConvertOptions,
             log: Callable[[str], None] = print,
             stats: ExpertStats | None = None, calib_info: list[dict] | None = None
@@ -279,9 +294,14 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         if opts.criterion != "random" and not opts.calib and stats is None:
             raise PocketError(f"--prune-to with criterion {opts.criterion} needs calibration "
                               "text: --calib FILE")
-    elif opts.calib:
-        raise PocketError("--calib is used only with --prune-to")
+    elif opts.calib and opts.auto_bpw is None:
+        raise PocketError("--calib is used only with --prune-to or --recipe auto")
+    if opts.auto_bpw is not None and not opts.calib:
+        raise PocketError("--recipe auto needs calibration text: --calib FILE")
     _check_out(out, opts.force)
+    auto = None
+    if opts.auto_bpw is not None:
+        opts.recipe, auto = auto_for(path, config, opts)
     if opts.prune_to is not None:
         if stats is None and opts.criterion != "random":
             for f in opts.calib:  # fail before the slow part
@@ -312,6 +332,8 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         copy_tokenizer(path, tmp)
         info = _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args,
                             calib_info, stats)
+        if auto is not None:
+            info["auto"] = {"target_bpw": opts.auto_bpw, "groups": auto}
         info["seconds"] = round(time.perf_counter() - t0, 1)
         (tmp / "pocket.json").write_text(json.dumps(info, indent=2))
     return ConvertResult(out, info)

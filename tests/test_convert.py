@@ -183,6 +183,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, make_ckpt):
         "is empty": ["--prune-to", "4", "--calib", str(empty)],
         "does not exist": ["--prune-to", "4", "--calib", str(tmp_path / "nope.txt")],
         "needs calibration": ["--prune-to", "4"],
+        "needs --target-bpw": ["--recipe", "auto"],
+        "--recipe auto needs calibration": ["--recipe", "auto", "--target-bpw", "4"],
     }
     procs = {}
     for i, (msg, extra) in enumerate(cases.items()):
@@ -238,3 +240,17 @@ def test_killed_conversion_leaves_no_out(tmp_path, sig):
     if sig == signal.SIGTERM:
         assert p.returncode == 128 + signal.SIGTERM
         assert not list(tmp_path.glob(".out.tmp-*"))  # cleaned up on the way out
+
+
+def test_auto_recipe_meets_its_budget(tmp_path, make_ckpt):
+    src = make_ckpt("src", vocab_size=8192)
+    out = tmp_path / "auto"
+    calib = str(ROOT / "assets" / "text" / "en.calib.txt")
+    assert main(["convert", str(src), str(out), "--recipe", "auto", "--target-bpw", "4",
+                 "--calib", calib, "--calib-tokens", "128"]) == 0
+    info = json.loads((out / "pocket.json").read_text())
+    groups = info["auto"]["groups"]
+    assert {g["bits"] for g in groups.values()} <= {2, 3, 4, 6}
+    assert info["bits"]["router"] == [8]
+    assert 3.0 < info["stats"]["bits_per_weight"] <= 4.1  # budget (norms add a little)
+    assert np.isfinite(logits(load_model(out))).all()

@@ -21,7 +21,10 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="output folder (must not exist, unless --force)")
     p.add_argument("--recipe", default="pocket-2bit", metavar="NAME|FILE",
                    help="bf16, float, uniform-2|3|4|6|8, pocket-2bit, pocket-3bit, or a .toml "
-                        "recipe file (docs/RECIPES.md); default pocket-2bit")
+                        "recipe file (docs/RECIPES.md), or auto (with --target-bpw and --calib); "
+                        "default pocket-2bit")
+    p.add_argument("--target-bpw", type=float, default=None, metavar="B",
+                   help="with --recipe auto: average bits per weight to aim for")
     p.add_argument("--prune-to", type=int, default=None, metavar="K",
                    help="keep the K best experts per layer (needs --calib)")
     p.add_argument("--calib", action="append", default=[], metavar="FILE",
@@ -52,11 +55,18 @@ def run(args) -> int:
     from ..convert import ConvertOptions, convert, shard_bytes, summary
     from ..recipes import load_recipe
 
-    recipe = load_recipe(args.recipe)
+    auto = args.recipe == "auto"
+    if auto and args.target_bpw is None:
+        raise PocketError("--recipe auto needs --target-bpw B")
+    if args.target_bpw is not None and not auto:
+        raise PocketError("--target-bpw goes with --recipe auto")
+    if auto and not 2.5 <= args.target_bpw <= 16:
+        raise PocketError(f"--target-bpw {args.target_bpw:g}: must be between 2.5 and 16")
+    recipe = None if auto else load_recipe(args.recipe)
     if args.calib_tokens <= 1:
         raise PocketError(f"--calib-tokens must be > 1, got {args.calib_tokens}")
     opts = ConvertOptions(
-        recipe=recipe, prune_to=args.prune_to, calib=[Path(c) for c in args.calib],
+        recipe=recipe, auto_bpw=args.target_bpw, prune_to=args.prune_to, calib=[Path(c) for c in args.calib],
         criterion=args.criterion, seed=args.seed, dtype=args.dtype,
         shard_bytes=shard_bytes(args.shard_size_gb), calib_tokens=args.calib_tokens,
         force=args.force, progress=sys.stderr.isatty(),
