@@ -6,6 +6,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <cstring>
@@ -290,6 +291,73 @@ mx::array gather_qmm(const mx::array& x, const mx::array& w, const mx::array& sc
                    {x, w, scales, biases, indices});
 }
 
+// Gated delta rule over a sequence (Gated DeltaNet's recurrence), float32 in and out.
+// Inputs q, k, v, g, beta, state; outputs y [B, T, Hv, Dv] and the new state [B, Hv, Dv, Dk].
+class PocketGatedDelta : public mx::Primitive {
+ public:
+  explicit PocketGatedDelta(mx::Stream s) : mx::Primitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    mx::array& y = outputs[0];
+    mx::array& state = outputs[1];
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    // Update the state in place when nothing else holds the old one (the usual case: the cache
+    // already points at the new state), saving a copy of the whole state per token.
+    const mx::array& old = inputs[5];
+    const bool in_place = old.is_donatable() && old.flags().row_contiguous;
+    if (in_place) {
+      state.copy_shared_buffer(old);
+    } else {
+      state.set_data(mx::allocator::malloc(state.nbytes()));
+    }
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(y);
+    enc.set_output_array(state);
+    enc.dispatch([inputs, y, state, in_place]() mutable {
+      std::vector<std::vector<uint8_t>> tmp(6);
+      const float* p[6];
+      for (int i = 0; i < 5; i++) {
+        p[i] = static_cast<const float*>(contiguous_bytes(inputs[i], tmp[i]));
+      }
+      const mx::array& q = inputs[0];
+      const mx::array& v = inputs[2];
+      if (!in_place) {
+        std::memcpy(state.data<float>(), contiguous_bytes(inputs[5], tmp[5]), state.nbytes());
+      }
+      pqk::gated_delta(p[0], p[1], p[2], p[3], p[4], state.data<float>(), y.data<float>(),
+                       q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3));
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("pocket_mlx._qkernels.gated_delta runs on the CPU only");
+  }
+
+  const char* name() const override { return "PocketGatedDelta"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return dynamic_cast<const PocketGatedDelta*>(&other) != nullptr;
+  }
+};
+
+std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const mx::array& v,
+                                   const mx::array& g, const mx::array& beta,
+                                   const mx::array& state, mx::StreamOrDevice s) {
+  for (const auto* a : {&q, &k, &v, &g, &beta, &state}) {
+    if (a->dtype() != mx::float32)
+      throw std::invalid_argument("pocket_mlx._qkernels.gated_delta: inputs must be float32");
+  }
+  if (q.ndim() != 4 || k.shape() != q.shape() || v.ndim() != 4 || v.shape(0) != q.shape(0) ||
+      v.shape(1) != q.shape(1) || v.shape(2) % q.shape(2) != 0 ||
+      g.shape() != mx::Shape{q.shape(0), q.shape(1), v.shape(2)} || beta.shape() != g.shape() ||
+      state.shape() != mx::Shape{q.shape(0), v.shape(2), v.shape(3), q.shape(3)})
+    throw std::invalid_argument("pocket_mlx._qkernels.gated_delta: shape mismatch");
+  return mx::array::make_arrays({v.shape(), state.shape()}, {mx::float32, mx::float32},
+                                std::make_shared<PocketGatedDelta>(cpu_stream(s)),
+                                {q, k, v, g, beta, state});
+}
+
 }  // namespace
 
 NB_MODULE(_qkernels, m) {
@@ -303,6 +371,9 @@ NB_MODULE(_qkernels, m) {
         nb::arg("biases"), nb::arg("indices"), nb::kw_only(), nb::arg("group_size"),
         nb::arg("bits"), nb::arg("stream") = nb::none(),
         "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) on the CPU.");
+  m.def("gated_delta", &gated_delta, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"),
+        nb::arg("beta"), nb::arg("state"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "Gated delta rule over a sequence on the CPU: returns (y, new_state), float32.");
   m.def("set_threads", [](int n) { pqk::set_threads(n); }, nb::arg("n"));
   m.def("get_threads", []() { return pqk::get_threads(); });
   m.def("default_threads", []() { return pqk::default_threads(); });

@@ -105,6 +105,23 @@ def gather_qmm(x, w, scales, biases, indices, *, group_size: int, bits: int,
                          group_size=group_size, bits=bits, sorted_indices=sorted_indices)
 
 
+def gated_delta(q, k, v, g, beta, state):
+    """The gated delta rule over a sequence (see models/qwen3_5_moe.py) on the CPU, float32:
+    returns (y, new_state), or None when the extension cannot run it."""
+    if not enabled() or not hasattr(_ext, "gated_delta"):
+        return None
+    f32 = mx.float32
+    B, _, _, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), f32)
+    args = [mx.contiguous(a.astype(f32)) for a in (q, k, v, g, beta, state)]
+    try:
+        return tuple(_ext.gated_delta(*args))
+    except (ValueError, TypeError):
+        return None
+
+
 def set_threads(n: int | None) -> None:
     """Worker threads for the kernels (None or <= 0: physical cores)."""
     if _ext is not None:

@@ -27,6 +27,13 @@ def _on_cpu(stream) -> bool:
     return dev == mx.cpu
 
 
+def gated_delta(q, k, v, g, beta, state):
+    """The extension's gated-delta recurrence when running on the CPU, else None (the model
+    then uses its MLX form)."""
+    k_ = _cpu_kernels() if _on_cpu(None) else None
+    return k_.gated_delta(q, k, v, g, beta, state) if k_ is not None else None
+
+
 def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, stream=None):
     """x @ dequant(w).T in MLX's affine format."""
     k = _cpu_kernels() if _on_cpu(stream) else None

@@ -351,6 +351,10 @@ int default_threads() {
 }
 
 void set_threads(int n) { pool().resize(n <= 0 ? default_threads() : n); }
+
+void parallel_for(int64_t n, bool single, const std::function<void(int64_t)>& fn) {
+  pool().run(n, fn, !single);
+}
 int get_threads() { return pool().size(); }
 
 void set_mode(int mode) { g_mode.store(mode == MODE_FAST ? MODE_FAST : MODE_EXACT); }

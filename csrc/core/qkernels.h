@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 namespace pqk {
 
@@ -69,6 +70,16 @@ const char* best_isa();
 // Force an instruction set ("avx512", "avx2", "neon", "scalar", or "auto"). Returns false if the
 // CPU cannot run it (the setting is then unchanged).
 bool force_isa(const char* name);
+
+// Runs fn(0..n-1) on the thread pool (inline when `single` or the pool is busy).
+void parallel_for(int64_t n, bool single, const std::function<void(int64_t)>& fn);
+
+// Gated delta rule (Gated DeltaNet) over T tokens, all float32 and row-major contiguous:
+// q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g (decay, not its log), beta [B, T, Hv];
+// state [B, Hv, Dv, Dk] updated in place; y [B, T, Hv, Dv] written. Hv is a multiple of Hk.
+void gated_delta(const float* q, const float* k, const float* v, const float* g,
+                 const float* beta, float* state, float* y, int64_t B, int64_t T, int64_t Hk,
+                 int64_t Hv, int64_t Dk, int64_t Dv);
 
 // Calls whose weights are smaller than this run on the calling thread only.
 void set_single_thread_bytes(int64_t bytes);
