@@ -30,3 +30,35 @@ def test_chunked_equals_sequential(B, T, Hk, Hv, D, with_state):
     y2, s2 = gated_delta_chunked(q, k, v, log_g, beta, s0, chunk=32)
     np.testing.assert_allclose(np.array(y2), np.array(y1), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.array(s2), np.array(s1), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("B,T,Hk,Hv,Dk,Dv", [
+    (1, 1, 16, 32, 128, 128), (1, 37, 2, 4, 32, 32), (2, 5, 1, 3, 12, 20), (1, 300, 2, 2, 64, 16),
+])
+def test_cpu_kernel_equals_sequential_and_leaves_held_state_alone(B, T, Hk, Hv, Dk, Dv):
+    from pocket_mlx import kernels
+
+    if not kernels.enabled():
+        pytest.skip(f"C++ kernels not active: {kernels.info().get('reason')}")
+    rng = np.random.default_rng(Dk + T)
+
+    def arr(*shape, scale=1.0):
+        return mx.array((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    q, k, v = arr(B, T, Hk, Dk, scale=0.2), arr(B, T, Hk, Dk, scale=0.2), arr(B, T, Hv, Dv)
+    g = mx.array(rng.uniform(0.5, 1, (B, T, Hv)).astype(np.float32))
+    beta = mx.array(rng.uniform(0, 1, (B, T, Hv)).astype(np.float32))
+    s0 = arr(B, Hv, Dv, Dk, scale=0.1)
+    before = np.array(s0)
+    y1, s1 = gated_delta_sequential(q, k, v, g, beta, s0)
+    y2, s2 = kernels.gated_delta(q, k, v, g, beta, s0)
+    np.testing.assert_allclose(np.array(y2), np.array(y1), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(s2), np.array(s1), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.array(s0), before)  # held by us: not updated in place
+    # A chain of single steps, each state handed over (donated), gives the same end state.
+    s = mx.array(before)
+    for t in range(T):
+        _, s = kernels.gated_delta(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
+                                   beta[:, t:t + 1], s)
+        mx.eval(s)
+    np.testing.assert_allclose(np.array(s), np.array(s1), rtol=1e-4, atol=1e-5)
