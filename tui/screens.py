@@ -121,7 +121,8 @@ class OpenScreen(ModalScreen[str | None]):
     def _option(c: Conversation) -> Option:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))
         n = sum(1 for m in c.messages if m.get("role") == "assistant")
-        label = Text.assemble((when, "dim"), "  ", c.title, (f"  ({n} replies)", "dim"))
+        label = Text.assemble((when, "dim"), "  ", c.title,
+                              (f"  ({n} repl{'y' if n == 1 else 'ies'})", "dim"))
         return Option(label, id=c.id)
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:

@@ -112,10 +112,13 @@ class StatsPanel(Vertical):
         self._put("#details", rows(details))
 
     def _put(self, selector: str, text: Text) -> None:
-        """Update a Static only when its text changed: unchanged lines cost no re-layout."""
-        if self._shown.get(selector) != text.plain:
+        """Update a Static only when its text changed, and re-lay out the screen only when its
+        line count did: a layout pass is the UI's costliest step, and it competes with decode."""
+        old = self._shown.get(selector)
+        if old != text.plain:
             self._shown[selector] = text.plain
-            self.query_one(selector, Static).update(text)
+            relayout = old is None or old.count("\n") != text.plain.count("\n")
+            self.query_one(selector, Static).update(text, layout=relayout)
 
 
 def rows(pairs: list[tuple[str, str]], width: int = 10) -> Text:
