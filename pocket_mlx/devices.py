@@ -8,11 +8,15 @@ between two generations.
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 
 from .errors import PocketError
 
-_STREAMS: dict[str, mx.Stream] = {}
+# MLX streams belong to the thread that created them, so the cache is per thread (the chat app
+# generates on a worker thread, scripts on the main one).
+_LOCAL = threading.local()
 
 
 def gpu_available() -> bool:
@@ -60,9 +64,10 @@ def mx_device(name: str) -> mx.Device:
 def stream_for(name: str) -> mx.Stream:
     """The generation stream of a device, created once per device."""
     name = resolve_device(name)
-    if name not in _STREAMS:
-        _STREAMS[name] = mx.new_stream(mx_device(name))
-    return _STREAMS[name]
+    streams = _LOCAL.__dict__.setdefault("streams", {})
+    if name not in streams:
+        streams[name] = mx.new_stream(mx_device(name))
+    return streams[name]
 
 
 def describe(name: str) -> str:

@@ -143,11 +143,13 @@ def stream_generate(
     prefill_step: int = 512,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    warn: Callable[[str], object] | None = None,
     **sampling_kwargs,
 ) -> Iterator[Response]:
     """Yield `Response`s: text pieces as they decode, each with live stats; the last has
     `stats.finish_reason` set. Pass `cache` (from `model.make_cache()`) to continue a
-    conversation: only the new tokens are prefilled."""
+    conversation: only the new tokens are prefilled. `warn` receives one-off warnings (the
+    GPU memory one); default: stderr."""
     sampling = sampling or SamplingParams(**sampling_kwargs)
     sampling.validate()
     if max_tokens < 0:
@@ -175,8 +177,8 @@ def stream_generate(
     # On the GPU, wire the model's memory for the duration (restored when the generator ends).
     wired = ExitStack()
     if dev == "gpu":
-        wired.enter_context(wired_limit(weights.bytes_total, dev, streams=[stream],
-                                        warn=lambda m: print(m, file=sys.stderr)))
+        warn = warn or (lambda m: print(m, file=sys.stderr))
+        wired.enter_context(wired_limit(weights.bytes_total, dev, streams=[stream], warn=warn))
     with wired:
         yield from _run(model, tokenizer, ids, cache, stream, stats, sampler,
                         processors, stops, eos, max_tokens, limit - start_pos - len(ids),

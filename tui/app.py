@@ -34,7 +34,7 @@ from .header import ModelHeader
 from .model_info import ModelInfo, kernels_label, model_info
 from .prompt import PromptInput
 from .screens import HelpScreen, OpenScreen, SettingsScreen
-from .session import ChatSession, Settings, claim_device_streams
+from .session import ChatSession, Settings
 from .stats_panel import StatsPanel
 
 CHUNK_S = 0.2  # the engine batches reply text into messages at most this often (5 Hz): each
@@ -138,7 +138,6 @@ class ChatApp(App[None]):
     def engine(self) -> None:
         """Load the model, then serve generation jobs until the app closes."""
         worker = get_current_worker()
-        claim_device_streams()
         try:
             from pocket_mlx.loader import load
 

@@ -9,11 +9,9 @@ caches cannot, but their arrays are immutable, so keeping references is a snapsh
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from pocket_mlx import devices
 from pocket_mlx.errors import PocketError
 from pocket_mlx.generation import Response, SamplingParams, context_limit, stream_generate
 
@@ -46,27 +44,6 @@ class Settings:
                    temperature=float(d.get("temperature", base.temperature)),
                    top_p=float(d.get("top_p", base.top_p)),
                    max_tokens=int(d.get("max_tokens", base.max_tokens)))
-
-
-_stream_owner: threading.Thread | None = None  # held, so never confused with a later thread
-
-
-def claim_device_streams() -> None:
-    """Make `devices`' per-device streams usable from the calling thread.
-
-    Workaround: MLX streams belong to the thread that created them ("There is no Stream(cpu, 1)
-    in current thread"), but `devices.stream_for` caches one per device for the whole process.
-    The chat app runs all MLX work on one engine thread; when a new engine thread takes over
-    (a second app in the same process, as in tests) the cached streams are dropped so they are
-    re-created here.
-    """
-    global _stream_owner
-    me = threading.current_thread()
-    if _stream_owner is not me:
-        cached = getattr(devices, "_STREAMS", None)
-        if isinstance(cached, dict):
-            cached.clear()
-        _stream_owner = me
 
 
 def _capture(cache: list) -> list[tuple]:
@@ -143,29 +120,22 @@ class ChatSession:
     ) -> Iterator[tuple[Response, int]]:
         """Yield (response, tokens in context) for the reply to `messages`; `progress` gets
         (prompt tokens done, prompt tokens to do, tokens in context)."""
-        claim_device_streams()
         ids = self.conversation_ids(messages, settings.system)
         plan = self.plan(ids)
         self.plan_kind = plan.reused
-        from pocket_mlx.accounting import weight_stats
-        from pocket_mlx.memory import wired_limit
-
-        nbytes = weight_stats(self.model).bytes_total if device == "gpu" else 0
-        streams = [devices.stream_for(device)] if device == "gpu" else None
         prog = (lambda done, total: progress(done, total, plan.base + done)) if progress else None
         last = None
         try:
-            with wired_limit(nbytes, device, warn=warn, streams=streams):
-                for r in stream_generate(self.model, self.tokenizer, plan.feed,
-                                         max_tokens=settings.max_tokens,
-                                         sampling=settings.sampling(), device=device,
-                                         cache=self.cache, progress=prog,
-                                         should_stop=should_stop):
-                    last = r
-                    s = r.stats
-                    used = plan.base + (s.prefill_done if s.phase == "prefill"
-                                        else s.prompt_tokens + s.generation_tokens)
-                    yield r, used
+            for r in stream_generate(self.model, self.tokenizer, plan.feed,
+                                     max_tokens=settings.max_tokens,
+                                     sampling=settings.sampling(), device=device,
+                                     cache=self.cache, progress=prog,
+                                     should_stop=should_stop, warn=warn):
+                last = r
+                s = r.stats
+                used = plan.base + (s.prefill_done if s.phase == "prefill"
+                                    else s.prompt_tokens + s.generation_tokens)
+                yield r, used
         finally:
             self._settle(last)
 
