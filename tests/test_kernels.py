@@ -262,3 +262,74 @@ def test_fast_mode_close():
         o, r = np.array(out), np.array(ref)
         err = np.abs(o - r).max() / np.abs(r).max()
         assert err < 2e-2, f"fast mode bits={bits}: relative error {err:.3g}"
+
+
+def _int8_groups(x, gs):
+    """x as FAST mode sees it: int8 codes per group of gs (scale max|x|/127), dequantized."""
+    a = np.array(x.astype(mx.float32))
+    g = a.reshape(*a.shape[:-1], -1, gs)
+    d = (np.abs(g).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    v = np.clip(np.rint(g * inv), -127, 127)
+    return mx.array((v * d).reshape(a.shape).astype(np.float32))
+
+
+def _fast_ref(x, w, s, b, gs, bits, idx=None):
+    """FAST mode's exact result: sum s*q*x8 (int8 activations) + sum b*x (exact group sums)."""
+    xq = _int8_groups(x, gs)
+    zs = mx.zeros_like(s)
+    if idx is None:
+        return (_ref_qmm(xq, w, s, b, gs, bits) + _ref_qmm(x - xq, w, zs, b, gs, bits))
+    return (_ref_gather(xq, w, s, b, idx, gs, bits) + _ref_gather(x - xq, w, zs, b, idx, gs, bits))
+
+
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
+def test_fast_mode_shapes(isa):
+    """FAST on every ISA variant equals the int8-activation result computed by MLX: tails (K not a multiple of the SIMD block), all group sizes,
+    6-bit (VBMI or shift unpack), gathered decode with rows sharing activations, rows at the very
+    end of the weight buffer."""
+    if not kernels.set_isa(isa):
+        pytest.skip(f"{isa} not available")
+    try:
+        for bits, gs in itertools.product((2, 4, 6, 8), GROUPS):
+            for K in (gs * 3, 1024 + gs):
+                N = 37
+                w, s, b = _quantized((N, K), gs, bits, mx.float32)
+                x = _x((2, K), mx.float32)
+                # 8-bit FAST needs VNNI (maddubs would saturate): otherwise EXACT is used.
+                fast_here = bits != 8 or kernels.info()["isa"] == "avx512"
+                ref = np.array(_fast_ref(x, w, s, b, gs, bits) if fast_here
+                               else _ref_qmm(x, w, s, b, gs, bits))
+                kernels.set_mode("fast")
+                try:
+                    o = np.array(kernels.quantized_matmul(x, w, s, b, group_size=gs, bits=bits))
+                finally:
+                    kernels.set_mode("exact")
+                err = np.abs(o - ref).max() / np.abs(ref).max()
+                assert err < 1e-4, f"{isa} bits={bits} gs={gs} K={K}: {err:.3g}"
+            we, se, be = _quantized((5, N, K), gs, bits, mx.float32)
+            idx = mx.array([[[4, 0, 2, 4, 1]]], dtype=mx.uint32)
+            xg = _x((1, 1, 1, 1, K), mx.float32)
+            ref = np.array(_fast_ref(xg, we, se, be, gs, bits, idx) if fast_here
+                           else _ref_gather(xg, we, se, be, idx, gs, bits))
+            kernels.set_mode("fast")
+            try:
+                o = np.array(kernels.gather_qmm(xg, we, se, be, idx, group_size=gs, bits=bits))
+            finally:
+                kernels.set_mode("exact")
+            err = np.abs(o - ref).max() / np.abs(ref).max()
+            assert err < 1e-4, f"{isa} gathered bits={bits} gs={gs}: {err:.3g}"
+    finally:
+        kernels.set_isa("auto")
+
+
+def test_exact_shared_activation_rows():
+    """Gate/up-style gather: one token's activations used by k experts (prepared once)."""
+    for bits, gs in itertools.product(BITS, (32, 64)):
+        K, N = 256 + gs, 19
+        we, se, be = _quantized((6, N, K), gs, bits, mx.float32)
+        idx = mx.array([[[5, 1, 3, 5, 0, 2]], [[1, 1, 4, 0, 2, 3]]], dtype=mx.uint32)
+        xg = _x((2, 1, 1, 1, K), mx.float32)
+        out = kernels.gather_qmm(xg, we, se, be, idx, group_size=gs, bits=bits)
+        _check(out, _ref_gather(xg, we, se, be, idx, gs, bits), mx.float32,
+               f"shared rows bits={bits} gs={gs}")

@@ -55,6 +55,46 @@ static inline vi qk_dot8(vi acc, vu q, vu x) {
 }
 #include "qk_fast.inc"
 }  // namespace vnni
+}  // namespace isa_avx512
+}  // namespace pqk
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2,avx512vnni,avx512vbmi")
+namespace pqk {
+namespace isa_avx512 {
+namespace vbmi {
+struct Perm6 {
+  alignas(64) uint8_t c[64];
+  constexpr Perm6() : c{} {
+    for (int j = 0; j < 16; j++)
+      for (int i = 0; i < 4; i++) c[4 * j + i] = (uint8_t)(3 * j + i);
+  }
+};
+static constexpr Perm6 kPerm6{};
+// 6-bit block (48 bytes, 64 codes) -> lane j byte i = code 4j+i: vpermb gathers each lane's 3
+// bytes, vpmultishiftqb extracts the 6-bit fields, one AND clears the extra bits.
+#define QK_HAVE_UNPACK6
+static inline vu qk_unpack6(const uint8_t* p, const uint8_t* end) {
+  alignas(64) uint8_t tmp[64];
+  if (__builtin_expect(p + 64 > end, 0)) {
+    std::memcpy(tmp, p, 48);
+    std::memset(tmp + 48, 0, 16);
+    p = tmp;
+  }
+  __m512i v = _mm512_loadu_si512((const void*)p);
+  v = _mm512_permutexvar_epi8(_mm512_load_si512((const void*)kPerm6.c), v);
+  const long long ctl = (long long)(0ull | (6ull << 8) | (12ull << 16) | (18ull << 24) |
+                                    (32ull << 32) | (38ull << 40) | (44ull << 48) | (50ull << 56));
+  v = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(ctl), v);
+  return (vu)_mm512_and_si512(v, _mm512_set1_epi8(0x3F));
+}
+static inline vi qk_dot8(vi acc, vu q, vu x) {
+  return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)q, (__m512i)x);
+}
+#include "qk_fast.inc"
+#undef QK_HAVE_UNPACK6
+}  // namespace vbmi
 #undef QK_W
 }  // namespace isa_avx512
 }  // namespace pqk
@@ -64,11 +104,15 @@ namespace pqk {
 namespace detail {
 extern const IsaOps avx512_ops;
 extern const IsaOps avx512vnni_ops;
-// maddubs would saturate for 8-bit codes: FAST handles 2/4 bits without VNNI, 2/4/8 with it.
+extern const IsaOps avx512vbmi_ops;
+// maddubs would saturate for 8-bit codes: FAST handles 2/4/6 bits without VNNI, 2/4/6/8 with it
+// (6-bit: 63 * 127 * 2 < 32767).
 const IsaOps avx512_ops = {"avx512", 16, &isa_avx512::rows_exact, &isa_avx512::rows_fast,
-                           {false, false, true, false, true, false, false, false, false}};
+                           {false, false, true, false, true, false, true, false, false}};
 const IsaOps avx512vnni_ops = {"avx512", 16, &isa_avx512::rows_exact, &isa_avx512::vnni::rows_fast,
-                               {false, false, true, false, true, false, false, false, true}};
+                               {false, false, true, false, true, false, true, false, true}};
+const IsaOps avx512vbmi_ops = {"avx512", 16, &isa_avx512::rows_exact, &isa_avx512::vbmi::rows_fast,
+                               {false, false, true, false, true, false, true, false, true}};
 }  // namespace detail
 }  // namespace pqk
 #endif

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -28,6 +29,7 @@ namespace detail {
 #if defined(__x86_64__) || defined(_M_X64)
 extern const IsaOps avx512_ops;
 extern const IsaOps avx512vnni_ops;
+extern const IsaOps avx512vbmi_ops;
 extern const IsaOps avx2_ops;
 #endif
 #if defined(__aarch64__)
@@ -81,7 +83,10 @@ static const IsaOps* isa_by_name(const std::string& name) {
   if (name == "avx512") {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-      return __builtin_cpu_supports("avx512vnni") ? &avx512vnni_ops : &avx512_ops;
+    {
+      if (!__builtin_cpu_supports("avx512vnni")) return &avx512_ops;
+      return __builtin_cpu_supports("avx512vbmi") ? &avx512vbmi_ops : &avx512vnni_ops;
+    }
     return nullptr;
   }
   if (name == "avx2") {
@@ -106,6 +111,16 @@ static const IsaOps* detect_best() {
 static std::atomic<const IsaOps*> g_isa{nullptr};
 static std::atomic<int> g_mode{MODE_EXACT};
 static std::atomic<int64_t> g_single_bytes{256 * 1024};
+
+// Worker spin before sleeping, microseconds (POCKET_MLX_SPIN_US, default 50).
+static int spin_us() {
+  static const int v = [] {
+    const char* e = std::getenv("POCKET_MLX_SPIN_US");
+    int x = e ? std::atoi(e) : 50;
+    return x < 0 ? 0 : x;
+  }();
+  return v;
+}
 
 static const IsaOps* current_isa() {
   const IsaOps* o = g_isa.load(std::memory_order_acquire);
@@ -199,16 +214,19 @@ class Pool {
   void worker_loop() {
     uint64_t seen = gen_.load(std::memory_order_acquire);
     for (;;) {
-      // Spin briefly (decode calls come back-to-back), then sleep.
-      int spins = 0;
-      while (gen_.load(std::memory_order_acquire) == seen && !stop_flag_.load() &&
-             spins < 20000) {
+      // Spin briefly (decode calls come back-to-back), then sleep. Bounded by time, not by a
+      // count (PAUSE takes ~10-140 cycles depending on the core): on a 2-core machine a spinning
+      // worker steals the core the caller's graph needs between our calls.
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto limit = std::chrono::microseconds(spin_us());
+      for (int spins = 1; gen_.load(std::memory_order_acquire) == seen && !stop_flag_.load();
+           spins++) {
 #if defined(__x86_64__)
         __builtin_ia32_pause();
 #elif defined(__aarch64__)
         asm volatile("yield");
 #endif
-        spins++;
+        if ((spins & 31) == 0 && std::chrono::steady_clock::now() - t0 > limit) break;
       }
       std::shared_ptr<Job> job;
       {
@@ -260,14 +278,19 @@ static Pool& pool() {
 }
 
 // ---------------------------------------------------------------- activation preparation
-// x row (any dtype) -> float32 in the ISA layout.
-static void prep_row(const void* x, DType xdt, int64_t off, int64_t K, int W, int bits,
-                     float* tmp, float* dst) {
+// x row (any dtype) -> float32 in the ISA layout, plus exact float sums per group (bias term).
+static void prep_row(const void* x, DType xdt, int64_t off, int64_t K, int W, int bits, int gs,
+                     float* tmp, float* dst, float* xsum) {
+  convert_to_f32(x, xdt, off, K, tmp);
+  for (int64_t g = 0; g < K / gs; g++) {
+    float sum = 0.f;
+    for (int i = 0; i < gs; i++) sum += tmp[g * gs + i];
+    xsum[g] = sum;
+  }
   if (W <= 1) {
-    convert_to_f32(x, xdt, off, K, dst);
+    std::memcpy(dst, tmp, K * sizeof(float));
     return;
   }
-  convert_to_f32(x, xdt, off, K, tmp);
   const int T = vals_per_lane(bits);
   const int64_t BV = (int64_t)W * T;
   const int64_t nblk = K / BV;
@@ -437,20 +460,35 @@ void gather_qmm(const GatherProblem& p) {
   const int64_t crow = std::min(total, chunk_rows);
   std::vector<float> xbuf(fast ? 0 : (size_t)crow * K);
   std::vector<int8_t> xqbuf(fast ? (size_t)crow * K : 0), tmpq(fast ? K : 0);
-  std::vector<float> xdbuf(fast ? (size_t)crow * (G + 64) : 0), xsbuf(fast ? (size_t)crow * G : 0);
+  std::vector<float> xdbuf(fast ? (size_t)crow * (G + 64) : 0), xsbuf((size_t)crow * G);
   std::vector<float> tmp(K);
 
   for (int64_t c0 = 0; c0 < total; c0 += chunk_rows) {
     const int64_t c1 = std::min(total, c0 + chunk_rows);
+    // Prepared slot of each row: rows reading the same activations (the gate/up projections of
+    // a token's k experts) share one slot.
+    std::vector<int64_t> slot(c1 - c0);
+    int64_t nslots = 0;
     for (int64_t i = c0; i < c1; i++) {
-      if (fast) {
-        convert_to_f32(p.x, p.xdt, p.xrow_off[order[i]], K, tmp.data());
-        prep_row_fast(tmp.data(), K, gs, W, bits, tmpq.data(), xqbuf.data() + (i - c0) * K,
-                      xdbuf.data() + (i - c0) * (G + 64), xsbuf.data() + (i - c0) * G);
-      } else {
-        prep_row(p.x, p.xdt, p.xrow_off[order[i]], K, W, bits, tmp.data(),
-                 xbuf.data() + (i - c0) * K);
+      const int64_t off = p.xrow_off[order[i]];
+      int64_t sl = -1;
+      for (int64_t j = i - 1; j >= c0 && j >= i - 16; j--)
+        if (p.xrow_off[order[j]] == off) {
+          sl = slot[j - c0];
+          break;
+        }
+      if (sl < 0) {
+        sl = nslots++;
+        if (fast) {
+          convert_to_f32(p.x, p.xdt, off, K, tmp.data());
+          prep_row_fast(tmp.data(), K, gs, W, bits, tmpq.data(), xqbuf.data() + sl * K,
+                        xdbuf.data() + sl * (G + 64), xsbuf.data() + sl * G);
+        } else {
+          prep_row(p.x, p.xdt, off, K, W, bits, gs, tmp.data(), xbuf.data() + sl * K,
+                   xsbuf.data() + sl * G);
+        }
       }
+      slot[i - c0] = sl;
     }
 
     // Tasks: (segment part within [c0, c1), n range).
@@ -502,11 +540,11 @@ void gather_qmm(const GatherProblem& p) {
       for (int64_t r = t.r0; r < t.r1; r += MRMAX) {
         int mr = (int)std::min<int64_t>(MRMAX, t.r1 - r);
         for (int m = 0; m < mr; m++) {
-          const int64_t li = r + m - c0;
+          const int64_t li = slot[r + m - c0];
+          xss[m] = xsbuf.data() + li * G;
           if (fast) {
             xqs[m] = xqbuf.data() + li * K;
             xds[m] = xdbuf.data() + li * (G + 64);
-            xss[m] = xsbuf.data() + li * G;
           } else {
             xps[m] = xbuf.data() + li * K;
           }
