@@ -128,7 +128,6 @@ def collect_stats(model, chunks: list[list[int]], progress: bool = True) -> Expe
 
 # ---- `--recipe auto`: spend a bit budget where it lowers the output error most -------------------
 AUTO_BITS = (2, 3, 4, 6)
-OVERHEAD = 0.5  # bits per weight of the bf16 scale and bias of a 64-group
 
 
 def _groups(model) -> dict[str, list[str]]:
@@ -152,24 +151,32 @@ def _groups(model) -> dict[str, list[str]]:
     return groups
 
 
-def _kl(base_logp: mx.array, logits: mx.array) -> float:
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+def _kl(base_logp: mx.array, logp: mx.array) -> float:
     return float((mx.exp(base_logp) * (base_logp - logp)).sum(-1).mean().item())
 
 
-def auto_recipe(model, chunks: list[list[int]], target_bpw: float, progress: bool = True):
+def auto_recipe(model, chunks: list[list[int]], target_bpw: float, progress: bool = True,
+                scale_bits: int = 16):
     """A Recipe for `model` at about `target_bpw` bits per weight: measure the KL divergence of
     the logits when one group alone is quantized at each width, then upgrade greedily the
-    group with the best KL drop per extra bit until the budget is spent (KL assumed additive)."""
+    group with the best KL drop per extra bit until the budget is spent (KL assumed additive).
+    `scale_bits`: width of the stored scales and biases (the output's float dtype)."""
     import mlx.nn as nn
     from tqdm import tqdm
 
     from .recipes import Recipe, Spec, glob_rule
 
-    x = mx.array([c for c in chunks if len(c) == len(chunks[0])], mx.int32)
-    base = model(x).astype(mx.float32)
-    base = base - mx.logsumexp(base, axis=-1, keepdims=True)
-    mx.eval(base)
+    xs = [mx.array(c, mx.int32)[None] for c in chunks]
+
+    def logprobs() -> list[mx.array]:
+        out = []
+        for x in xs:  # one window at a time: small graphs, no batch-shape corner cases
+            lg = model(x).astype(mx.float32)
+            out.append(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+            mx.eval(out[-1])
+        return out
+
+    base = logprobs()
     groups = _groups(model)
     modules = dict(model.named_modules())
     size = {g: sum(modules[p].weight.size for p in ps) for g, ps in groups.items()}
@@ -179,15 +186,16 @@ def auto_recipe(model, chunks: list[list[int]], target_bpw: float, progress: boo
         paths = set(groups[g])
         saved = [(p, modules[p]) for p in paths]
         nn.quantize(model, 64, b, class_predicate=lambda p, m, s=paths: p in s)
-        kl[(g, b)] = _kl(base, model(x).astype(mx.float32))
+        kl[(g, b)] = sum(_kl(p, q) for p, q in zip(base, logprobs())) / len(xs)
         model.update_modules(tree_unflatten(saved))
+    overhead = 2 * scale_bits / 64  # a scale and a bias per group of 64
     # Budget over the groups in play; routers and gates are added at 8.5 bits.
     fixed = [p for p in modules if p.endswith(("mlp.gate", "shared_expert_gate"))]
-    fixed_bits = sum(modules[p].weight.size for p in fixed) * (8 + OVERHEAD)
+    fixed_bits = sum(modules[p].weight.size for p in fixed) * (8 + overhead)
     total = sum(size.values()) + sum(modules[p].weight.size for p in fixed)
     budget = target_bpw * total - fixed_bits
     bits = {g: AUTO_BITS[0] for g in groups}
-    spent = sum(size[g] * (bits[g] + OVERHEAD) for g in groups)
+    spent = sum(size[g] * (bits[g] + overhead) for g in groups)
     if spent > budget:
         from .errors import PocketError
 

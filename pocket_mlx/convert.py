@@ -268,8 +268,11 @@ def auto_for(path: Path, config: dict, opts: ConvertOptions) -> tuple[Recipe, di
     per_file = max(2, min(opts.calib_tokens, 256 // len(opts.calib)))
     chunks, _ = calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)
     dtype = "float32" if mx.default_device() == mx.cpu else None
+    out_dtype = getattr(mx, opts.dtype) if opts.dtype else next(
+        (v.dtype for v in load_weights(path).values()
+         if v.ndim == 2 and mx.issubdtype(v.dtype, mx.floating)), mx.bfloat16)
     model = load_model(path, config, dtype=dtype)
-    return auto_recipe(model, chunks, opts.auto_bpw, opts.progress)
+    return auto_recipe(model, chunks, opts.auto_bpw, opts.progress, 8 * out_dtype.size)
 
 
 def convert(src: str, out: Path, opts: ConvertOptions,

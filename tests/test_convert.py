@@ -247,10 +247,10 @@ def test_auto_recipe_meets_its_budget(tmp_path, make_ckpt):
     out = tmp_path / "auto"
     calib = str(ROOT / "assets" / "text" / "en.calib.txt")
     assert main(["convert", str(src), str(out), "--recipe", "auto", "--target-bpw", "4",
-                 "--calib", calib, "--calib-tokens", "128"]) == 0
+                 "--calib", calib, "--calib-tokens", "64"]) == 0
     info = json.loads((out / "pocket.json").read_text())
     groups = info["auto"]["groups"]
     assert {g["bits"] for g in groups.values()} <= {2, 3, 4, 6}
     assert info["bits"]["router"] == [8]
-    assert 3.0 < info["stats"]["bits_per_weight"] <= 4.1  # budget (norms add a little)
+    assert 3.0 < info["stats"]["bits_per_weight"] <= 4.05  # budget (norms add a little)
     assert np.isfinite(logits(load_model(out))).all()
