@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -141,6 +142,13 @@ def main() -> int:
     a = ap.parse_args()
     a.cache.parent.mkdir(parents=True, exist_ok=True)
     rep = Report(a.cache, a.windows, a.calib_tokens)
+    try:
+        return run_all(a, rep)
+    finally:
+        shutil.rmtree(rep.tmp, ignore_errors=True)
+
+
+def run_all(a, rep: Report) -> int:
     skip = set(filter(None, a.skip.split(",")))
     t0 = time.perf_counter()
 
