@@ -6,7 +6,7 @@ it replaces and falls back to that op for anything the extension does not handle
 Environment:
   POCKET_MLX_KERNELS=0        disable the extension (MLX's own kernels are used)
   POCKET_MLX_THREADS=N        worker threads (default: physical cores)
-  POCKET_MLX_KERNEL_MODE=fast start in the FAST mode (default: exact)
+  POCKET_MLX_KERNEL_MODE=exact|fast  start mode (default: fast; see set_mode)
   POCKET_MLX_ISA=avx2|scalar  force an instruction set (testing)
 """
 
@@ -34,8 +34,12 @@ _FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
 _MODES = {"exact": 0, "fast": 1}
 _user_enabled = True
 
-if _ext is not None and os.environ.get("POCKET_MLX_KERNEL_MODE", "").lower() == "fast":
-    _ext.set_mode(_MODES["fast"])
+# FAST is the default: on the pocket-2bit reference model its perplexity is within 0.5% of EXACT
+# in every domain (docs/BENCHMARKS.md) and the 2-bit MoE matvec does ~4x less work per weight.
+DEFAULT_MODE = "fast"
+if _ext is not None:
+    _env_mode = os.environ.get("POCKET_MLX_KERNEL_MODE", "").strip().lower()
+    _ext.set_mode(_MODES[_env_mode if _env_mode in _MODES else DEFAULT_MODE])
 
 
 def _env_disabled() -> bool:
@@ -133,7 +137,8 @@ def get_threads() -> int:
 
 
 def set_mode(mode: str) -> None:
-    """'exact' (float32 dequantize-and-FMA, default) or 'fast' (int8 activations, bits 2/4/8)."""
+    """'fast' (default: activations as int8 per group, integer dot products, bits 2/4/6/8; other
+    bits run EXACT) or 'exact' (float32 products, MLX's result up to summation order)."""
     m = mode.lower()
     if m not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
@@ -143,7 +148,7 @@ def set_mode(mode: str) -> None:
 
 def get_mode() -> str:
     if _ext is None:
-        return "exact"
+        return "exact"  # MLX's own ops
     return {v: k for k, v in _MODES.items()}[_ext.get_mode()]
 
 
