@@ -17,6 +17,23 @@ from pocket_mlx.prune import ExpertStats, batch_stats, select_experts
 CALIB = ROOT / "assets" / "text" / "en.calib.txt"
 
 
+@pytest.fixture(autouse=True)
+def exact_kernels():
+    """Parity with mlx-lm needs exact arithmetic; the C++ extension's FAST mode (its default)
+    rounds activations to int8."""
+    try:
+        from pocket_mlx import kernels
+    except ImportError:
+        kernels = None
+    if kernels is None or not hasattr(kernels, "set_mode") or not kernels.enabled():
+        yield
+        return
+    old = kernels.get_mode()
+    kernels.set_mode("exact")
+    yield
+    kernels.set_mode(old)
+
+
 def test_reap_and_frequency_on_two_experts():
     # Token 1 routes to experts (0, 1) with gates (0.75, 0.25), output norms (2, 4);
     # token 2 to (1, 0) with gates (0.6, 0.4), output norms (1, 3); token 3 to (0, 1), (0.5, 0.5),
