@@ -140,3 +140,20 @@ def make_ckpt(tmp_path):
                                 wrapped=wrapped)
 
     return make
+
+
+@pytest.fixture
+def exact_kernels():
+    """Parity with MLX/mlx-lm needs the CPU kernels' EXACT mode: the default FAST mode quantizes
+    activations to int8 (perplexity within 0.5%, see docs/BENCHMARKS.md), close but not equal."""
+    try:
+        from pocket_mlx import kernels
+    except ImportError:
+        yield
+        return
+    mode = kernels.get_mode()
+    kernels.set_mode("exact")
+    try:
+        yield
+    finally:
+        kernels.set_mode(mode)

@@ -121,7 +121,7 @@ def test_bytes_per_token_by_hand(tiny_ckpt):
     assert stats.experts_per_layer == E and stats.top_k == k
 
 
-def test_synthetic_checkpoint_loads_everywhere(tiny_ckpt):
+def test_synthetic_checkpoint_loads_everywhere(tiny_ckpt, exact_kernels):
     from mlx_lm.utils import load_model as mlx_lm_load
 
     from pocket_mlx.loader import load

@@ -82,7 +82,7 @@ def quantized_copy(tmp_path, model, config):
     return save_model(model, config, tmp_path / "q", quantization=quant)
 
 
-def test_quantized_logits_match_mlx_lm(tmp_path, make_ckpt):
+def test_quantized_logits_match_mlx_lm(tmp_path, make_ckpt, exact_kernels):
     src = make_ckpt("src", layout="fused")
     model = load_model(src)
     qpath = quantized_copy(tmp_path, model, model.config)
