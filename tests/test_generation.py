@@ -112,7 +112,7 @@ def test_context_limit_stops_generation(tiny):
     assert last.stats.generation_tokens <= 3
 
 
-def test_cache_reuse_prefills_only_the_new_turn(tiny):
+def test_cache_reuse_prefills_only_the_new_turn(tiny, exact_kernels):
     model, tok = tiny
     cache = model.make_cache()
     first = list(stream_generate(model, tok, "Hello", max_tokens=8, cache=cache))[-1]
@@ -144,7 +144,7 @@ def test_gpu_request_without_gpu_names_cpu_flag(tiny):
         list(stream_generate(model, tok, "hi", device="gpu"))
 
 
-def test_greedy_32_tokens_identical_to_mlx_lm(tiny):
+def test_greedy_32_tokens_identical_to_mlx_lm(tiny, exact_kernels):
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model as lm_load
 

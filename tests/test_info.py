@@ -36,8 +36,9 @@ def _q(out_dim: int, in_dim: int, bits: int, gs: int = 64, scale_bytes: int = 2)
 
 
 def test_bundled_model_by_hand():
-    """assets/pocket-tiny: bf16 matrices, float32 (1 + w) norms, no quantization."""
-    d = info.describe(None, context=1024, platform=_Host(24 * GiB))
+    """assets/pocket-tiny-bf16: bf16 matrices, float32 (1 + w) norms, no quantization."""
+    d = info.describe(str(ROOT / "assets" / "pocket-tiny-bf16"), context=1024,
+                      platform=_Host(24 * GiB))
     H, V, L, n_lin, n_full = 256, 8192, 8, 6, 2
     E, k, I, S = 32, 4, 64, 128
     kh, vh, kd, vd, conv_k = 4, 8, 32, 32, 4
@@ -175,3 +176,11 @@ def test_cli_info_json():
     bad = subprocess.run([sys.executable, "-m", "pocket_mlx", "info", "--model",
                           "synthetic:nope"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "unknown synthetic model" in bad.stderr
+
+
+def test_default_model_is_the_pruned_mixed_precision_build():
+    d = info.describe(None, context=1024, platform=_Host(24 * GiB))
+    js = json.loads((ROOT / "assets" / "pocket-tiny" / "pocket.json").read_text())
+    assert js["recipe"]["name"] == "pocket-3bit" and js["original_num_experts"] == 32
+    assert d["params_total"] < 19_770_144  # 24 of 32 experts kept
+    assert d["bytes_per_token"] < 13_335_616 / 2  # vs the bf16 build's 13.3 MB per token

@@ -42,7 +42,7 @@ from pocket_mlx.wired import (
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "macos"
-REFERENCE = ROOT.parent / "shared" / "reference" / "pocket-tiny-hf"
+REFERENCE = ROOT / "assets" / "pocket-tiny-bf16"
 
 
 def fake(name: str, **kwargs) -> FakePlatform:
@@ -263,7 +263,7 @@ def test_model_errors(tmp_path):
     assert rc == 0 and "unknown (no config.json)" in out
 
 
-@pytest.mark.skipif(not REFERENCE.is_dir(), reason="shared reference model not present")
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason="bundled bf16 model not present")
 def test_reference_model_footprint():
     fp = model_footprint(REFERENCE)
     assert fp.weight_bytes == sum(f.stat().st_size for f in REFERENCE.glob("*.safetensors"))

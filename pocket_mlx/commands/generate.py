@@ -88,6 +88,7 @@ def run(args) -> int:
         }, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
+        sys.stdout.flush()  # the reply's last line before the stats line on stderr
         print(f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s | "
               f"generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s | "
               f"ttft {stats.ttft_s:.3f} s | peak memory {stats.peak_memory_gb:.3f} GB | "
