@@ -42,8 +42,11 @@ def read_pocket_json(path: Path) -> dict:
 
 def recipe_of(config: dict, pocket: dict) -> str:
     """pocket.json's recipe, else "4-bit" / "mixed" from the config's quantization, else dtype."""
-    if isinstance(pocket.get("recipe"), str) and pocket["recipe"]:
-        return pocket["recipe"]
+    recipe = pocket.get("recipe")
+    if isinstance(recipe, dict):  # pocket-mlx convert records {"name": ..., "rules": ...}
+        recipe = recipe.get("name")
+    if isinstance(recipe, str) and recipe:
+        return recipe
     q = config.get("quantization") or config.get("quantization_config")
     if q is None and isinstance(config.get("text_config"), dict):
         q = config["text_config"].get("quantization")
