@@ -17,7 +17,7 @@ import mlx.nn as nn
 from .accounting import weight_stats
 from .errors import PocketError
 from .layers import QuantizedSwitchLinear, SwitchLinear
-from .synthetic import family
+from .recipes import family as recipe_family
 
 FAMILIES = ("experts", "router", "attention", "linear_attention", "shared_expert", "embeddings",
             "lm_head", "other")
@@ -76,6 +76,12 @@ def _pocket_json(folder: Path) -> dict:
         return json.loads(f.read_text()) if f.is_file() else {}
     except (OSError, ValueError):
         return {}
+
+
+def family(path: str) -> str:
+    """The recipes' module family, routers and embeddings grouped as `info` reports them."""
+    f = recipe_family(path)
+    return {"shared_expert_gate": "router", "embed_tokens": "embeddings"}.get(f, f)
 
 
 def quant_summary(model: nn.Module) -> dict[str, dict]:

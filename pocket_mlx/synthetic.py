@@ -22,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+from . import recipes
 from .checkpoint import atomic_dir, copy_tokenizer, mlx_config
 from .errors import PocketError
 from .models import build_model
@@ -64,35 +65,8 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def family(path: str) -> str:
-    """The module family of a module path, as `info` and the recipes group them."""
-    p = path + "."
-    if ".switch_mlp." in p:
-        return "experts"
-    if p.endswith((".mlp.gate.", ".shared_expert_gate.")):
-        return "router"
-    if ".shared_expert." in p:
-        return "shared_expert"
-    if ".linear_attn." in p:
-        return "linear_attention"
-    if ".self_attn." in p:
-        return "attention"
-    if p.endswith(".embed_tokens."):
-        return "embeddings"
-    if p.endswith(".lm_head."):
-        return "lm_head"
-    return "other"
-
-
-# Bits per family; "default" is the checkpoint-wide `bits` (every other quantizable module).
-RECIPES: dict[str, dict[str, int]] = {
-    "pocket-2bit": {"default": 4, "experts": 2, "router": 8, "embeddings": 6, "lm_head": 6},
-    "pocket-3bit": {"default": 4, "experts": 3, "router": 8, "embeddings": 6, "lm_head": 6},
-    "uniform-2": {"default": 2},
-    "uniform-3": {"default": 3},
-    "uniform-4": {"default": 4},
-    "uniform-8": {"default": 8},
-}
+# The built-in recipes of `pocket-mlx convert` (recipes.py), those that quantize.
+RECIPES = tuple(n for n in recipes.BUILTIN_NAMES if n not in ("bf16", "float"))
 DEFAULT_RECIPE = "pocket-2bit"
 
 
@@ -114,17 +88,21 @@ def _quantizable(module: nn.Module) -> bool:
 
 
 def quantization_for(model: nn.Module, recipe: str) -> dict:
-    """mlx-lm's quantization dict: global default plus one entry per module that differs."""
-    if recipe not in RECIPES:
+    """mlx-lm's quantization dict for a built-in recipe: the recipe's default plus one entry per
+    module that differs (`false` for one that must stay float)."""
+    r = recipes.builtin(recipe) if recipe in RECIPES else None
+    if r is None:
         raise PocketError(f"unknown recipe {recipe!r} (known: {', '.join(RECIPES)})")
-    bits = RECIPES[recipe]
-    quant: dict = {"group_size": GROUP_SIZE, "bits": bits["default"], "mode": "affine"}
+    quant: dict = {**r.default.as_dict(), "mode": "affine"}
     for path, module in model.named_modules():
-        if not _quantizable(module):
+        w = getattr(module, "weight", None)
+        if not hasattr(module, "to_quantized") or w is None:
             continue
-        b = bits.get(family(path), bits["default"])
-        if b != bits["default"]:
-            quant[path] = {"group_size": GROUP_SIZE, "bits": b}
+        spec, _ = r.resolve(path, w.shape[-1])
+        if spec is None:
+            quant[path] = False
+        elif spec != r.default:
+            quant[path] = spec.as_dict()
     return quant
 
 
