@@ -25,21 +25,8 @@ L0 = "language_model.model.layers.0"
 PROMPT = mx.array([[5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 1, 2]])
 
 
-@pytest.fixture(autouse=True)
-def exact_kernels():
-    """Parity with mlx-lm needs exact arithmetic; the C++ extension's FAST mode (its default)
-    rounds activations to int8."""
-    try:
-        from pocket_mlx import kernels
-    except ImportError:
-        kernels = None
-    if kernels is None or not hasattr(kernels, "set_mode") or not kernels.enabled():
-        yield
-        return
-    old = kernels.get_mode()
-    kernels.set_mode("exact")
-    yield
-    kernels.set_mode(old)
+# Parity with mlx-lm needs the kernels' EXACT mode (conftest.exact_kernels).
+pytestmark = pytest.mark.usefixtures("exact_kernels")
 
 
 def cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:

@@ -17,21 +17,8 @@ from pocket_mlx.prune import ExpertStats, batch_stats, select_experts
 CALIB = ROOT / "assets" / "text" / "en.calib.txt"
 
 
-@pytest.fixture(autouse=True)
-def exact_kernels():
-    """Parity with mlx-lm needs exact arithmetic; the C++ extension's FAST mode (its default)
-    rounds activations to int8."""
-    try:
-        from pocket_mlx import kernels
-    except ImportError:
-        kernels = None
-    if kernels is None or not hasattr(kernels, "set_mode") or not kernels.enabled():
-        yield
-        return
-    old = kernels.get_mode()
-    kernels.set_mode("exact")
-    yield
-    kernels.set_mode(old)
+# Parity with mlx-lm needs the kernels' EXACT mode (conftest.exact_kernels).
+pytestmark = pytest.mark.usefixtures("exact_kernels")
 
 
 def test_reap_and_frequency_on_two_experts():
