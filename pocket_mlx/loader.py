@@ -142,13 +142,15 @@ def check_shapes(model: nn.Module, weights: dict[str, mx.array]) -> None:
 
 def _cast(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
     """Cast float weights, except the (1 + w) norms, which stay float32 for precision, and the
-    scales and biases of quantized weights: they set no activation dtype, and in their stored
-    16-bit form they are fewer bytes to read per token (the CPU kernels take them as they are)."""
+    scales and biases of quantized matrices: they set no activation dtype, and in their stored
+    16-bit form they are fewer bytes to read per token (the CPU kernels take them as they are).
+    The embedding's do set it (its rows are dequantized into the residual stream): cast."""
     out = {}
     for k, v in weights.items():
+        owner = k[: -len(".scales")]  # ".biases" has the same length
         keep = (v.ndim == 1 and v.dtype == mx.float32 and k.endswith("norm.weight")) or (
-            k.endswith((".scales", ".biases")) and k[: -len(".scales")] + ".weight" in weights
-            and weights[k[: -len(".scales")] + ".weight"].dtype == mx.uint32)
+            k.endswith((".scales", ".biases")) and not owner.endswith("embed_tokens")
+            and getattr(weights.get(owner + ".weight"), "dtype", None) == mx.uint32)
         out[k] = v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and not keep else v
     return out
 
