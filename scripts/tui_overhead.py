@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 
 def generate_tps(prompt: str, max_tokens: int, model: str | None) -> tuple[float, int]:
@@ -34,7 +35,7 @@ async def measure(prompt: str, max_tokens: int, model: str | None, runs: int,
     from pocket_mlx.tui.session import Settings
 
     app = ChatApp(model, device="cpu", settings=Settings(max_tokens=max_tokens))
-    gen, tui = [], []
+    gen, tui, ui_cpu = [], [], []
     async with app.run_test(size=size) as pilot:
         while not app.ready:
             await pilot.pause(0.05)
@@ -43,11 +44,15 @@ async def measure(prompt: str, max_tokens: int, model: str | None, runs: int,
             await app.action_new_chat()
             done = app.replies_done
             app.prompt.text = prompt
+            c0, t0 = time.thread_time(), time.perf_counter()  # this coroutine runs on the UI thread
             await pilot.press("enter")
             while app.replies_done == done:
                 await asyncio.sleep(0.25)  # not pilot.pause: keep the harness off the UI thread
+            ui_cpu.append((time.thread_time() - c0) / (time.perf_counter() - t0))
             shown = app.stats_panel.stats  # what the panel shows for the finished reply
             tui.append((shown.generation_tps, shown.generation_tokens))
+    print(f"UI thread CPU   : median {100 * statistics.median(ui_cpu):.1f}% of each reply's wall "
+          f"time (runs: {', '.join(f'{100 * c:.1f}' for c in ui_cpu)})")
     return gen, tui
 
 

@@ -324,7 +324,9 @@ def test_session_reuse_regenerate_and_edit(session):
     assert session.plan_kind == "fresh" and s4.prompt_tokens == full
 
 
-def test_session_stop_during_prefill_rolls_back(session):
+def test_session_stop_during_prefill_rolls_back(session, exact_kernels):
+    # EXACT kernels: FAST mode quantizes activations per call, so a continued cache and a fresh
+    # prefill of the same tokens may pick a different greedy token.
     session.reset()
     turn1 = [{"role": "user", "content": "Tell me a fortune"}]
     a, _ = reply(session, turn1)

@@ -29,17 +29,52 @@ from pocket_mlx.errors import PocketError
 from pocket_mlx.generation import GenerationStats
 
 from .conversation import AssistantMessage, ConversationView, finish_notice
-from .events import EngineNotice, ModelFailed, ModelReady, PrefillProgress, ReplyChunk, ReplyDone
+from .events import EngineNotice, ModelFailed, ModelReady, PrefillProgress, ReplyDone
 from .header import ModelHeader
 from .model_info import ModelInfo, kernels_label, model_info
 from .prompt import PromptInput
 from .screens import HelpScreen, OpenScreen, SettingsScreen
 from .session import ChatSession, Settings
-from .stats_panel import StatsPanel
+from .stats_panel import REFRESH_S, StatsPanel
 
-CHUNK_S = 0.2  # the engine batches reply text into messages at most this often (5 Hz): each
-# Markdown append re-lays out the screen, and that Python work competes with decode for the GIL.
+CHUNK_S = 0.2  # the engine publishes reply text and a stats copy at most this often (5 Hz)
+TICK_S = REFRESH_S  # 0.25 s, the UI's one timer: the stats panel redraws every tick (4 Hz, as the spec asks)
+TEXT_EVERY = 2  # ...and reply text is appended every 2nd tick (2 Hz): each Markdown append
+# re-parses the last block and re-lays out the screen, the UI's costliest step. Everything the UI
+# does during a reply happens in one tick, so it costs one compositor pass, not one per source.
 GIL_SWITCH_S = 0.001  # see on_mount
+
+
+class LiveReply:
+    """What the engine thread hands the UI while a reply is being written, without messages.
+
+    The engine `put`s text and a stats copy (at most every CHUNK_S); the UI `take`s them on its
+    tick. No message per chunk means no wake-up of the UI's event loop between ticks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._text: list[str] = []
+        self._stats: GenerationStats | None = None
+        self._context = 0
+
+    def put(self, text: str, stats: GenerationStats, context: int) -> None:
+        with self._lock:
+            if text:
+                self._text.append(text)
+            self._stats, self._context = stats, context
+
+    def latest(self) -> tuple[GenerationStats | None, int]:
+        with self._lock:
+            return self._stats, self._context
+
+    def take_text(self) -> str:
+        with self._lock:
+            text, self._text = "".join(self._text), []
+            return text
+
+    def reset(self) -> None:
+        with self._lock:
+            self._text, self._stats, self._context = [], None, 0
 
 
 class Job(NamedTuple):
@@ -83,6 +118,8 @@ class ChatApp(App[None]):
         self._jobs: queue.Queue[Job] = queue.Queue()
         self._stop = threading.Event()
         self._reply: AssistantMessage | None = None
+        self._live = LiveReply()
+        self._ticks = 0
         self._reply_settings = self.settings
         self._engine: Worker | None = None
 
@@ -128,6 +165,7 @@ class ChatApp(App[None]):
         except Exception:  # noqa: BLE001 - a missing sysctl must not stop the chat
             panel.wired = None
         await self._show_conversation()
+        self.set_interval(TICK_S, self._tick)
         self._engine = self.engine()
 
     def on_unmount(self) -> None:
@@ -176,7 +214,7 @@ class ChatApp(App[None]):
                 pending += r.text
                 now = time.perf_counter()
                 if now - last_post >= CHUNK_S and r.stats.phase != "done":
-                    self.post_message(ReplyChunk(pending, replace(r.stats), used))
+                    self._live.put(pending, replace(r.stats), used)
                     pending, last_post = "", now
             stats = replace(last.stats) if last is not None else None
             self.post_message(ReplyDone(pending, stats, used))
@@ -206,10 +244,19 @@ class ChatApp(App[None]):
     def on_prefill_progress(self, msg: PrefillProgress) -> None:
         self.stats_panel.set_prefill(msg.done, msg.total, msg.context)
 
-    async def on_reply_chunk(self, msg: ReplyChunk) -> None:
+    async def _tick(self) -> None:
+        """The UI's only periodic work: pull what the engine published, redraw the panel."""
+        self._ticks += 1
+        panel = self.stats_panel
         if self._reply is not None:
-            await self._reply.write(msg.text)
-        self.stats_panel.set_stats(msg.stats, msg.context)
+            stats, context = self._live.latest()
+            if stats is not None and stats is not panel.stats:
+                panel.set_stats(stats, context)
+            if self._ticks % TEXT_EVERY == 0:
+                text = self._live.take_text()
+                if text:
+                    await self._reply.write(text)
+        panel.redraw()
 
     async def on_reply_done(self, msg: ReplyDone) -> None:
         reply, self._reply = self._reply, None
@@ -218,12 +265,15 @@ class ChatApp(App[None]):
                 await self._finish_reply(reply, msg)
         finally:
             self.busy = False
+            self.prompt.cursor_blink = True
             self.replies_done += 1
 
     async def _finish_reply(self, reply: AssistantMessage, msg: ReplyDone) -> None:
         panel = self.stats_panel
-        if msg.text:
-            await reply.write(msg.text)
+        text = self._live.take_text() + msg.text  # what the ticks had not shown yet, in order
+        self._live.reset()
+        if text:
+            await reply.write(text)
         await reply.finish()
         panel.set_phase("idle")
         if msg.error or msg.stats is None:
@@ -295,7 +345,9 @@ class ChatApp(App[None]):
             title=f"{self.model_name} · {describe(self.device)}")
         self._reply.start_stream()
         self._stop.clear()
+        self._live.reset()
         self.busy = True
+        self.prompt.cursor_blink = False  # a blinking cursor is 2 more redraws a second
         self._reply_settings = replace(self.settings)
         panel = self.stats_panel
         panel.device_label = describe(self.device)

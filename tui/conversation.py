@@ -5,7 +5,6 @@ from __future__ import annotations
 from markdown_it import MarkdownIt
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown, Static
-from textual.widgets.markdown import MarkdownStream
 
 FINISH_NOTICES = {
     "cancelled": "■ stopped — the partial reply is kept",
@@ -33,28 +32,46 @@ def _parser() -> MarkdownIt:
     return MarkdownIt("gfm-like", {"breaks": True})
 
 
+def _stream_parser() -> MarkdownIt:
+    """The same without linkify, while a reply streams in: every append re-parses the last block,
+    and linkify is ~90% of that parse (9 ms vs 1 ms for a 60-line paragraph). Links are made
+    when the reply ends (`AssistantMessage.finish`)."""
+    return _parser().disable("linkify")
+
+
 class AssistantMessage(Markdown):
-    """A reply, rendered as Markdown; `stream` is set while tokens are arriving."""
+    """A reply, rendered as Markdown; `streaming` while tokens are arriving.
+
+    The app already batches text (a few appends a second), so fragments go straight to
+    `Markdown.append` rather than through a `MarkdownStream`: no extra task whose appends would
+    land outside the app's tick and cost a compositor pass of their own."""
 
     def __init__(self, text: str = "", title: str = "assistant") -> None:
-        super().__init__(text, parser_factory=_parser)
+        super().__init__(text, parser_factory=self._make_parser)
         self.border_title = title
-        self.stream: MarkdownStream | None = None
+        self.streaming = False
         self.text = text
 
+    def _make_parser(self) -> MarkdownIt:
+        return _stream_parser() if self.streaming else _parser()
+
     def start_stream(self) -> None:
-        self.stream = Markdown.get_stream(self)
+        self.streaming = True
         self.add_class("streaming")
 
     async def write(self, fragment: str) -> None:
-        self.text += fragment
-        if self.stream is not None:
-            await self.stream.write(fragment)
+        if not fragment:
+            return
+        self.text += fragment  # before any await: appends keep the order of the calls
+        await self.append(fragment)
 
     async def finish(self) -> None:
-        if self.stream is not None:
-            await self.stream.stop()
-            self.stream = None
+        """End streaming; render once more with links if the text has any (after decode)."""
+        if self.streaming:
+            self.streaming = False
+            parser = _parser()
+            if parser.linkify.test(self.text):
+                await self.update(self.text)
         self.remove_class("streaming")
 
 

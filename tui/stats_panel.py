@@ -1,7 +1,8 @@
 """Live throughput panel: phase, speeds, tokens, context, bandwidth, memory, device.
 
-The app hands it the latest stats (a copy, from the engine's messages); the panel redraws on its
-own 4 Hz timer, so a burst of tokens costs one redraw, and memory is sampled even between them.
+The app hands it the latest stats (a copy the engine published) and calls `redraw` on its one
+4 Hz tick (REFRESH_S), in the same callback as the reply's text appends, so the whole UI costs one
+compositor pass per tick; memory is sampled even between replies.
 """
 
 from __future__ import annotations
@@ -49,8 +50,7 @@ class StatsPanel(Vertical):
 
     def on_mount(self) -> None:
         self.query_one("#prefill-bar").display = False
-        self.set_interval(REFRESH_S, self.redraw)
-        self.redraw()
+        self.redraw()  # then on the app's tick, every REFRESH_S
 
     # ---- inputs --------------------------------------------------------------------------
     def set_phase(self, phase: str) -> None:
