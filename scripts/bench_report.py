@@ -109,13 +109,12 @@ Commands:
 ```
 
 The 35B-shaped model (`pocket-35b-e128`: 40 layers, 128 experts, top-8, vocab 248320, experts
-2-bit g64, router 8-bit, embeddings/lm_head 6-bit, the rest 4-bit; random weights) decodes at
-seconds per token on this CPU (stock mlx-lm: MLX's scalar CPU quantized matmul, ~1 tok/s or less
-of prefill), so its CPU sizes were reduced to `{a.big}` instead of pp512/tg128 to keep the
-report under ~25 minutes. Rows with kernels `mlx` ran with `POCKET_MLX_KERNELS=0` (our engine on
-MLX's own quantized matmuls).
+2-bit g64, router 8-bit, embeddings/lm_head 6-bit, the rest 4-bit; random weights) ran on the
+CPU with `{a.big}` (stock mlx-lm, on MLX's scalar CPU quantized matmul, needs minutes for pp512
+and seconds per decoded token here). Rows with kernels `mlx` ran with `POCKET_MLX_KERNELS=0` (our
+engine on MLX's own quantized matmuls).
 
-Noise: this is a shared 2-core machine; other engineers' processes were running
+Noise: this is a shared 2-core machine; other processes may have been running
 (load average at the start and after each configuration: {'; '.join(loads)}), so expect
 10-30% run-to-run variation and read ratios rather than absolutes.
 {a.note}
