@@ -179,107 +179,105 @@ def stream_generate(
     if dev == "gpu":
         warn = warn or (lambda m: print(m, file=sys.stderr))
         wired.enter_context(wired_limit(weights.bytes_total, dev, streams=[stream], warn=warn))
-    with wired:
-        yield from _run(model, tokenizer, ids, cache, stream, stats, sampler,
-                        processors, stops, eos, max_tokens, limit - start_pos - len(ids),
-                        prefill_step, progress, should_stop)
+    room = limit - start_pos - len(ids)  # tokens that still fit the context
 
+    def run() -> Iterator[Response]:
+        """Prefill, then decode (arguments checked above)."""
+        mx.reset_peak_memory()
+        history = mx.array(ids, mx.uint32)
+        fed = list(ids)  # tokens the cache will have consumed
 
-def _run(model, tokenizer, ids, cache, stream, stats, sampler, processors, stops, eos,
-         max_tokens, room, prefill_step, progress, should_stop) -> Iterator[Response]:
-    """The prefill and decode loop of `stream_generate` (arguments already checked)."""
-    mx.reset_peak_memory()
-    history = mx.array(ids, mx.uint32)
-    fed = list(ids)  # tokens the cache will have consumed
+        def step(tokens: mx.array, hist: mx.array) -> tuple[mx.array, mx.array]:
+            logits = model(tokens[None], cache=cache)[:, -1, :]
+            for proc in processors:
+                logits = proc(hist, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return sampler(logprobs), logprobs
 
-    def step(tokens: mx.array, hist: mx.array) -> tuple[mx.array, mx.array]:
-        logits = model(tokens[None], cache=cache)[:, -1, :]
-        for proc in processors:
-            logits = proc(hist, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs), logprobs
-
-    t0 = time.perf_counter()
-    with mx.stream(stream):
-        # Prefill all but the last prompt token in chunks, evaluating caches as we go.
-        rest = mx.array(ids, mx.uint32)
-        done = 0
-        while rest.size > 1:
-            n = min(prefill_step, rest.size - 1)
-            model(rest[:n][None], cache=cache)
-            mx.eval([a for c in cache for a in _cache_arrays(c)])
-            rest = rest[n:]
-            done += n
-            stats.prefill_done = done
-            if progress:
-                progress(done, len(ids))
+        t0 = time.perf_counter()
+        with mx.stream(stream):
+            # Prefill all but the last prompt token in chunks, evaluating caches as we go.
+            rest = mx.array(ids, mx.uint32)
+            done = 0
+            while rest.size > 1:
+                n = min(prefill_step, rest.size - 1)
+                model(rest[:n][None], cache=cache)
+                mx.eval([a for c in cache for a in _cache_arrays(c)])
+                rest = rest[n:]
+                done += n
+                stats.prefill_done = done
+                if progress:
+                    progress(done, len(ids))
+                if should_stop and should_stop():
+                    stats.finish_reason = "cancelled"
+                    stats.phase = "done"
+                    yield Response("", None, stats, fed_tokens=None)
+                    return
+            y, _ = step(rest, history)
+            mx.async_eval(y)
+        detok = tokenizer.detokenizer()
+        pending = ""  # decoded text held back because it might start a stop string
+        n = 0  # tokens sampled so far
+        t_decode = None
+        while True:
+            if n >= max_tokens or n >= room:
+                stats.finish_reason = "length" if n >= max_tokens else "context"
+                break
             if should_stop and should_stop():
                 stats.finish_reason = "cancelled"
-                stats.phase = "done"
-                yield Response("", None, stats, fed_tokens=None)
-                return
-        y, _ = step(rest, history)
-        mx.async_eval(y)
-    detok = tokenizer.detokenizer()
-    pending = ""  # decoded text held back because it might start a stop string
-    n = 0  # tokens sampled so far
-    t_decode = None
-    while True:
-        if n >= max_tokens or n >= room:
-            stats.finish_reason = "length" if n >= max_tokens else "context"
-            break
-        if should_stop and should_stop():
-            stats.finish_reason = "cancelled"
-            break
-        # Queue the next step from the still-lazy token before waiting for it: building the
-        # graph in Python overlaps the device's work on the current step (as mlx-lm does).
-        y_next = None
-        if n + 1 < max_tokens and n + 1 < room:
-            if processors:
-                history = mx.concatenate([history, y.astype(mx.uint32)])
-            with mx.stream(stream):
-                y_next, _ = step(y.astype(mx.uint32), history)
-                mx.async_eval(y_next)
-        token = y.item()
-        if n == 0:
-            t_decode = time.perf_counter()
-            stats.ttft_s = t_decode - t0
-            stats.prompt_tps = len(ids) / stats.ttft_s
-            stats.phase = "decode"
-            if progress:
-                progress(len(ids), len(ids))
-        if y_next is not None:
-            fed.append(token)
-        if token in eos:
-            stats.finish_reason = "eos"
-            break
-        n += 1
-        pending += detok.add(token)
-        stats.generation_tokens = n
-        if n > 1:
+                break
+            # Queue the next step from the still-lazy token before waiting for it: building the
+            # graph in Python overlaps the device's work on the current step (as mlx-lm does).
+            y_next = None
+            if n + 1 < max_tokens and n + 1 < room:
+                if processors:
+                    history = mx.concatenate([history, y.astype(mx.uint32)])
+                with mx.stream(stream):
+                    y_next, _ = step(y.astype(mx.uint32), history)
+                    mx.async_eval(y_next)
+            token = y.item()
+            if n == 0:
+                t_decode = time.perf_counter()
+                stats.ttft_s = t_decode - t0
+                stats.prompt_tps = len(ids) / stats.ttft_s
+                stats.phase = "decode"
+                if progress:
+                    progress(len(ids), len(ids))
+            if y_next is not None:
+                fed.append(token)
+            if token in eos:
+                stats.finish_reason = "eos"
+                break
+            n += 1
+            pending += detok.add(token)
+            stats.generation_tokens = n
+            if n > 1:
+                stats.generation_tps = (n - 1) / (time.perf_counter() - t_decode)
+            hit = next((s for s in stops if s in pending), None)
+            if hit is not None:
+                piece = pending[: pending.index(hit)]
+                stats.finish_reason = "stop"
+                if piece:
+                    yield Response(piece, token, stats)
+                break
+            hold = _stop_holdback(pending, stops) if stops else 0
+            piece, pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
+            yield Response(piece, token, stats)
+            if y_next is None:
+                continue  # the checks at the top end the loop
+            y = y_next
+        if stats.finish_reason not in ("stop",):
+            tail = pending + detok.flush()
+            if tail:
+                yield Response(tail, None, stats)
+        stats.phase = "done"
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        if t_decode is not None and n > 1:
             stats.generation_tps = (n - 1) / (time.perf_counter() - t_decode)
-        hit = next((s for s in stops if s in pending), None)
-        if hit is not None:
-            piece = pending[: pending.index(hit)]
-            stats.finish_reason = "stop"
-            if piece:
-                yield Response(piece, token, stats)
-            break
-        hold = _stop_holdback(pending, stops) if stops else 0
-        piece, pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
-        yield Response(piece, token, stats)
-        if y_next is None:
-            continue  # the checks at the top end the loop
-        y = y_next
-    if stats.finish_reason not in ("stop",):
-        tail = pending + detok.flush()
-        if tail:
-            yield Response(tail, None, stats)
-    stats.phase = "done"
-    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-    if t_decode is not None and n > 1:
-        stats.generation_tps = (n - 1) / (time.perf_counter() - t_decode)
-    yield Response("", None, stats, fed_tokens=fed)
+        yield Response("", None, stats, fed_tokens=fed)
+
+    with wired:
+        yield from run()
 
 
 def _cache_arrays(c) -> list[mx.array]:

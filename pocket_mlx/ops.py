@@ -12,7 +12,10 @@ import mlx.core as mx
 
 
 def _cpu_kernels():
-    """The extension's kernels when they are built and enabled, else None."""
+    """The extension's kernels when generating on the CPU (the device of the current stream) and
+    they are built and enabled, else None."""
+    if mx.default_device() != mx.cpu:
+        return None
     try:
         from . import kernels
     except ImportError:
@@ -20,23 +23,16 @@ def _cpu_kernels():
     return kernels if kernels.enabled() else None
 
 
-def _on_cpu(stream) -> bool:
-    if stream is None:
-        return mx.default_device() == mx.cpu
-    dev = stream.device if isinstance(stream, mx.Stream) else stream
-    return dev == mx.cpu
-
-
 def gated_delta(q, k, v, g, beta, state):
-    """The extension's gated-delta recurrence when running on the CPU, else None (the model
-    then uses its MLX form)."""
-    k_ = _cpu_kernels() if _on_cpu(None) else None
+    """The extension's gated-delta recurrence on the CPU, else None (the model then uses its
+    MLX form)."""
+    k_ = _cpu_kernels()
     return k_.gated_delta(q, k, v, g, beta, state) if k_ is not None else None
 
 
-def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, stream=None):
+def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int):
     """x @ dequant(w).T in MLX's affine format."""
-    k = _cpu_kernels() if _on_cpu(stream) else None
+    k = _cpu_kernels()
     if k is not None and k.supports(x, bits, group_size):
         return k.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
     return mx.quantized_matmul(
@@ -45,9 +41,9 @@ def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, stream
 
 
 def gather_qmm(x, w, scales, biases, indices, *, group_size: int, bits: int,
-               sorted_indices: bool = False, stream=None):
+               sorted_indices: bool = False):
     """Per-token expert matmul: x[..., 1, K] against dequant(w[indices]).T."""
-    k = _cpu_kernels() if _on_cpu(stream) else None
+    k = _cpu_kernels()
     if k is not None and k.supports(x, bits, group_size):
         return k.gather_qmm(x, w, scales, biases, indices, group_size=group_size, bits=bits,
                             sorted_indices=sorted_indices)
