@@ -358,6 +358,159 @@ std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const
                                 {q, k, v, g, beta, state});
 }
 
+// RMSNorm over the last axis [* weight] [* silu(gate)], float32 in and out: one node and one
+// pass per row where mx.fast.rms_norm on the CPU is a graph of ~10 composed ops.
+class PocketRMSNorm : public mx::Primitive {
+ public:
+  PocketRMSNorm(mx::Stream s, float eps, bool has_weight, bool has_gate)
+      : mx::Primitive(s), eps_(eps), has_weight_(has_weight), has_gate_(has_gate) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([inputs, out, eps = eps_, hw = has_weight_, hg = has_gate_]() mutable {
+      std::vector<std::vector<uint8_t>> tmp(3);
+      const float* x = static_cast<const float*>(contiguous_bytes(inputs[0], tmp[0]));
+      size_t i = 1;
+      const float* w = hw ? static_cast<const float*>(contiguous_bytes(inputs[i], tmp[i])) : nullptr;
+      i += hw ? 1 : 0;
+      const float* g = hg ? static_cast<const float*>(contiguous_bytes(inputs[i], tmp[i])) : nullptr;
+      const int64_t D = out.shape(-1);
+      pqk::rms_norm(x, w, g, out.data<float>(), (int64_t)out.size() / D, D, eps);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("pocket_mlx._qkernels.rms_norm runs on the CPU only");
+  }
+
+  const char* name() const override { return "PocketRMSNorm"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const PocketRMSNorm*>(&other);
+    return o && o->eps_ == eps_ && o->has_weight_ == has_weight_ && o->has_gate_ == has_gate_;
+  }
+
+ private:
+  float eps_;
+  bool has_weight_, has_gate_;
+};
+
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight,
+                   const std::optional<mx::array>& gate, float eps, mx::StreamOrDevice s) {
+  const char* err = "pocket_mlx._qkernels.rms_norm: ";
+  if (x.dtype() != mx::float32 || (weight && weight->dtype() != mx::float32) ||
+      (gate && gate->dtype() != mx::float32))
+    throw std::invalid_argument(std::string(err) + "inputs must be float32");
+  if (x.ndim() < 1 || x.size() == 0 || (weight && (weight->ndim() != 1 ||
+                                                   weight->shape(0) != x.shape(-1))) ||
+      (gate && gate->shape() != x.shape()))
+    throw std::invalid_argument(std::string(err) + "shape mismatch");
+  std::vector<mx::array> inputs{x};
+  if (weight) inputs.push_back(*weight);
+  if (gate) inputs.push_back(*gate);
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<PocketRMSNorm>(cpu_stream(s), eps, (bool)weight, (bool)gate),
+                   inputs);
+}
+
+// Decode-step helpers (core/decode_ops.cpp): one node each instead of MLX's composed forms.
+class PocketSmallOp : public mx::Primitive {
+ public:
+  enum Kind { CONV_SILU, ROPE, ROUTE };
+  PocketSmallOp(mx::Stream s, Kind kind, int64_t a = 0, int64_t b = 0, float f = 0.f)
+      : mx::Primitive(s), kind_(kind), a_(a), b_(b), f_(f) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+      enc.set_output_array(o);
+    }
+    enc.dispatch([inputs, outputs, kind = kind_, a = a_, b = b_, f = f_]() mutable {
+      std::vector<std::vector<uint8_t>> tmp(inputs.size());
+      std::vector<const float*> in;
+      for (size_t i = 0; i < inputs.size(); i++)
+        in.push_back(static_cast<const float*>(contiguous_bytes(inputs[i], tmp[i])));
+      const mx::array& x = inputs[0];
+      if (kind == CONV_SILU) {  // x [B, T+K-1, C], w [C, K(, 1)]
+        const int64_t K = inputs[1].shape(1);
+        pqk::causal_conv_silu(in[0], in[1], outputs[0].data<float>(), x.shape(0),
+                              x.shape(1) - K + 1, x.shape(2), K);
+      } else if (kind == ROPE) {  // x [..., L, D]; a = dims, b = offset, f = base
+        const int64_t D = x.shape(-1), L = x.shape(-2);
+        pqk::rope(in[0], outputs[0].data<float>(), (int64_t)x.size() / (L * D), L, D, a, f, b);
+      } else {  // logits [..., E]; a = k, b = normalize
+        const int64_t E = x.shape(-1);
+        pqk::moe_route(in[0], (int64_t)x.size() / E, E, a, b != 0,
+                       outputs[0].data<uint32_t>(), outputs[1].data<float>());
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("pocket_mlx._qkernels decode ops run on the CPU only");
+  }
+
+  const char* name() const override {
+    return kind_ == CONV_SILU ? "PocketConvSilu" : kind_ == ROPE ? "PocketRope" : "PocketRoute";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const PocketSmallOp*>(&other);
+    return o && o->kind_ == kind_ && o->a_ == a_ && o->b_ == b_ && o->f_ == f_;
+  }
+
+ private:
+  Kind kind_;
+  int64_t a_, b_;
+  float f_;
+};
+
+void require_f32(const mx::array& a, const char* what) {
+  if (a.dtype() != mx::float32)
+    throw std::invalid_argument(std::string("pocket_mlx._qkernels.") + what + ": float32 only");
+}
+
+mx::array causal_conv_silu(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  require_f32(x, "causal_conv_silu");
+  require_f32(w, "causal_conv_silu");
+  if (x.ndim() != 3 || w.ndim() < 2 || w.shape(0) != x.shape(2) || w.size() != (size_t)(w.shape(0) * w.shape(1)) ||
+      x.shape(1) < w.shape(1))
+    throw std::invalid_argument("pocket_mlx._qkernels.causal_conv_silu: shape mismatch");
+  mx::Shape out{x.shape(0), x.shape(1) - w.shape(1) + 1, x.shape(2)};
+  return mx::array(out, mx::float32,
+                   std::make_shared<PocketSmallOp>(cpu_stream(s), PocketSmallOp::CONV_SILU),
+                   {x, w});
+}
+
+mx::array rope(const mx::array& x, int dims, float base, int64_t offset, mx::StreamOrDevice s) {
+  require_f32(x, "rope");
+  if (x.ndim() < 2 || dims <= 0 || dims % 2 || dims > x.shape(-1) || offset < 0)
+    throw std::invalid_argument("pocket_mlx._qkernels.rope: bad shape or dims");
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<PocketSmallOp>(cpu_stream(s), PocketSmallOp::ROPE, dims,
+                                                   offset, base),
+                   {x});
+}
+
+std::vector<mx::array> moe_route(const mx::array& logits, int k, bool normalize,
+                                 mx::StreamOrDevice s) {
+  require_f32(logits, "moe_route");
+  if (logits.ndim() < 1 || k <= 0 || k > logits.shape(-1))
+    throw std::invalid_argument("pocket_mlx._qkernels.moe_route: bad k");
+  mx::Shape out(logits.shape().begin(), logits.shape().end() - 1);
+  out.push_back(k);
+  return mx::array::make_arrays({out, out}, {mx::uint32, mx::float32},
+                                std::make_shared<PocketSmallOp>(cpu_stream(s), PocketSmallOp::ROUTE,
+                                                                k, normalize ? 1 : 0),
+                                {logits});
+}
+
 }  // namespace
 
 NB_MODULE(_qkernels, m) {
@@ -374,6 +527,17 @@ NB_MODULE(_qkernels, m) {
   m.def("gated_delta", &gated_delta, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"),
         nb::arg("beta"), nb::arg("state"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "Gated delta rule over a sequence on the CPU: returns (y, new_state), float32.");
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight").none(), nb::arg("gate").none(),
+        nb::kw_only(), nb::arg("eps"), nb::arg("stream") = nb::none(),
+        "x / sqrt(mean(x^2, -1) + eps) [* weight] [* silu(gate)] on the CPU, float32.");
+  m.def("causal_conv_silu", &causal_conv_silu, nb::arg("x"), nb::arg("w"), nb::kw_only(),
+        nb::arg("stream") = nb::none(), "silu(causal depthwise conv1d) on the CPU, float32.");
+  m.def("rope", &rope, nb::arg("x"), nb::kw_only(), nb::arg("dims"), nb::arg("base"),
+        nb::arg("offset"), nb::arg("stream") = nb::none(),
+        "mx.fast.rope(x, dims, traditional=False, base, scale=1, offset) on the CPU, float32.");
+  m.def("moe_route", &moe_route, nb::arg("logits"), nb::kw_only(), nb::arg("k"),
+        nb::arg("normalize"), nb::arg("stream") = nb::none(),
+        "softmax + top-k of router logits on the CPU: (indices uint32, scores float32).");
   m.def("set_threads", [](int n) { pqk::set_threads(n); }, nb::arg("n"));
   m.def("get_threads", []() { return pqk::get_threads(); });
   m.def("default_threads", []() { return pqk::default_threads(); });

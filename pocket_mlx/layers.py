@@ -1,4 +1,4 @@
-"""Linear, embedding and expert layers whose quantized forms go through `pocket_mlx.ops`.
+"""Norm, linear, embedding and expert layers whose CPU forms go through `pocket_mlx.ops`.
 
 Parameter names (`weight`, `scales`, `biases`) and the affine format are MLX's, so checkpoints
 written by mlx-lm load here and ours load there. The only difference from `mlx.nn` is where the
@@ -14,6 +14,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import ops
+
+
+class RMSNorm(nn.RMSNorm):
+    def __call__(self, x: mx.array) -> mx.array:
+        return ops.rms_norm(x, self["weight"], self.eps)
 
 
 class QuantizedLinear(nn.QuantizedLinear):

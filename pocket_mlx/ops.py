@@ -8,7 +8,10 @@ MLX's ops.
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
+import mlx.nn as nn
 
 
 def _cpu_kernels():
@@ -28,6 +31,76 @@ def gated_delta(q, k, v, g, beta, state):
     MLX form)."""
     k_ = _cpu_kernels()
     return k_.gated_delta(q, k, v, g, beta, state) if k_ is not None else None
+
+
+def rms_norm(x, weight, eps: float):
+    """mx.fast.rms_norm; on the CPU one node of the extension instead of MLX's composed
+    fallback (~10 nodes)."""
+    k = _cpu_kernels()
+    out = k.rms_norm(x, weight, eps) if k is not None else None
+    return out if out is not None else mx.fast.rms_norm(x, weight, eps)
+
+
+def rms_norm_gated(x, weight, gate, eps: float):
+    """rms_norm(x, weight) * silu(gate), computed in float32, in x's dtype."""
+    k = _cpu_kernels()
+    out = k.rms_norm(x, weight, eps, gate=gate) if k is not None else None
+    if out is not None:
+        return out
+    return _gated(x, gate, mx.fast.rms_norm(x, weight, eps))
+
+
+@partial(mx.compile, shapeless=True)
+def _gated(x, gate, y):
+    return (nn.silu(gate.astype(mx.float32)) * y.astype(mx.float32)).astype(x.dtype)
+
+
+def _decode_op(name: str, *args, **kwargs):
+    k = _cpu_kernels()
+    return k.decode_op(name, *args, **kwargs) if k is not None else None
+
+
+def causal_conv_silu(x, w):
+    """silu(causal depthwise conv): x [B, S + K - 1, C] (K - 1 rows of history first),
+    w [C, K, 1] -> [B, S, C]."""
+    out = _decode_op("causal_conv_silu", x, w)
+    return out if out is not None else nn.silu(depthwise_conv(x, w))
+
+
+def depthwise_conv(x: mx.array, w: mx.array) -> mx.array:
+    """Causal depthwise conv as K shifted multiply-adds: the same sum as nn.Conv1d(groups=C),
+    a handful of fused elementwise ops instead of MLX's grouped convolution (slow for one
+    token)."""
+    K = w.shape[1]
+    S = x.shape[1] - K + 1
+    w = w[:, :, 0].astype(x.dtype)
+    out = x[:, 0:S] * w[:, 0]
+    for j in range(1, K):
+        out = out + x[:, j:j + S] * w[:, j]
+    return out
+
+
+def rope(x, dims: int, base: float, offset):
+    """mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=offset)."""
+    # Decode only (one position): a prefill's x is a transposed view the kernel would copy.
+    out = (_decode_op("rope", x, dims=dims, base=base, offset=offset)
+           if isinstance(offset, int) and x.shape[-2] == 1 else None)
+    return out if out is not None else mx.fast.rope(
+        x, dims, traditional=False, base=base, scale=1.0, offset=offset)
+
+
+def moe_route(logits, k: int, normalize: bool):
+    """Router: softmax over the experts, the top-k (indices, probabilities), probabilities
+    renormalized over the k when `normalize`. Order within the k is unspecified."""
+    out = _decode_op("moe_route", logits, k=k, normalize=normalize)
+    if out is not None:
+        return tuple(out)
+    probs = mx.softmax(logits, axis=-1, precise=True)
+    inds = mx.stop_gradient(mx.argpartition(probs, kth=-k, axis=-1)[..., -k:])
+    scores = mx.take_along_axis(probs, inds, axis=-1)
+    if normalize:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return inds, scores
 
 
 def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int):

@@ -81,6 +81,25 @@ void gated_delta(const float* q, const float* k, const float* v, const float* g,
                  const float* beta, float* state, float* y, int64_t B, int64_t T, int64_t Hk,
                  int64_t Hv, int64_t Dk, int64_t Dv);
 
+// RMSNorm of `rows` rows of D float32 values: out = x / sqrt(mean(x^2) + eps) [* w] [* silu(gate)]
+// (w: D values or nullptr; gate: rows x D values or nullptr).
+void rms_norm(const float* x, const float* w, const float* gate, float* out, int64_t rows,
+              int64_t D, float eps);
+
+// silu(causal depthwise conv): x [B, T+K-1, C] (the K-1 previous rows, then T new ones),
+// w [C, K] -> out [B, T, C].
+void causal_conv_silu(const float* x, const float* w, float* out, int64_t B, int64_t T,
+                      int64_t C, int64_t K);
+
+// Non-interleaved RoPE on the first `dims` of D features: x, out [N, L, D], position offset + l.
+void rope(const float* x, float* out, int64_t N, int64_t L, int64_t D, int64_t dims, float base,
+          int64_t offset);
+
+// Router: softmax over E logits per row, the k most probable experts (descending) and their
+// probabilities (renormalized to sum 1 when norm_topk).
+void moe_route(const float* logits, int64_t rows, int64_t E, int64_t k, bool norm_topk,
+               uint32_t* inds, float* scores);
+
 // Calls whose weights are smaller than this run on the calling thread only.
 void set_single_thread_bytes(int64_t bytes);
 

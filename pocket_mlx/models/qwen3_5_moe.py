@@ -23,7 +23,7 @@ import mlx.nn as nn
 
 from .. import ops
 from ..errors import PocketError
-from ..layers import Embedding, Linear, SwitchGLU
+from ..layers import Embedding, Linear, RMSNorm, SwitchGLU
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -106,16 +106,11 @@ class RMSNormGated(nn.Module):
         self.weight = mx.ones(dims)
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        return _gated_norm(x, gate, mx.fast.rms_norm(x, self.weight, self.eps))
+        return ops.rms_norm_gated(x, self.weight, gate, self.eps)
 
 
 # Small elementwise pieces are compiled: fused into one kernel each, they cost far fewer ops per
 # decoded token (per-op overhead dominates decode of small models and of the CPU path).
-@partial(mx.compile, shapeless=True)
-def _gated_norm(x, gate, y):
-    return (nn.silu(gate.astype(mx.float32)) * y.astype(mx.float32)).astype(x.dtype)
-
-
 @partial(mx.compile, shapeless=True)
 def _log_decay(A_log, a, dt_bias):
     return -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias)
@@ -252,19 +247,6 @@ class LinearAttentionCache:
         return [a for a in (self.conv_state, self.state) if a is not None]
 
 
-def _depthwise_conv(x: mx.array, w: mx.array) -> mx.array:
-    """Causal depthwise conv, x [B, S + K - 1, C], w [C, K, 1] -> [B, S, C]: K shifted
-    multiply-adds. The same sum as nn.Conv1d(groups=C), a handful of fused elementwise ops
-    instead of MLX's grouped convolution, which is slow for one token."""
-    K = w.shape[1]
-    S = x.shape[1] - K + 1
-    w = w[:, :, 0].astype(x.dtype)
-    out = x[:, 0:S] * w[:, 0]
-    for j in range(1, K):
-        out = out + x[:, j:j + S] * w[:, j]
-    return out
-
-
 class GatedDeltaNet(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -301,7 +283,7 @@ class GatedDeltaNet(nn.Module):
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
         if cache is not None:
             cache.conv_state = mx.contiguous(conv_in[:, -(self.kernel - 1):, :])
-        conv_out = nn.silu(_depthwise_conv(conv_in, self.conv1d.weight))
+        conv_out = ops.causal_conv_silu(conv_in, self.conv1d.weight)
 
         q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
         q = q.reshape(B, S, self.num_k_heads, self.head_k_dim)
@@ -309,8 +291,8 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(B, S, self.num_v_heads, self.head_v_dim)
         # L2-normalise q and k; fold the Dk**-0.5 read-out scale into q.
         inv = self.head_k_dim**-0.5
-        q = (inv * inv) * mx.fast.rms_norm(q, None, 1e-6 * inv * inv)
-        k = inv * mx.fast.rms_norm(k, None, 1e-6 * inv * inv)
+        q = (inv * inv) * ops.rms_norm(q, None, 1e-6 * inv * inv)
+        k = inv * ops.rms_norm(k, None, 1e-6 * inv * inv)
 
         beta = mx.sigmoid(b)
         log_g = _log_decay(self.A_log, a, self.dt_bias)
@@ -336,10 +318,10 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=bias)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.rope = nn.RoPE(int(self.head_dim * args.partial_rotary_factor), traditional=False,
-                            base=args.rope_theta)
+        self.q_norm = RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.rope_dims = int(self.head_dim * args.partial_rotary_factor)
+        self.rope_base = args.rope_theta
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
@@ -351,8 +333,8 @@ class Attention(nn.Module):
         k = self.k_norm(k).transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
-        q = self.rope(q, offset=offset)
-        k = self.rope(k, offset=offset)
+        q = ops.rope(q, self.rope_dims, self.rope_base, offset)
+        k = ops.rope(k, self.rope_dims, self.rope_base, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         mask = "causal" if L > 1 else None
@@ -391,17 +373,17 @@ class SparseMoeBlock(nn.Module):
         self.observer = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        probs = mx.softmax(self.gate(x), axis=-1, precise=True)
-        k = self.top_k
-        inds = mx.stop_gradient(mx.argpartition(probs, kth=-k, axis=-1)[..., -k:])
-        scores = mx.take_along_axis(probs, inds, axis=-1)
-        if self.norm_topk_prob:
-            scores = scores / scores.sum(axis=-1, keepdims=True)
+        inds, scores = ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
         experts = self.switch_mlp(x, inds)
         if self.observer is not None:
             self.observer(x, inds, scores, experts)
-        y = (experts * scores[..., None]).sum(axis=-2)
-        return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return _combine_experts(experts, scores, self.shared_expert_gate(x), self.shared_expert(x))
+
+
+@partial(mx.compile, shapeless=True)
+def _combine_experts(experts, scores, shared_gate, shared):
+    """Routed experts weighted by their scores, plus the sigmoid-gated shared expert."""
+    return (experts * scores[..., None]).sum(axis=-2) + mx.sigmoid(shared_gate) * shared
 
 
 class DecoderLayer(nn.Module):
@@ -412,8 +394,8 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(args)
         else:
             self.self_attn = Attention(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = SparseMoeBlock(args)
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
@@ -427,7 +409,7 @@ class TextModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, t) for t in args.layer_types]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
         h = self.embed_tokens(inputs)

@@ -1,0 +1,86 @@
+// Small per-layer ops of Qwen3.5-MoE that MLX runs on the CPU as many composed graph nodes:
+// the causal depthwise conv of Gated DeltaNet, partial rotary embedding (RoPE) and the MoE
+// router's softmax + top-k. A decode step pays ~10 us per graph node on the CPU, so each of
+// these (10-30 nodes per call, 40-60 calls per token) is one node here. All float32.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "qkernels.h"
+
+namespace pqk {
+
+void causal_conv_silu(const float* x, const float* w, float* out, int64_t B, int64_t T,
+                      int64_t C, int64_t K) {
+  const int64_t rows = B * T;
+  const bool single = rows * C * K < (1 << 20);
+  const int64_t per = single ? rows : std::max<int64_t>(1, rows / 64);
+  parallel_for((rows + per - 1) / per, single, [&](int64_t task) {
+    const int64_t r1 = std::min(rows, (task + 1) * per);
+    for (int64_t r = task * per; r < r1; r++) {
+      const int64_t b = r / T, t = r % T;
+      const float* xb = x + (b * (T + K - 1) + t) * C;  // window rows t .. t+K-1
+      float* o = out + r * C;
+      for (int64_t c = 0; c < C; c++) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < K; j++) acc += xb[j * C + c] * w[c * K + j];
+        o[c] = acc / (1.f + std::exp(-acc));
+      }
+    }
+  });
+}
+
+void rope(const float* x, float* out, int64_t rows_per_pos, int64_t L, int64_t D, int64_t dims,
+          float base, int64_t offset) {
+  // x [N, L, D] viewed as rows_per_pos groups of L positions (row (n, l) at position offset+l).
+  const int64_t half = dims / 2;
+  std::vector<float> cs(L * half), sn(L * half);
+  for (int64_t i = 0; i < half; i++) {
+    const float inv_freq = std::exp(-(float)(2 * i) / (float)dims * std::log(base));
+    for (int64_t l = 0; l < L; l++) {
+      const float a = (float)(offset + l) * inv_freq;
+      cs[l * half + i] = std::cos(a);
+      sn[l * half + i] = std::sin(a);
+    }
+  }
+  const int64_t rows = rows_per_pos * L;
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t l = r % L;
+    const float* xr = x + r * D;
+    float* o = out + r * D;
+    const float* c = cs.data() + l * half;
+    const float* s = sn.data() + l * half;
+    for (int64_t i = 0; i < half; i++) {
+      const float x1 = xr[i], x2 = xr[i + half];
+      o[i] = x1 * c[i] - x2 * s[i];
+      o[i + half] = x1 * s[i] + x2 * c[i];
+    }
+    for (int64_t i = dims; i < D; i++) o[i] = xr[i];
+  }
+}
+
+void moe_route(const float* logits, int64_t rows, int64_t E, int64_t k, bool norm_topk,
+               uint32_t* inds, float* scores) {
+  std::vector<float> p(E);
+  std::vector<int64_t> order(E);
+  for (int64_t r = 0; r < rows; r++) {
+    const float* lg = logits + r * E;
+    const float mx = *std::max_element(lg, lg + E);
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; e++) sum += (p[e] = std::exp(lg[e] - mx));
+    for (int64_t e = 0; e < E; e++) p[e] /= sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float tot = 0.f;
+    for (int64_t j = 0; j < k; j++) tot += p[order[j]];
+    for (int64_t j = 0; j < k; j++) {
+      inds[r * k + j] = (uint32_t)order[j];
+      scores[r * k + j] = norm_topk ? p[order[j]] / tot : p[order[j]];
+    }
+  }
+}
+
+}  // namespace pqk
