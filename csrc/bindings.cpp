@@ -322,10 +322,10 @@ class PocketGatedDelta : public mx::Primitive {
       }
       const mx::array& q = inputs[0];
       const mx::array& v = inputs[2];
-      if (!in_place) {
-        std::memcpy(state.data<float>(), contiguous_bytes(inputs[5], tmp[5]), state.nbytes());
-      }
-      pqk::gated_delta(p[0], p[1], p[2], p[3], p[4], state.data<float>(), y.data<float>(),
+      // Not in place: the kernel reads the old state and writes the new one in one pass.
+      const float* old_state = in_place ? state.data<float>()
+                                        : static_cast<const float*>(contiguous_bytes(inputs[5], tmp[5]));
+      pqk::gated_delta(p[0], p[1], p[2], p[3], p[4], old_state, state.data<float>(), y.data<float>(),
                        q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3));
     });
   }

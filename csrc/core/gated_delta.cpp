@@ -17,7 +17,7 @@ namespace pqk {
 namespace {
 
 struct DeltaArgs {
-  const float *q, *k, *v, *g, *beta;
+  const float *q, *k, *v, *g, *beta, *state_in;
   float *state, *y;
   int64_t B, T, Hk, Hv, Dk, Dv;
 };
@@ -44,6 +44,9 @@ void delta_head(const DeltaArgs& a, int64_t b, int64_t hv) {
   const int64_t Dk = a.Dk, Dv = a.Dv, T = a.T;
   const int64_t hk = hv / (a.Hv / a.Hk);
   float* S = a.state + (b * a.Hv + hv) * Dv * Dk;
+  // The first token reads the old state and writes the new one in the same pass (no separate
+  // copy of the whole state when the two differ); later tokens update in place.
+  const float* S_in = a.state_in + (b * a.Hv + hv) * Dv * Dk;
   const bool vec = Dk % 8 == 0;
   for (int64_t t = 0; t < T; t++) {
     const int64_t bt = b * T + t;
@@ -55,27 +58,28 @@ void delta_head(const DeltaArgs& a, int64_t b, int64_t hv) {
     const float betat = a.beta[bt * a.Hv + hv];
     for (int64_t dv = 0; dv < Dv; dv++) {
       float* row = S + dv * Dk;
+      const float* src = (t == 0 ? S_in : S) + dv * Dk;
       float kv, out;
       if (vec) {
         v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int64_t i = 0; i < Dk; i += 8) acc += load8(row + i) * load8(kt + i);
+        for (int64_t i = 0; i < Dk; i += 8) acc += load8(src + i) * load8(kt + i);
         kv = gt * hsum8(acc);
         const float delta = (vt[dv] - kv) * betat;
         v8 acc2 = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int64_t i = 0; i < Dk; i += 8) {
-          v8 s = load8(row + i) * gt + load8(kt + i) * delta;
+          v8 s = load8(src + i) * gt + load8(kt + i) * delta;
           store8(row + i, s);
           acc2 += s * load8(qt + i);
         }
         out = hsum8(acc2);
       } else {
         float acc = 0.f;
-        for (int64_t i = 0; i < Dk; i++) acc += row[i] * kt[i];
+        for (int64_t i = 0; i < Dk; i++) acc += src[i] * kt[i];
         kv = gt * acc;
         const float delta = (vt[dv] - kv) * betat;
         float acc2 = 0.f;
         for (int64_t i = 0; i < Dk; i++) {
-          const float s = row[i] * gt + kt[i] * delta;
+          const float s = src[i] * gt + kt[i] * delta;
           row[i] = s;
           acc2 += s * qt[i];
         }
@@ -89,9 +93,9 @@ void delta_head(const DeltaArgs& a, int64_t b, int64_t hv) {
 }  // namespace
 
 void gated_delta(const float* q, const float* k, const float* v, const float* g,
-                 const float* beta, float* state, float* y, int64_t B, int64_t T, int64_t Hk,
-                 int64_t Hv, int64_t Dk, int64_t Dv) {
-  const DeltaArgs a{q, k, v, g, beta, state, y, B, T, Hk, Hv, Dk, Dv};
+                 const float* beta, const float* state_in, float* state, float* y, int64_t B,
+                 int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
+  const DeltaArgs a{q, k, v, g, beta, state_in, state, y, B, T, Hk, Hv, Dk, Dv};
   const int64_t state_bytes = B * Hv * Dv * Dk * 4;
   // Small states (one layer of a tiny model) are not worth waking the pool for.
   parallel_for(B * Hv, state_bytes * T < (1 << 20),

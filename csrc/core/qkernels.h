@@ -76,10 +76,11 @@ void parallel_for(int64_t n, bool single, const std::function<void(int64_t)>& fn
 
 // Gated delta rule (Gated DeltaNet) over T tokens, all float32 and row-major contiguous:
 // q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g (decay, not its log), beta [B, T, Hv];
-// state [B, Hv, Dv, Dk] updated in place; y [B, T, Hv, Dv] written. Hv is a multiple of Hk.
+// state_in [B, Hv, Dv, Dk] read, the new state written to `state` (may equal state_in: in
+// place); y [B, T, Hv, Dv] written. Hv is a multiple of Hk.
 void gated_delta(const float* q, const float* k, const float* v, const float* g,
-                 const float* beta, float* state, float* y, int64_t B, int64_t T, int64_t Hk,
-                 int64_t Hv, int64_t Dk, int64_t Dv);
+                 const float* beta, const float* state_in, float* state, float* y, int64_t B,
+                 int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
 
 // RMSNorm of `rows` rows of D float32 values: out = x / sqrt(mean(x^2) + eps) [* w] [* silu(gate)]
 // (w: D values or nullptr; gate: rows x D values or nullptr).

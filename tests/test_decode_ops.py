@@ -1,0 +1,109 @@
+"""The extension's one-node decode ops (RMSNorm, gated RMSNorm, causal conv + silu, RoPE, MoE
+router) against MLX's composed forms, which `pocket_mlx.ops` falls back to without the extension.
+Fresh random data each run; odd sizes; float32 (the CPU path)."""
+
+from __future__ import annotations
+
+import io
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from pocket_mlx import kernels, ops
+
+pytestmark = pytest.mark.skipif(kernels._ext is None, reason="C++ kernels not built")
+RNG = np.random.default_rng()
+
+
+@pytest.fixture(autouse=True)
+def _cpu():
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    kernels.set_enabled(True)
+    yield
+    kernels.set_enabled(True)
+    mx.set_default_device(old)
+
+
+def rand(*shape, scale=1.0):
+    return mx.array(RNG.standard_normal(shape).astype(np.float32) * scale)
+
+
+def close(a, b, rtol=1e-5):
+    a, b = np.array(a), np.array(b)
+    assert a.shape == b.shape
+    assert np.abs(a - b).max() <= rtol * max(np.abs(b).max(), 1e-30)
+
+
+def nodes(y) -> str:
+    f = io.StringIO()
+    mx.export_to_dot(f, y)
+    return f.getvalue()
+
+
+def stock(fn, *args, **kw):
+    kernels.set_enabled(False)
+    try:
+        return fn(*args, **kw)
+    finally:
+        kernels.set_enabled(True)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (3, 5, 128), (2, 7), (4, 1, 33)])
+def test_rms_norm(shape):
+    x, w, g = rand(*shape, scale=3), rand(shape[-1]), rand(*shape)
+    eps = float(RNG.uniform(1e-6, 1e-2))
+    y = ops.rms_norm(x, w, eps)
+    assert "PocketRMSNorm" in nodes(y)
+    close(y, mx.fast.rms_norm(x, w, eps))
+    close(ops.rms_norm(x, None, eps), mx.fast.rms_norm(x, None, eps))
+    close(ops.rms_norm_gated(x, w, g, eps), stock(ops.rms_norm_gated, x, w, g, eps))
+
+
+@pytest.mark.parametrize("S,C,K", [(1, 8192, 4), (7, 96, 4), (3, 33, 2)])
+def test_causal_conv_silu(S, C, K):
+    x, w = rand(2, S + K - 1, C), rand(C, K, 1)
+    y = ops.causal_conv_silu(x, w)
+    assert "PocketConvSilu" in nodes(y)
+    close(y, nn.silu(ops.depthwise_conv(x, w)))
+    # A strided input (a slice of a wider array) reads the same values.
+    wide = rand(2, S + K - 1, C + 5)
+    close(ops.causal_conv_silu(wide[..., 2:C + 2], w), nn.silu(ops.depthwise_conv(wide[..., 2:C + 2], w)))
+
+
+@pytest.mark.parametrize("dims,D,offset", [(64, 256, 0), (64, 256, 17), (32, 32, 5), (6, 10, 300)])
+def test_rope_decode(dims, D, offset):
+    x = rand(2, 3, 1, D)
+    y = ops.rope(x, dims, 1e4, offset)
+    assert "PocketRope" in nodes(y)
+    close(y, mx.fast.rope(x, dims, traditional=False, base=1e4, scale=1.0, offset=offset), 1e-5)
+    # Several positions (prefill) go to MLX's rope: same values.
+    xs = rand(1, 2, 5, D)
+    close(ops.rope(xs, dims, 1e4, offset),
+          mx.fast.rope(xs, dims, traditional=False, base=1e4, scale=1.0, offset=offset))
+
+
+@pytest.mark.parametrize("E,k,normalize", [(128, 8, True), (256, 8, False), (9, 3, True)])
+def test_moe_route(E, k, normalize):
+    logits = rand(3, 2, E, scale=2)
+    inds, scores = ops.moe_route(logits, k, normalize)
+    assert "PocketRoute" in nodes(scores)
+    ref_i, ref_s = stock(ops.moe_route, logits, k, normalize)
+    assert inds.dtype == ref_i.dtype == mx.uint32
+    assert np.array_equal(np.sort(np.array(inds), -1), np.sort(np.array(ref_i), -1))
+    close(mx.sort(scores, -1), mx.sort(ref_s, -1))
+
+
+def test_without_the_extension_ops_are_mlx():
+    x, w = rand(1, 1, 64), rand(64)
+    kernels.set_enabled(False)
+    try:
+        for y in (ops.rms_norm(x, w, 1e-6), ops.causal_conv_silu(rand(1, 4, 64), rand(64, 4, 1)),
+                  ops.rope(rand(1, 2, 1, 64), 32, 1e4, 3), ops.moe_route(x, 4, True)[1]):
+            assert "Pocket" not in nodes(y)
+    finally:
+        kernels.set_enabled(True)
+    # Non-float32 activations also take MLX's path.
+    assert "Pocket" not in nodes(ops.rms_norm(x.astype(mx.bfloat16), None, 1e-6))
