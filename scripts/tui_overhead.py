@@ -33,6 +33,7 @@ async def measure(prompt: str, max_tokens: int, model: str | None, runs: int,
     """Alternate: one `generate --json` subprocess (the app idle), then one TUI reply."""
     from pocket_mlx.tui.app import ChatApp
     from pocket_mlx.tui.session import Settings
+    from textual import events
 
     app = ChatApp(model, device="cpu", settings=Settings(max_tokens=max_tokens))
     gen, tui, ui_cpu = [], [], []
@@ -45,7 +46,10 @@ async def measure(prompt: str, max_tokens: int, model: str | None, runs: int,
             done = app.replies_done
             app.prompt.text = prompt
             c0, t0 = time.thread_time(), time.perf_counter()  # this coroutine runs on the UI thread
-            await pilot.press("enter")
+            # Enter as a terminal would send it, not `pilot.press`: that then polls the process
+            # at 50 Hz for up to 2 s, waiting for an idle CPU that never comes while decoding, and
+            # its polling would be counted as the app's UI work.
+            app.post_message(events.Key("enter", "\r"))
             while app.replies_done == done:
                 await asyncio.sleep(0.25)  # not pilot.pause: keep the harness off the UI thread
             ui_cpu.append((time.thread_time() - c0) / (time.perf_counter() - t0))

@@ -9,17 +9,25 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from pocket_mlx.tui import app as app_module
 from pocket_mlx.tui.app import ChatApp
-from pocket_mlx.tui.conversation import AssistantMessage, Notice, UserMessage
+from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, Notice, UserMessage
 from pocket_mlx.tui.session import ChatSession, Settings
+from pocket_mlx.tui.stats_panel import StatsPanel
+from textual.app import App
+from textual.screen import Screen
 
 from pocket_mlx.conversations import ConversationStore
 from pocket_mlx.devices import gpu_available
+from pocket_mlx.generation import GenerationStats, Response
 from pocket_mlx.loader import load
 
 LONG_PROMPT = "def main():"  # the bundled model writes code here without stopping
+CHAT_TCSS = str(Path(app_module.__file__).with_name("chat.tcss"))
 
 
 @pytest.fixture(autouse=True)
@@ -124,15 +132,18 @@ def test_stop_mid_reply_keeps_partial():
         await until(pilot, lambda: app.replies_done > done, timeout=5)
         s = app.last_stats
         assert s.finish_reason == "cancelled"
-        assert 3 <= s.generation_tokens < 200
+        assert 3 <= s.generation_tokens < 1000
         reply = app.conversation.messages[-1]
         assert reply["role"] == "assistant" and reply["content"]
         assert any("stopped" in str(n.render()) for n in app.query(Notice))
         # The conversation goes on from the partial reply, reusing the cache.
+        app.settings = Settings(max_tokens=8)
         await send(app, pilot, "More")
         assert app.last_stats.prompt_tokens < 20
 
-    run(scenario, settings=Settings(max_tokens=200))
+    # Room to stop: `pilot.press` may return only ~2 s after the key (it waits for an idle CPU),
+    # and 200 tokens can be written by then.
+    run(scenario, settings=Settings(max_tokens=1000))
 
 
 def test_regenerate_replaces_last_reply():
@@ -340,3 +351,151 @@ def test_session_stop_during_prefill_rolls_back(session, exact_kernels):
     assert session.plan_kind == "cache" and b
     session.reset()
     assert reply(session, turn2)[0] == b  # same as from scratch
+
+
+# ---- what the UI costs while a reply streams -------------------------------------------------
+
+def fake_generate(tokens: int, tps: float = 100.0):
+    """A `ChatSession.generate` that sleeps instead of decoding: the UI's own work, alone."""
+    def generate(self, messages, settings, device, *, progress=None, should_stop=None,
+                 warn=print):
+        if progress:
+            progress(0, 12, 0)
+        time.sleep(0.05)
+        t0, n = time.perf_counter(), 0
+        for i in range(tokens):
+            time.sleep(1 / tps)
+            if should_stop and should_stop():
+                break
+            n += 1
+            st = GenerationStats(prompt_tokens=12, prompt_tps=240.0, ttft_s=0.05,
+                                 generation_tokens=n, bytes_per_token=4_000_000,
+                                 generation_tps=n / (time.perf_counter() - t0), phase="decode")
+            yield Response(f"word{i} ", 1, st), 12 + n
+        st = replace(st, phase="done", finish_reason="length")
+        yield Response("", None, st), 12 + n
+
+    return generate
+
+
+def test_reply_repaints_once_per_tick_and_lays_out_once_per_append(monkeypatch):
+    monkeypatch.setattr(ChatSession, "generate", fake_generate(300))
+    frames, ticks = [], []
+    update, tick = Screen._on_timer_update, app_module.ChatApp._tick
+
+    def on_timer_update(screen):
+        names = {type(w).__name__ for w in screen._dirty_widgets}
+        frames.append((time.perf_counter(), names, screen._layout_required))
+        return update(screen)
+
+    async def on_tick(app):
+        if app.busy:
+            ticks.append(time.perf_counter())
+        await tick(app)
+
+    monkeypatch.setattr(Screen, "_on_timer_update", on_timer_update)
+    monkeypatch.setattr(app_module.ChatApp, "_tick", on_tick)
+
+    async def scenario(app, pilot):
+        done = app.replies_done
+        app.prompt.text = "Tell me a fortune"
+        await pilot.press("enter")
+        while app.replies_done == done:
+            await asyncio.sleep(0.1)  # not pilot.pause: it forces a screen update of its own
+
+    # One paragraph that grows, on a screen it fits: no new blocks, no scrollbar to show.
+    run(scenario, size=(100, 60), settings=Settings(max_tokens=300))
+    decode = ticks[3:-1]  # past prefill and the first append (it mounts the paragraph)
+    assert len(decode) >= 6
+    for t, after in zip(decode, decode[1:]):
+        between = [(names, layout) for ft, names, layout in frames if t <= ft < after]
+        # each tick's repaint is on screen before the next tick (4 Hz), not held back a tick
+        assert any("StatsPanel" in names for names, _ in between)
+        # a taller reply is laid out once per append (every 2nd tick), not twice
+        assert sum(layout for _, layout in between) <= 1
+
+
+def test_stats_panel_shows_everything_without_moving():
+    class PanelApp(App):
+        CSS_PATH = CHAT_TCSS
+
+        def compose(self):
+            yield StatsPanel(id="stats")
+
+    def lines(app) -> list[str]:
+        return [s.text for s in app.screen._compositor.render_strips()]
+
+    async def main():
+        app = PanelApp()
+        async with app.run_test(size=(30, 24)) as pilot:
+            panel = app.query_one(StatsPanel)
+            panel.context_max, panel.bytes_per_token = 2048, 4_000_000
+            panel.device_label = "GPU (a label far too long for the panel)"
+            panel.wired = "12.0 GB of 48 GB"
+            panel.set_phase("idle")
+            panel.redraw()
+            await pilot.pause(0.05)
+            idle = lines(app)
+            panel.set_phase("prefill")
+            panel.set_prefill(6, 12, 6)
+            panel.redraw()
+            await pilot.pause(0.05)
+            prefill = lines(app)
+            for n in range(1, 6):
+                panel.set_stats(GenerationStats(
+                    prompt_tokens=12, prompt_tps=240.0, ttft_s=0.05, generation_tokens=10 * n,
+                    generation_tps=50.0 + n, bytes_per_token=4_000_000, phase="decode"), 12 + 10 * n)
+                panel.redraw()
+                await pilot.pause(0.05)
+            decoding = lines(app)
+        return idle, prefill, decoding
+
+    idle, prefill, decoding = asyncio.run(main())
+    assert "● idle" in idle[1] and "● prefill" in prefill[1] and "● decoding" in decoding[1]
+    assert "━" in prefill[2] and "50%" in prefill[2] and not idle[2].strip("│ ")
+    text = "\n".join(decoding)
+    for field in ("TTFT      0.05 s", "prefill   240 tok/s", "decode    55.0 tok/s",
+                  "tokens    50", "context   62 / 2,048", "weights   4.0 MB/tok",
+                  "bandwidth 0.22 GB/s", "active", "peak", "wired     12.0 GB of 48 GB",
+                  "kernels"):
+        assert field in text, field
+    assert "device    GPU (a label fa… │" in text  # cut to the panel, not wrapped
+    assert any(c in text for c in "▁▂▃▄▅▆▇█")  # the decode tok/s sparkline
+    # Same rows in every phase: nothing below the phase line moves (no layout on change).
+    for screen in (idle, prefill):
+        assert [row.find("TTFT") for row in screen] == [row.find("TTFT") for row in decoding]
+        assert [row.find("kernels") for row in screen] == [row.find("kernels") for row in decoding]
+
+
+def test_streamed_markdown_looks_as_rendered_at_once():
+    md = ("A plan:\n\n1. first, a long item that wraps around the message box at least once\n"
+          "2. second\n   - nested, also long enough to wrap onto a second line in the box\n\n"
+          "```python\ndef main():\n    return 0\n```\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+          "> a quote\n\nThe end, with https://example.com in it.\n") * 2
+
+    class ViewApp(App):
+        CSS_PATH = CHAT_TCSS
+
+        def compose(self):
+            yield ConversationView(id="conversation")
+
+    async def shot(chunk: int | None) -> list[str]:
+        app = ViewApp()
+        async with app.run_test(size=(80, 90)) as pilot:
+            view = app.query_one(ConversationView)
+            if chunk is None:
+                await view.add_assistant(md, "t")
+            else:
+                reply = await view.add_assistant(title="t")
+                reply.start_stream()
+                for i in range(0, len(md), chunk):
+                    await reply.write(md[i:i + chunk])
+                    await pilot.pause(0.01)
+                await reply.finish()
+            await pilot.pause(0.1)
+            return [s.text for s in app.screen._compositor.render_strips()]
+
+    once = asyncio.run(shot(None))
+    assert "def main():" in "\n".join(once)
+    for chunk in (5, 60):
+        assert asyncio.run(shot(chunk)) == once

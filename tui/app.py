@@ -11,7 +11,8 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -19,6 +20,7 @@ from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer
 from textual.worker import Worker, get_current_worker
@@ -40,8 +42,9 @@ from .stats_panel import REFRESH_S, StatsPanel
 CHUNK_S = 0.2  # the engine publishes reply text and a stats copy at most this often (5 Hz)
 TICK_S = REFRESH_S  # 0.25 s, the UI's one timer: the stats panel redraws every tick (4 Hz, as the spec asks)
 TEXT_EVERY = 2  # ...and reply text is appended every 2nd tick (2 Hz): each Markdown append
-# re-parses the last block and re-lays out the screen, the UI's costliest step. Everything the UI
-# does during a reply happens in one tick, so it costs one compositor pass, not one per source.
+# re-parses the last block and re-lays out the screen (once: see conversation.SteadySize), the
+# UI's costliest step. Everything the UI does during a reply happens in one tick, in one batch
+# (`_tick`), so it costs one compositor pass, not one per source.
 GIL_SWITCH_S = 0.001  # see on_mount
 
 
@@ -244,29 +247,48 @@ class ChatApp(App[None]):
     def on_prefill_progress(self, msg: PrefillProgress) -> None:
         self.stats_panel.set_prefill(msg.done, msg.total, msg.context)
 
+    @contextmanager
+    def _one_frame(self) -> Iterator[None]:
+        """What is done inside (awaits included) reaches the screen in one compositor pass, with
+        at most one layout, instead of one per widget it touches."""
+        with self.batch_update():
+            yield
+        # The screens saw those repaints while the batch held them back, and ending a batch
+        # does not tell them: without this they would wait for the next repaint's prompt.
+        for screen in self.screen_stack:
+            screen.check_idle()
+
     async def _tick(self) -> None:
         """The UI's only periodic work: pull what the engine published, redraw the panel."""
         self._ticks += 1
-        panel = self.stats_panel
-        if self._reply is not None:
+        try:
+            panel = self.stats_panel
+        except NoMatches:  # the app is closing: its widgets are gone before its timer
+            return
+        reply = self._reply
+        if reply is not None:
             stats, context = self._live.latest()
             if stats is not None and stats is not panel.stats:
                 panel.set_stats(stats, context)
-            if self._ticks % TEXT_EVERY == 0:
+        # The panel's repaint and the reply's new text in one compositor pass (else the screen
+        # updates once when the panel is repainted and again after the append).
+        with self._one_frame():
+            panel.redraw()
+            if reply is not None and self._ticks % TEXT_EVERY == 0:
                 text = self._live.take_text()
                 if text:
-                    await self._reply.write(text)
-        panel.redraw()
+                    await reply.write(text)
 
     async def on_reply_done(self, msg: ReplyDone) -> None:
         reply, self._reply = self._reply, None
-        try:
-            if reply is not None:
-                await self._finish_reply(reply, msg)
-        finally:
-            self.busy = False
-            self.prompt.cursor_blink = True
-            self.replies_done += 1
+        with self._one_frame():  # last text, colours, notice, cursor: one layout
+            try:
+                if reply is not None:
+                    await self._finish_reply(reply, msg)
+            finally:
+                self.busy = False
+                self.prompt.cursor_blink = True
+                self.replies_done += 1
 
     async def _finish_reply(self, reply: AssistantMessage, msg: ReplyDone) -> None:
         panel = self.stats_panel
@@ -333,11 +355,12 @@ class ChatApp(App[None]):
                         severity="warning")
             return
         self.prompt.remember(msg.text)
-        self.prompt.text = ""
-        self.conversation.messages.append({"role": "user", "content": msg.text})
-        self._save()
-        await self.view.add_user(msg.text)
-        await self._start_reply()
+        with self._one_frame():  # prompt cleared, two messages mounted: one layout
+            self.prompt.text = ""
+            self.conversation.messages.append({"role": "user", "content": msg.text})
+            self._save()
+            await self.view.add_user(msg.text)
+            await self._start_reply()
 
     async def _start_reply(self) -> None:
         assert self.info is not None

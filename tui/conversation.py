@@ -5,6 +5,7 @@ from __future__ import annotations
 from markdown_it import MarkdownIt
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown, Static
+from textual.widgets.markdown import MarkdownBlock
 
 FINISH_NOTICES = {
     "cancelled": "■ stopped — the partial reply is kept",
@@ -19,7 +20,37 @@ def finish_notice(reason: str | None, max_tokens: int | None = None) -> str | No
     return text.format(max_tokens=max_tokens if max_tokens is not None else "?") if text else None
 
 
-class UserMessage(Static):
+class SteadySize:
+    """Mixin for a widget that cannot scroll: when a layout changes its size, it does not ask for
+    another layout.
+
+    Textual stores a widget's new size as a reactive that requests a layout, so every append that
+    makes the reply taller costs two layouts of the whole screen (the second changes nothing: the
+    first already placed everything at the new size). The size is only needed again for
+    scrolling, which these widgets do not do. Private Textual API: falls back to the default if
+    the call does not look as expected."""
+
+    def _size_updated(self, *args, **kwargs):
+        styles = self.styles
+        if styles.overflow_x == "hidden" and styles.overflow_y == "hidden":
+            if len(args) == 4:
+                args = (*args[:3], False)
+            elif len(args) == 3:
+                kwargs["layout"] = False
+        return super()._size_updated(*args, **kwargs)
+
+
+_STEADY: dict[type, type] = {}
+
+
+def steady(cls: type) -> type:
+    """`cls` with `SteadySize` (one subclass per class, same name so the same CSS applies)."""
+    if cls not in _STEADY:
+        _STEADY[cls] = type(cls.__name__, (SteadySize, cls), {"__module__": cls.__module__})
+    return _STEADY[cls]
+
+
+class UserMessage(SteadySize, Static):
     """A prompt as typed (no markup interpretation)."""
 
     def __init__(self, text: str) -> None:
@@ -39,7 +70,7 @@ def _stream_parser() -> MarkdownIt:
     return _parser().disable("linkify")
 
 
-class AssistantMessage(Markdown):
+class AssistantMessage(SteadySize, Markdown):
     """A reply, rendered as Markdown; `streaming` while tokens are arriving.
 
     The app already batches text (a few appends a second), so fragments go straight to
@@ -51,9 +82,19 @@ class AssistantMessage(Markdown):
         self.border_title = title
         self.streaming = False
         self.text = text
+        self._stream_md: MarkdownIt | None = None
+
+    def get_block_class(self, block_name: str) -> type[MarkdownBlock]:
+        return steady(super().get_block_class(block_name))
 
     def _make_parser(self) -> MarkdownIt:
-        return _stream_parser() if self.streaming else _parser()
+        # Textual asks for a parser on every append: building one costs about as much as parsing
+        # the last block, so the streaming one is made once per reply.
+        if not self.streaming:
+            return _parser()
+        if self._stream_md is None:
+            self._stream_md = _stream_parser()
+        return self._stream_md
 
     def start_stream(self) -> None:
         self.streaming = True
@@ -75,7 +116,7 @@ class AssistantMessage(Markdown):
         self.remove_class("streaming")
 
 
-class Notice(Static):
+class Notice(SteadySize, Static):
     """A one-line remark about the reply above (stopped, limit reached, error)."""
 
     def __init__(self, text: str, classes: str = "") -> None:
