@@ -499,3 +499,23 @@ def test_streamed_markdown_looks_as_rendered_at_once():
     assert "def main():" in "\n".join(once)
     for chunk in (5, 60):
         assert asyncio.run(shot(chunk)) == once
+
+
+def test_single_newlines_in_a_reply_stay_line_breaks():
+    """Verses and unfenced code keep their lines (Textual would show a soft break as a space)."""
+    class ViewApp(App):
+        CSS_PATH = CHAT_TCSS
+
+        def compose(self):
+            yield ConversationView(id="conversation")
+
+    async def lines() -> list[str]:
+        app = ViewApp()
+        async with app.run_test(size=(80, 20)) as pilot:
+            await app.query_one(ConversationView).add_assistant("roses are red\nviolets are blue", "t")
+            await pilot.pause(0.1)
+            return [s.text for s in app.screen._compositor.render_strips()]
+
+    shown = asyncio.run(lines())
+    assert any("roses are red" in line and "violets" not in line for line in shown)
+    assert any("violets are blue" in line for line in shown)

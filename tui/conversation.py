@@ -59,8 +59,20 @@ class UserMessage(SteadySize, Static):
 
 
 def _parser() -> MarkdownIt:
-    """GFM with line breaks kept: verses, poems and unfenced code are written line by line."""
-    return MarkdownIt("gfm-like", {"breaks": True})
+    """GFM with line breaks kept: verses, poems and unfenced code are written line by line.
+
+    markdown-it's `breaks` option only changes its HTML renderer; Textual draws the tokens itself
+    and shows a soft break as a space, so soft breaks are turned into hard ones here."""
+    md = MarkdownIt("gfm-like")
+    md.core.ruler.push("keep_line_breaks", _hard_breaks)
+    return md
+
+
+def _hard_breaks(state) -> None:
+    for token in state.tokens:
+        for child in token.children or ():
+            if child.type == "softbreak":
+                child.type = "hardbreak"
 
 
 def _stream_parser() -> MarkdownIt:
