@@ -1,6 +1,7 @@
 // MLX extension: custom CPU primitives around the plain core in core/qkernels.h.
 //   _qkernels.quantized_matmul(x, w, scales, biases, group_size, bits)        (transpose=True)
 //   _qkernels.gather_qmm(x, w, scales, biases, indices, group_size, bits)     (rhs_indices)
+//   _qkernels.gated_delta, rms_norm, causal_conv_silu, rope, moe_route        (decode helpers)
 // eval_gpu throws: these primitives are for the CPU device only.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -15,6 +16,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/qkernels.h"
@@ -87,26 +89,41 @@ int64_t bcast_offset(const std::vector<int64_t>& bidx, const mx::Shape& bshape,
   return off;
 }
 
-class PocketQMM : public mx::Primitive {
+// Registers the arrays with the CPU command encoder and queues `fn` on the stream's thread:
+// what every primitive here does in eval_cpu once its outputs have buffers.
+template <class F>
+void encode(const mx::Stream& s, const std::vector<mx::array>& inputs,
+            const std::vector<mx::array>& outputs, F&& fn) {
+  auto& enc = mx::cpu::get_command_encoder(s);
+  for (auto& a : inputs) enc.set_input_array(a);
+  for (auto& o : outputs) enc.set_output_array(o);
+  enc.dispatch(std::forward<F>(fn));
+}
+
+void alloc(mx::array& a) { a.set_data(mx::allocator::malloc(a.nbytes())); }
+
+// The primitives of this extension run on the CPU only; the GPU keeps MLX's own ops.
+class CpuPrimitive : public mx::Primitive {
+ public:
+  using mx::Primitive::Primitive;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string("pocket_mlx._qkernels: ") + name() +
+                             " runs on the CPU only (the GPU uses MLX's own ops)");
+  }
+};
+
+class PocketQMM : public CpuPrimitive {
  public:
   PocketQMM(mx::Stream s, int group_size, int bits, bool gathered)
-      : mx::Primitive(s), group_size_(group_size), bits_(bits), gathered_(gathered) {}
+      : CpuPrimitive(s), group_size_(group_size), bits_(bits), gathered_(gathered) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    enc.dispatch([inputs, out, gs = group_size_, bits = bits_, gathered = gathered_]() mutable {
-      run(inputs, out, gs, bits, gathered);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error(
-        "pocket_mlx._qkernels primitives run on the CPU only (use mx.quantized_matmul / "
-        "mx.gather_qmm on the GPU)");
+    alloc(out);
+    encode(stream(), inputs, outputs,
+           [inputs, out, gs = group_size_, bits = bits_, gathered = gathered_]() mutable {
+             run(inputs, out, gs, bits, gathered);
+           });
   }
 
   const char* name() const override { return gathered_ ? "PocketGatherQMM" : "PocketQMM"; }
@@ -293,14 +310,14 @@ mx::array gather_qmm(const mx::array& x, const mx::array& w, const mx::array& sc
 
 // Gated delta rule over a sequence (Gated DeltaNet's recurrence), float32 in and out.
 // Inputs q, k, v, g, beta, state; outputs y [B, T, Hv, Dv] and the new state [B, Hv, Dv, Dk].
-class PocketGatedDelta : public mx::Primitive {
+class PocketGatedDelta : public CpuPrimitive {
  public:
-  explicit PocketGatedDelta(mx::Stream s) : mx::Primitive(s) {}
+  explicit PocketGatedDelta(mx::Stream s) : CpuPrimitive(s) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     mx::array& y = outputs[0];
     mx::array& state = outputs[1];
-    y.set_data(mx::allocator::malloc(y.nbytes()));
+    alloc(y);
     // Update the state in place when nothing else holds the old one (the usual case: the cache
     // already points at the new state), saving a copy of the whole state per token.
     const mx::array& old = inputs[5];
@@ -308,13 +325,9 @@ class PocketGatedDelta : public mx::Primitive {
     if (in_place) {
       state.copy_shared_buffer(old);
     } else {
-      state.set_data(mx::allocator::malloc(state.nbytes()));
+      alloc(state);
     }
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(y);
-    enc.set_output_array(state);
-    enc.dispatch([inputs, y, state, in_place]() mutable {
+    encode(stream(), inputs, outputs, [inputs, y, state, in_place]() mutable {
       std::vector<std::vector<uint8_t>> tmp(6);
       const float* p[6];
       for (int i = 0; i < 5; i++) {
@@ -328,10 +341,6 @@ class PocketGatedDelta : public mx::Primitive {
       pqk::gated_delta(p[0], p[1], p[2], p[3], p[4], old_state, state.data<float>(), y.data<float>(),
                        q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3));
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("pocket_mlx._qkernels.gated_delta runs on the CPU only");
   }
 
   const char* name() const override { return "PocketGatedDelta"; }
@@ -358,86 +367,27 @@ std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const
                                 {q, k, v, g, beta, state});
 }
 
-// RMSNorm over the last axis [* weight] [* silu(gate)], float32 in and out: one node and one
-// pass per row where mx.fast.rms_norm on the CPU is a graph of ~10 composed ops.
-class PocketRMSNorm : public mx::Primitive {
+// Small per-layer ops (core/norms.cpp, core/decode_ops.cpp), float32: one node each where MLX's
+// CPU backend runs a graph of composed ops (mx.fast.rms_norm alone is ~10 nodes on the CPU).
+class PocketSmallOp : public CpuPrimitive {
  public:
-  PocketRMSNorm(mx::Stream s, float eps, bool has_weight, bool has_gate)
-      : mx::Primitive(s), eps_(eps), has_weight_(has_weight), has_gate_(has_gate) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    enc.dispatch([inputs, out, eps = eps_, hw = has_weight_, hg = has_gate_]() mutable {
-      std::vector<std::vector<uint8_t>> tmp(3);
-      const float* x = static_cast<const float*>(contiguous_bytes(inputs[0], tmp[0]));
-      size_t i = 1;
-      const float* w = hw ? static_cast<const float*>(contiguous_bytes(inputs[i], tmp[i])) : nullptr;
-      i += hw ? 1 : 0;
-      const float* g = hg ? static_cast<const float*>(contiguous_bytes(inputs[i], tmp[i])) : nullptr;
-      const int64_t D = out.shape(-1);
-      pqk::rms_norm(x, w, g, out.data<float>(), (int64_t)out.size() / D, D, eps);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("pocket_mlx._qkernels.rms_norm runs on the CPU only");
-  }
-
-  const char* name() const override { return "PocketRMSNorm"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const PocketRMSNorm*>(&other);
-    return o && o->eps_ == eps_ && o->has_weight_ == has_weight_ && o->has_gate_ == has_gate_;
-  }
-
- private:
-  float eps_;
-  bool has_weight_, has_gate_;
-};
-
-mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight,
-                   const std::optional<mx::array>& gate, float eps, mx::StreamOrDevice s) {
-  const char* err = "pocket_mlx._qkernels.rms_norm: ";
-  if (x.dtype() != mx::float32 || (weight && weight->dtype() != mx::float32) ||
-      (gate && gate->dtype() != mx::float32))
-    throw std::invalid_argument(std::string(err) + "inputs must be float32");
-  if (x.ndim() < 1 || x.size() == 0 || (weight && (weight->ndim() != 1 ||
-                                                   weight->shape(0) != x.shape(-1))) ||
-      (gate && gate->shape() != x.shape()))
-    throw std::invalid_argument(std::string(err) + "shape mismatch");
-  std::vector<mx::array> inputs{x};
-  if (weight) inputs.push_back(*weight);
-  if (gate) inputs.push_back(*gate);
-  return mx::array(x.shape(), mx::float32,
-                   std::make_shared<PocketRMSNorm>(cpu_stream(s), eps, (bool)weight, (bool)gate),
-                   inputs);
-}
-
-// Decode-step helpers (core/decode_ops.cpp): one node each instead of MLX's composed forms.
-class PocketSmallOp : public mx::Primitive {
- public:
-  enum Kind { CONV_SILU, ROPE, ROUTE };
+  enum Kind { RMS_NORM, CONV_SILU, ROPE, ROUTE };
   PocketSmallOp(mx::Stream s, Kind kind, int64_t a = 0, int64_t b = 0, float f = 0.f)
-      : mx::Primitive(s), kind_(kind), a_(a), b_(b), f_(f) {}
+      : CpuPrimitive(s), kind_(kind), a_(a), b_(b), f_(f) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    for (auto& o : outputs) {
-      o.set_data(mx::allocator::malloc(o.nbytes()));
-      enc.set_output_array(o);
-    }
-    enc.dispatch([inputs, outputs, kind = kind_, a = a_, b = b_, f = f_]() mutable {
+    for (auto& o : outputs) alloc(o);
+    encode(stream(), inputs, outputs, [inputs, outputs, kind = kind_, a = a_, b = b_, f = f_]() mutable {
       std::vector<std::vector<uint8_t>> tmp(inputs.size());
       std::vector<const float*> in;
       for (size_t i = 0; i < inputs.size(); i++)
         in.push_back(static_cast<const float*>(contiguous_bytes(inputs[i], tmp[i])));
       const mx::array& x = inputs[0];
-      if (kind == CONV_SILU) {  // x [B, T+K-1, C], w [C, K(, 1)]
+      if (kind == RMS_NORM) {  // x [..., D] [, weight [D]] [, gate like x]; a, b = has weight, gate
+        const int64_t D = x.shape(-1);
+        pqk::rms_norm(in[0], a ? in[1] : nullptr, b ? in[a ? 2 : 1] : nullptr,
+                      outputs[0].data<float>(), (int64_t)x.size() / D, D, f);
+      } else if (kind == CONV_SILU) {  // x [B, T+K-1, C], w [C, K(, 1)]
         const int64_t K = inputs[1].shape(1);
         pqk::causal_conv_silu(in[0], in[1], outputs[0].data<float>(), x.shape(0),
                               x.shape(1) - K + 1, x.shape(2), K);
@@ -452,12 +402,13 @@ class PocketSmallOp : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("pocket_mlx._qkernels decode ops run on the CPU only");
-  }
-
   const char* name() const override {
-    return kind_ == CONV_SILU ? "PocketConvSilu" : kind_ == ROPE ? "PocketRope" : "PocketRoute";
+    switch (kind_) {
+      case RMS_NORM: return "PocketRMSNorm";
+      case CONV_SILU: return "PocketConvSilu";
+      case ROPE: return "PocketRope";
+      default: return "PocketRoute";
+    }
   }
 
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -474,6 +425,25 @@ class PocketSmallOp : public mx::Primitive {
 void require_f32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32)
     throw std::invalid_argument(std::string("pocket_mlx._qkernels.") + what + ": float32 only");
+}
+
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight,
+                   const std::optional<mx::array>& gate, float eps, mx::StreamOrDevice s) {
+  const char* err = "pocket_mlx._qkernels.rms_norm: ";
+  if (x.dtype() != mx::float32 || (weight && weight->dtype() != mx::float32) ||
+      (gate && gate->dtype() != mx::float32))
+    throw std::invalid_argument(std::string(err) + "inputs must be float32");
+  if (x.ndim() < 1 || x.size() == 0 || (weight && (weight->ndim() != 1 ||
+                                                   weight->shape(0) != x.shape(-1))) ||
+      (gate && gate->shape() != x.shape()))
+    throw std::invalid_argument(std::string(err) + "shape mismatch");
+  std::vector<mx::array> inputs{x};
+  if (weight) inputs.push_back(*weight);
+  if (gate) inputs.push_back(*gate);
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<PocketSmallOp>(cpu_stream(s), PocketSmallOp::RMS_NORM,
+                                                   (bool)weight, (bool)gate, eps),
+                   inputs);
 }
 
 mx::array causal_conv_silu(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {

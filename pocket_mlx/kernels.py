@@ -128,21 +128,8 @@ def gated_delta(q, k, v, g, beta, state):
         return None
 
 
-def rms_norm(x, weight, eps: float, gate=None):
-    """x / sqrt(mean(x^2, -1) + eps) [* weight] [* silu(gate)] in one CPU node (float32), or
-    None when the extension cannot run it."""
-    if (not enabled() or not hasattr(_ext, "rms_norm") or x.dtype != mx.float32
-            or (weight is not None and weight.dtype != mx.float32)
-            or (gate is not None and gate.dtype != mx.float32)):
-        return None
-    try:
-        return _ext.rms_norm(x, weight, gate, eps=eps)
-    except (ValueError, TypeError):
-        return None
-
-
 def decode_op(name: str, *args, **kwargs):
-    """One of the extension's small float32 decode ops (causal_conv_silu, rope, moe_route), or
+    """One of the extension's small float32 ops (rms_norm, causal_conv_silu, rope, moe_route), or
     None when the extension cannot run it (the caller then uses MLX's composed form)."""
     if not enabled() or not hasattr(_ext, name) or any(
             isinstance(a, mx.array) and a.dtype != mx.float32 for a in args):

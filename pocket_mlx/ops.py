@@ -33,31 +33,27 @@ def gated_delta(q, k, v, g, beta, state):
     return k_.gated_delta(q, k, v, g, beta, state) if k_ is not None else None
 
 
+def _decode_op(name: str, *args, **kwargs):
+    k = _cpu_kernels()
+    return k.decode_op(name, *args, **kwargs) if k is not None else None
+
+
 def rms_norm(x, weight, eps: float):
     """mx.fast.rms_norm; on the CPU one node of the extension instead of MLX's composed
     fallback (~10 nodes)."""
-    k = _cpu_kernels()
-    out = k.rms_norm(x, weight, eps) if k is not None else None
+    out = _decode_op("rms_norm", x, weight, None, eps=eps)
     return out if out is not None else mx.fast.rms_norm(x, weight, eps)
 
 
 def rms_norm_gated(x, weight, gate, eps: float):
     """rms_norm(x, weight) * silu(gate), computed in float32, in x's dtype."""
-    k = _cpu_kernels()
-    out = k.rms_norm(x, weight, eps, gate=gate) if k is not None else None
-    if out is not None:
-        return out
-    return _gated(x, gate, mx.fast.rms_norm(x, weight, eps))
+    out = _decode_op("rms_norm", x, weight, gate, eps=eps)
+    return out if out is not None else _gated(x, gate, mx.fast.rms_norm(x, weight, eps))
 
 
 @partial(mx.compile, shapeless=True)
 def _gated(x, gate, y):
     return (nn.silu(gate.astype(mx.float32)) * y.astype(mx.float32)).astype(x.dtype)
-
-
-def _decode_op(name: str, *args, **kwargs):
-    k = _cpu_kernels()
-    return k.decode_op(name, *args, **kwargs) if k is not None else None
 
 
 def causal_conv_silu(x, w):
