@@ -93,7 +93,7 @@ int64_t bcast_offset(const std::vector<int64_t>& bidx, const mx::Shape& bshape,
 // what every primitive here does in eval_cpu once its outputs have buffers.
 template <class F>
 void encode(const mx::Stream& s, const std::vector<mx::array>& inputs,
-            const std::vector<mx::array>& outputs, F&& fn) {
+            std::vector<mx::array>& outputs, F&& fn) {
   auto& enc = mx::cpu::get_command_encoder(s);
   for (auto& a : inputs) enc.set_input_array(a);
   for (auto& o : outputs) enc.set_output_array(o);
