@@ -133,6 +133,13 @@ constexpr int vals_per_lane(int bits) {
   return bits == 2 ? 16 : (bits == 3 || bits == 4) ? 8 : 4;
 }
 
+// FAST kernels take rows in chunks whose scales fit ~1024 floats; their scratch holds scales,
+// biases and, per activation row, the combined factors and bias terms of one chunk.
+constexpr int64_t fast_chunk_rows(int64_t G) { return G >= 1024 ? 1 : 1024 / G; }
+constexpr int64_t fast_scratch_floats(int64_t G, int mr) {
+  return (2 + mr) * (fast_chunk_rows(G) * G + 16) + mr * fast_chunk_rows(G);
+}
+
 struct RowsArgs {
   const float* const* xp;  // mr prepared activation rows (ISA layout, float32)
   int mr;
@@ -145,7 +152,7 @@ struct RowsArgs {
   DType sdt;
   int64_t n0, n1, K;
   int bits, gs;
-  float* scratch;  // >= 2 * (K / gs + 64) floats
+  float* scratch;  // >= 2 * (K / gs + 64) floats, FAST: fast_scratch_floats(K / gs, 8)
   // FAST mode only: int8 activations, per-group activation scales and sums.
   const int8_t* const* xq;
   const float* const* xd;    // [K / gs] per row: activation scale per group

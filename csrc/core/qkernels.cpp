@@ -518,7 +518,8 @@ void gather_qmm(const GatherProblem& p) {
     auto fn = [&](int64_t ti) {
       const Task& t = tasks[ti];
       thread_local std::vector<float> scratch;
-      if ((int64_t)scratch.size() < 2 * (G + 64)) scratch.resize(2 * (G + 64));
+      const int64_t need = std::max<int64_t>(2 * (G + 64), fast_scratch_floats(G, MRMAX));
+      if ((int64_t)scratch.size() < need) scratch.resize(need);
       RowsArgs a{};
       a.odt = p.odt;
       a.w = wbase + t.e * N * row_bytes;
