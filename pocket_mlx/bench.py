@@ -211,8 +211,10 @@ def mlx_lm_model(path, ours):
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import load_model
 
+    from .fusion import unfused_parameters
+
     theirs, _ = load_model(path, lazy=True)
-    mine = dict(tree_flatten(ours.parameters()))
+    mine = dict(unfused_parameters(ours))  # views of our fused projections, if any
     want = dict(tree_flatten(theirs.parameters()))
     if set(mine) != set(want):
         diff = sorted(set(mine) ^ set(want))

@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from .errors import PocketError
+from .fusion import unfused_parameters
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -99,7 +99,7 @@ def save_model(model, config: dict, out: Path, *, src: Path | None = None,
                extra_files: dict[str, str] | None = None) -> Path:
     """Save a loaded model as an MLX checkpoint (atomic)."""
     with atomic_dir(out, force=force) as tmp:
-        save_weights(tmp, tree_flatten(model.parameters()))
+        save_weights(tmp, unfused_parameters(model))  # the checkpoint's names, fused or not
         (tmp / "config.json").write_text(json.dumps(mlx_config(config, quantization), indent=2))
         if src is not None:
             copy_tokenizer(src, tmp)

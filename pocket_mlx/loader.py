@@ -156,7 +156,10 @@ def _cast(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
 
 
 def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
-               lazy: bool = False) -> nn.Module:
+               lazy: bool = False, fuse: bool = False) -> nn.Module:
+    """The model of a checkpoint folder. `fuse` (inference only) runs projections that read the
+    same input as one matmul (`Model.fuse_projections`); the parameters are then no longer
+    the checkpoint's, so converting, calibrating and saving load without it."""
     config = config or read_config(path)
     model = build_model(config)
     weights = model.sanitize(load_weights(path))
@@ -168,6 +171,10 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
     model.update(tree_unflatten(list(weights.items())))
     del weights
     model.eval()
+    if fuse:
+        # Before the layers are evaluated: the fused arrays are computed from the mapped
+        # files directly, and the separate projections never stay in memory.
+        model.fuse_projections(evaluate=not lazy)
     if not lazy:
         # One layer at a time: transient stacks (per-expert checkpoints) never pile up.
         lm = model.language_model
@@ -181,18 +188,19 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
 
 
 def load(path_or_repo: str | os.PathLike | None = None, device: str | None = None,
-         dtype: str | None = None, lazy: bool = False):
+         dtype: str | None = None, lazy: bool = False, fuse: bool = False):
     """Load a model and its tokenizer: `(model, tokenizer)`.
 
     `device` ("gpu"/"cpu"/None) is checked and recorded as the model's default generation device;
-    weights live in unified memory, so the same model can generate on either.
+    weights live in unified memory, so the same model can generate on either. `fuse=True` (for
+    generation and evaluation, fewer matmuls per token) fuses projections: see `load_model`.
     """
     from .devices import resolve_device
     from .tokenizer import load_tokenizer
 
     path = resolve_model_path(path_or_repo)
     config = read_config(path)
-    model = load_model(path, config, dtype=dtype, lazy=lazy)
+    model = load_model(path, config, dtype=dtype, lazy=lazy, fuse=fuse)
     model.device = resolve_device(device)
     tokenizer = load_tokenizer(path, config)
     return model, tokenizer

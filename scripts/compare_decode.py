@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=3)
     a = ap.parse_args()
-    model, tok = load(a.model, device="cpu")
+    model, tok = load(a.model, device="cpu", fuse=True)
     lm_model, _ = load_model(Path(a.model))
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]),
                      add_special_tokens=False)

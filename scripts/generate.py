@@ -8,7 +8,8 @@ import sys
 import pocket_mlx
 
 prompt = sys.argv[1] if len(sys.argv) > 1 else "Write a short poem about the sea."
-model, tokenizer = pocket_mlx.load()  # the bundled model; or a folder / Hugging Face repo id
+# The bundled model (or a folder / Hugging Face repo id); fuse: fewer matmuls per token.
+model, tokenizer = pocket_mlx.load(fuse=True)
 for response in pocket_mlx.stream_generate(model, tokenizer, prompt, max_tokens=64):
     print(response.text, end="", flush=True)
 stats = response.stats

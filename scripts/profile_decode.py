@@ -6,7 +6,7 @@ the 40 MoE blocks, their routed experts and shared experts, the norms, the lm_he
 step) is built for one token on a warm cache and evaluated on its own, best of a few runs. Parts
 are synchronised separately, so they do not add up exactly to the pipelined step.
 
-    python scripts/profile_decode.py [--synthetic pocket-35b-e128] [--runs 5]
+    python scripts/profile_decode.py [--synthetic pocket-35b-e128] [--runs 5] [--unfused]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 import mlx.core as mx
 
 from pocket_mlx import synthetic
+from pocket_mlx.fusion import project
 from pocket_mlx.loader import load
 
 
@@ -33,8 +34,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--synthetic", default="pocket-35b-e128")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--unfused", action="store_true",
+                    help="keep every projection a matmul of its own (as before fusion)")
     args = ap.parse_args()
-    model, _ = load(str(synthetic.build(args.synthetic)), device="cpu", dtype="float32")
+    model, _ = load(str(synthetic.build(args.synthetic)), device="cpu", dtype="float32",
+                    fuse=not args.unfused)
     cache = model.make_cache()
     mx.eval(model(mx.array([[1, 2, 3, 4]]), cache=cache))
     tm = model.language_model.model
@@ -66,13 +70,13 @@ def main() -> None:
 
     def lin_matmuls(m, c, h):
         a = m.linear_attn
-        return (a.out_proj(a.in_proj_qkv(h)[..., :a.value_dim] * a.in_proj_z(h))
-                + a.in_proj_b(h).sum() + a.in_proj_a(h).sum())
+        qkv, z, b, g = project(a, h, *a.FUSED)
+        return a.out_proj(qkv[..., :a.value_dim] * z) + b.sum() + g.sum()
 
     def att_matmuls(m, c, h):
         a = m.self_attn
-        return (a.o_proj(a.q_proj(h)[..., :a.n_heads * a.head_dim])
-                + a.k_proj(h).sum() + a.v_proj(h).sum())
+        q, k, v = project(a, h, *a.FUSED)
+        return a.o_proj(q[..., :a.n_heads * a.head_dim]) + k.sum() + v.sum()
 
     def routed(m, c, h):
         inds = mx.argpartition(m.mlp.gate(h), kth=-m.mlp.top_k, axis=-1)[..., -m.mlp.top_k:]

@@ -182,7 +182,7 @@ class ChatApp(App[None]):
         try:
             from pocket_mlx.loader import load
 
-            model, tokenizer = load(self.model_ref, device=self.device)
+            model, tokenizer = load(self.model_ref, device=self.device, fuse=True)
             info = model_info(model, self.model_name)
         except PocketError as e:
             self.post_message(ModelFailed(str(e)))

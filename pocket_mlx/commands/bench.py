@@ -109,7 +109,7 @@ def run(args) -> int:
     if dtype == "auto":
         dtype = "float32" if device == "cpu" else None
     log(f"loading {path} ({dtype or 'checkpoint dtype'}) on {devices.describe(device)}")
-    model, _ = load(path, device=device, dtype=dtype)
+    model, _ = load(path, device=device, dtype=dtype, fuse=True)
     stats = weight_stats(model)
     scales = [v for k, v in _flat(model) if k.endswith("scales")]
     shown_dtype = dtype or (str(scales[0].dtype).split(".")[-1] if scales else "float")

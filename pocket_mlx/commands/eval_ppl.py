@@ -44,7 +44,7 @@ def run(args) -> int:
     device = resolve_device(args.device)
     # bf16/fp16 arithmetic is 5-40x slower than float32 on the CPU (FIELD_NOTES).
     model, tokenizer = load(args.model, device=device,
-                            dtype="float32" if device == "cpu" else None)
+                            dtype="float32" if device == "cpu" else None, fuse=True)
     bar = tqdm(desc="eval-ppl", unit="window", disable=not sys.stderr.isatty(), leave=False)
 
     def progress(done: int, total: int) -> None:

@@ -62,7 +62,7 @@ def run(args) -> int:
     from ..loader import load
 
     device = resolve_device(args.device)
-    model, tokenizer = load(args.model, device=device)
+    model, tokenizer = load(args.model, device=device, fuse=True)
     text, stats = [], None
     for r in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                              sampling=sampling, stop=args.stop, device=device,

@@ -9,6 +9,8 @@ Differences from mlx-lm that matter:
 - the (1 + w) RMSNorm shift of a transformers checkpoint is applied in float32 and kept in float32
   (mlx-lm shifts in the checkpoint's dtype and loses bf16 precision);
 - quantized products go through `pocket_mlx.ops` (CPU kernels of the extension when present).
+- `Model.fuse_projections` (inference loads only) runs projections of the same input as one
+  matmul, under new names (`in_proj`, `qkv_proj`, `gate_up_proj`; see pocket_mlx/fusion.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import mlx.nn as nn
 
 from .. import ops
 from ..errors import PocketError
+from ..fusion import fuse, project
 from ..layers import Embedding, Linear, RMSNorm, SwitchGLU
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -248,6 +251,9 @@ class LinearAttentionCache:
 
 
 class GatedDeltaNet(nn.Module):
+    # The input projections, one matmul after `Model.fuse_projections` (same input x).
+    FUSED = ("in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.num_k_heads = args.linear_num_key_heads
@@ -272,10 +278,8 @@ class GatedDeltaNet(nn.Module):
 
     def __call__(self, x: mx.array, cache: LinearAttentionCache | None = None) -> mx.array:
         B, S, _ = x.shape
-        qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
-        b = self.in_proj_b(x)
-        a = self.in_proj_a(x)
+        qkv, z, b, a = project(self, x, *self.FUSED)
+        z = z.reshape(B, S, self.num_v_heads, self.head_v_dim)
 
         conv_state = cache.conv_state if cache is not None else None
         if conv_state is None:
@@ -307,6 +311,8 @@ class GatedDeltaNet(nn.Module):
 class Attention(nn.Module):
     """Gated full attention: q/k RMSNorm, partial rotary RoPE, GQA, sigmoid output gate."""
 
+    FUSED = ("qkv_proj", ("q_proj", "k_proj", "v_proj"))
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads = args.num_attention_heads
@@ -325,10 +331,11 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
-        q, gate = mx.split(self.q_proj(x).reshape(B, L, self.n_heads, -1), 2, axis=-1)
+        q, k, v = project(self, x, *self.FUSED)
+        q, gate = mx.split(q.reshape(B, L, self.n_heads, -1), 2, axis=-1)
         gate = gate.reshape(B, L, -1)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        k = k.reshape(B, L, self.n_kv_heads, -1)
+        v = v.reshape(B, L, self.n_kv_heads, -1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(k).transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
@@ -344,6 +351,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    FUSED = ("gate_up_proj", ("gate_proj", "up_proj"))
+
     def __init__(self, dims: int, hidden_dims: int):
         super().__init__()
         self.gate_proj = Linear(dims, hidden_dims, bias=False)
@@ -351,7 +360,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(hidden_dims, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, *self.FUSED)
+        return self.down_proj(nn.silu(gate) * up)
 
 
 class SparseMoeBlock(nn.Module):
@@ -455,6 +465,23 @@ class Model(nn.Module):
     @property
     def layers(self) -> list[DecoderLayer]:
         return self.language_model.model.layers
+
+    def fuse_projections(self, evaluate: bool = True) -> int:
+        """Run each group of projections that read the same input (see the FUSED of
+        GatedDeltaNet, Attention and MLP) as one matmul; groups whose parts differ in format
+        (mixed bits, say) stay separate. Inference only: it renames those parameters, so nothing
+        that saves or converts weights may see a fused model (`fusion.unfused_parameters` gives
+        the checkpoint's names back). With `evaluate`, each layer's fused arrays are computed
+        before the next layer is fused, so the originals are freed as it goes (peak memory: one
+        layer's projections more). Returns the number of groups fused."""
+        count = 0
+        for layer in self.layers:
+            mixer = layer.linear_attn if layer.is_linear else layer.self_attn
+            fused = [f for m in (mixer, layer.mlp.shared_expert) if (f := fuse(m, *m.FUSED))]
+            if evaluate:
+                mx.eval([f.parameters() for f in fused])
+            count += len(fused)
+        return count
 
     def make_cache(self) -> list:
         # mlx-lm's KVCache is reused on purpose: a small, well-kept, preallocating cache that
