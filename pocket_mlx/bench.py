@@ -2,7 +2,7 @@
 
 Decode is bound by memory bandwidth, so each tg row also reports the bytes of weights read per
 token, the GB/s that implies, and the fraction of this machine's measured read bandwidth (the
-roofline). pp rows leave those blank: prefill reads each weight once per batch, so a per-token
+roofline; the bandwidth is probed right before and after each tg run, see run_tests). pp rows leave those blank: prefill reads each weight once per batch, so a per-token
 bandwidth figure would be meaningless there.
 
 Semantics (as llama-bench): `ppP` prefills P random tokens into an empty cache; `tgN` decodes N
@@ -273,6 +273,7 @@ class Row:
     mlx_lm_tps_sd: float | None = None
     ratio_vs_mlx_lm: float | None = None
     mlx_lm_runs: list[float] | None = None
+    bandwidth_runs: list[float] | None = None  # GB/s probed around each tg run (see run_tests)
 
 
 def mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -280,8 +281,15 @@ def mean_sd(xs: list[float]) -> tuple[float, float]:
 
 
 def run_tests(runners: list[Runner], *, vocab: int, p: int, n: int, repeats: int,
-              log: Callable[[str], None] = lambda s: None) -> dict[str, dict[str, list[float]]]:
-    """tok/s of every run: {test: {runner name: [runs]}}, runs interleaved across runners."""
+              log: Callable[[str], None] = lambda s: None,
+              probe: Callable[[], float] | None = None) -> dict[str, dict[str, list[float]]]:
+    """tok/s of every run: {test: {runner name: [runs]}}, runs interleaved across runners.
+
+    With `probe`, the memory bandwidth is measured right before and right after each of the
+    first runner's tg runs, and their mean is kept under {test: {BANDWIDTH_KEY: [...]}}: on a
+    shared machine (a VM) the bandwidth moves by tens of percent within minutes, so a roofline
+    fraction is only meaningful against the bandwidth of the same minutes.
+    """
     out: dict[str, dict[str, list[float]]] = {}
     for r in runners:
         log(f"warm-up {r.name}")
@@ -293,27 +301,44 @@ def run_tests(runners: list[Runner], *, vocab: int, p: int, n: int, repeats: int
     for test, kind in tests:
         out[test] = {r.name: [] for r in runners}
         for i in range(repeats):
-            for r in runners:
+            for j, r in enumerate(runners):
+                probed = probe is not None and kind == "tg" and j == 0
+                before = probe() if probed else 0.0
                 if kind == "pp":
                     tps = r.pp(random_ids(vocab, p, 100 + i))
                 else:
                     tps = r.tg(random_ids(vocab, TG_PROMPT, 200 + i), n)
                 out[test][r.name].append(tps)
-                log(f"{test} {r.name} run {i + 1}/{repeats}: {tps:.3f} tok/s")
+                note = ""
+                if probed:
+                    bw = (before + probe()) / 2
+                    out[test].setdefault(BANDWIDTH_KEY, []).append(bw)
+                    note = f" (read bandwidth around it: {bw:.1f} GB/s)"
+                log(f"{test} {r.name} run {i + 1}/{repeats}: {tps:.3f} tok/s{note}")
     return out
 
 
+BANDWIDTH_KEY = "bandwidth_gbps"
+
+
 def make_rows(results: dict, meta: dict, bandwidth_gbps: float | None) -> list[Row]:
+    """One row per test. The roofline fraction of a tg row uses the bandwidth probed around its
+    runs when run_tests measured it (per run, then averaged), else `bandwidth_gbps`."""
     rows = []
     for test, by_runner in results.items():
         ours = by_runner["pocket-mlx"]
         m, sd = mean_sd(ours)
         gbps = frac = None
+        around = by_runner.get(BANDWIDTH_KEY)
         if test.startswith("tg"):
             gbps = meta["bytes_per_token"] * m / 1e9
-            frac = gbps / bandwidth_gbps if bandwidth_gbps else None
+            if around:
+                frac = statistics.fmean(meta["bytes_per_token"] * t / 1e9 / bw
+                                        for t, bw in zip(ours, around))
+            elif bandwidth_gbps:
+                frac = gbps / bandwidth_gbps
         row = Row(test=test, tps_mean=m, tps_sd=sd, gbps=gbps, roofline_fraction=frac,
-                  runs=ours, **meta)
+                  runs=ours, bandwidth_runs=around, **meta)
         if "mlx-lm" in by_runner:
             tm, tsd = mean_sd(by_runner["mlx-lm"])
             row.mlx_lm_tps_mean, row.mlx_lm_tps_sd = tm, tsd

@@ -86,6 +86,32 @@ def test_make_rows_roofline():
     assert tg.tps_sd == pytest.approx(1.4142, abs=1e-3)
 
 
+def test_roofline_uses_bandwidth_probed_around_each_run():
+    """run_tests probes before and after each of our tg runs (not mlx-lm's, not pp); make_rows
+    then divides each run's GB/s by its own bandwidth instead of the start-of-bench figure."""
+    probes = iter([10.0, 30.0, 4.0, 4.0])  # run 1: mean 20 GB/s; run 2: 4 GB/s
+    calls = []
+
+    def runner(name, tps):
+        def tg(ids, n):
+            calls.append(name)
+            return tps.pop(0)
+        return bench.Runner(name, pp=lambda ids: 1.0, tg=tg)
+
+    ours = runner("pocket-mlx", [0.0, 2.0, 1.0])  # warm-up, run 1, run 2
+    theirs = runner("mlx-lm", [0.0, 1.0, 1.0])
+    results = bench.run_tests([ours, theirs], vocab=100, p=0, n=4, repeats=2,
+                              probe=lambda: next(probes))
+    assert results["tg4"][bench.BANDWIDTH_KEY] == [20.0, 4.0]
+    meta = dict(model="m", size_bytes=1, params_total=1, params_active=1, recipe="r",
+                dtype="float32", device="cpu", threads=1, kernels="mlx",
+                bytes_per_token=2_000_000_000)
+    (tg,) = bench.make_rows(results, meta, bandwidth_gbps=100.0)
+    # run 1: 4 GB/s of 20 = 0.2; run 2: 2 GB/s of 4 = 0.5
+    assert tg.roofline_fraction == pytest.approx(0.35)
+    assert tg.bandwidth_runs == [20.0, 4.0] and tg.ratio_vs_mlx_lm == 1.5
+
+
 def _qbytes(out_dim: int, in_dim: int, bits: int, gs: int = 64, scale_bytes: int = 2) -> int:
     """Packed weight + scales + biases of one quantized [out, in] matrix, by hand."""
     return out_dim * in_dim * bits // 8 + 2 * out_dim * (in_dim // gs) * scale_bytes

@@ -123,7 +123,8 @@ def run(args) -> int:
     if args.vs_mlx_lm:
         runners.append(bench.mlx_lm_runner(bench.mlx_lm_model(path, model), device))
     results = bench.run_tests(runners, vocab=model.args.vocab_size, p=args.n_prompt,
-                              n=args.n_gen, repeats=args.repetitions, log=log)
+                              n=args.n_gen, repeats=args.repetitions, log=log,
+                              probe=lambda: bench.probe_bandwidth(device, threads))
     meta = dict(model=name, size_bytes=stats.bytes_total, params_total=stats.params_total,
                 params_active=stats.params_active, recipe=recipe, dtype=shown_dtype,
                 device=device, threads=threads, kernels=kinfo["name"],
