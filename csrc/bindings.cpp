@@ -7,6 +7,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -481,6 +483,112 @@ std::vector<mx::array> moe_route(const mx::array& logits, int k, bool normalize,
                                 {logits});
 }
 
+// A whole Qwen3.5-MoE sparse block (core/moe_block.cpp) as one node, for decode. Inputs: x
+// [..., D] float32, then (w, scales, biases) of router, shared_expert_gate, shared gate_proj
+// (or the fused gate_up), [shared up_proj,] shared down_proj, experts' gate, up, down.
+class PocketMoE : public CpuPrimitive {
+ public:
+  PocketMoE(mx::Stream s, std::vector<int> bits, std::vector<int> gs, int k, bool norm_topk)
+      : CpuPrimitive(s), bits_(std::move(bits)), gs_(std::move(gs)), k_(k), norm_(norm_topk) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    alloc(outputs[0]);
+    encode(stream(), inputs, outputs,
+           [inputs, out = outputs[0], bits = bits_, gs = gs_, k = k_, norm = norm_]() mutable {
+             std::vector<uint8_t> tx;
+             const mx::array& x = inputs[0];
+             const float* xp = static_cast<const float*>(contiguous_bytes(x, tx));
+             const bool fused = bits.size() == 7;
+             std::vector<std::vector<uint8_t>> tmp(3 * bits.size());
+             std::vector<pqk::QMatrix> mats(bits.size());
+             for (size_t i = 0; i < bits.size(); i++) {
+               const mx::array& w = inputs[1 + 3 * i];
+               const mx::array& sc = inputs[2 + 3 * i];
+               pqk::QMatrix& q = mats[i];
+               q.w = static_cast<const uint32_t*>(contiguous_bytes(w, tmp[3 * i]));
+               q.scales = contiguous_bytes(sc, tmp[3 * i + 1]);
+               q.biases = contiguous_bytes(inputs[3 + 3 * i], tmp[3 * i + 2]);
+               q.sdt = to_pqk(sc.dtype());
+               q.E = w.ndim() == 3 ? w.shape(0) : 1;
+               q.N = w.shape(-2);
+               q.K = (int64_t)w.shape(-1) * 32 / bits[i];
+               q.bits = bits[i];
+               q.group_size = gs[i];
+             }
+             pqk::MoeBlock b;
+             size_t i = 0;
+             b.router = mats[i++];
+             b.shared_gate = mats[i++];
+             b.shared_gate_proj = mats[i++];
+             if (!fused) b.shared_up = mats[i++];
+             b.shared_down = mats[i++];
+             b.expert_gate = mats[i++];
+             b.expert_up = mats[i++];
+             b.expert_down = mats[i++];
+             b.k = k;
+             b.norm_topk = norm;
+             const int64_t D = x.shape(-1);
+             pqk::moe_block(b, xp, (int64_t)x.size() / D, out.data<float>());
+           });
+  }
+
+  const char* name() const override { return "PocketMoE"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const PocketMoE*>(&other);
+    return o && o->bits_ == bits_ && o->gs_ == gs_ && o->k_ == k_ && o->norm_ == norm_;
+  }
+
+ private:
+  std::vector<int> bits_, gs_;
+  int k_;
+  bool norm_;
+};
+
+// mats: 7 or 8 (w, scales, biases, bits, group_size) in PocketMoE's order.
+mx::array moe_block(const mx::array& x,
+                    const std::vector<std::tuple<mx::array, mx::array, mx::array, int, int>>& mats,
+                    int k, bool normalize, mx::StreamOrDevice s) {
+  const char* err = "pocket_mlx._qkernels.moe_block: ";
+  require_f32(x, "moe_block");
+  if (mats.size() != 7 && mats.size() != 8)
+    throw std::invalid_argument(std::string(err) + "7 or 8 matrices");
+  const bool fused = mats.size() == 7;
+  const int64_t D = x.ndim() ? x.shape(-1) : 0;
+  const mx::array& ew = std::get<0>(mats[mats.size() - 3]);  // experts' gate: [E, H, ...]
+  const int64_t E = ew.ndim() == 3 ? ew.shape(0) : 0;
+  const auto& sd = mats[fused ? 3 : 4];
+  const int64_t Hs = (int64_t)std::get<0>(sd).shape(-1) * 32 / std::get<3>(sd);
+  const auto& ed = mats[mats.size() - 1];
+  const int64_t H = (int64_t)std::get<0>(ed).shape(-1) * 32 / std::get<3>(ed);
+  std::vector<int> bits, gs;
+  std::vector<mx::array> inputs{x};
+  for (size_t i = 0; i < mats.size(); i++) {
+    const auto& [w, sc, bi, b, g] = mats[i];
+    const bool expert = i + 3 >= mats.size();
+    const bool down = i + 1 == mats.size() || i == (fused ? 3u : 4u);
+    const int64_t K = down ? (expert ? H : Hs) : D;
+    mx::array probe = mx::zeros({(int)K}, mx::float32);
+    check_common(probe, w, sc, bi, g, b, expert ? 3 : 2);
+    int64_t want = 0;
+    if (i == 0) want = E;
+    else if (i == 1) want = 1;
+    else if (i == 2) want = fused ? 2 * Hs : Hs;
+    else if (!fused && i == 3) want = Hs;
+    else if (down) want = D;
+    else want = H;  // experts' gate / up
+    if (w.shape(-2) != want || (expert && w.shape(0) != E))
+      throw std::invalid_argument(std::string(err) + "matrix " + std::to_string(i) + " has the wrong shape");
+    bits.push_back(b);
+    gs.push_back(g);
+    inputs.insert(inputs.end(), {w, sc, bi});
+  }
+  if (k <= 0 || k > E || D == 0)
+    throw std::invalid_argument(std::string(err) + "bad k or x");
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<PocketMoE>(cpu_stream(s), bits, gs, k, normalize), inputs);
+}
+
 }  // namespace
 
 NB_MODULE(_qkernels, m) {
@@ -508,6 +616,11 @@ NB_MODULE(_qkernels, m) {
   m.def("moe_route", &moe_route, nb::arg("logits"), nb::kw_only(), nb::arg("k"),
         nb::arg("normalize"), nb::arg("stream") = nb::none(),
         "softmax + top-k of router logits on the CPU: (indices uint32, scores float32).");
+  m.def("moe_block", &moe_block, nb::arg("x"), nb::arg("mats"), nb::kw_only(), nb::arg("k"),
+        nb::arg("normalize"), nb::arg("stream") = nb::none(),
+        "A whole Qwen3.5-MoE sparse block on the CPU (router, top-k SwiGLU experts, gated shared "
+        "expert), float32; mats: (w, scales, biases, bits, group_size) x 7 (fused shared "
+        "gate_up) or 8.");
   m.def("set_threads", [](int n) { pqk::set_threads(n); }, nb::arg("n"));
   m.def("get_threads", []() { return pqk::get_threads(); });
   m.def("default_threads", []() { return pqk::default_threads(); });

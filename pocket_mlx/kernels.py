@@ -140,6 +140,19 @@ def decode_op(name: str, *args, **kwargs):
         return None
 
 
+def moe_block(x, mats: list, k: int, normalize: bool):
+    """A whole sparse-MoE block as one node (see `_qkernels.moe_block`), or None when the
+    extension cannot run it (the caller then builds the block from separate ops)."""
+    if not enabled() or not hasattr(_ext, "moe_block") or x.dtype != mx.float32:
+        return None
+    if any(not supports(x, bits, gs) for *_, bits, gs in mats):
+        return None
+    try:
+        return _ext.moe_block(x, mats, k=k, normalize=normalize)
+    except (ValueError, TypeError):
+        return None
+
+
 def set_threads(n: int | None) -> None:
     """Worker threads for the kernels (None or <= 0: physical cores)."""
     if _ext is not None:

@@ -33,6 +33,14 @@ def gated_delta(q, k, v, g, beta, state):
     return k_.gated_delta(q, k, v, g, beta, state) if k_ is not None else None
 
 
+def moe_block(x, mats: list, k: int, normalize: bool):
+    """A whole sparse-MoE block in one node of the extension on the CPU, else None. `mats`: the
+    (weight, scales, biases, bits, group_size) of router, shared-expert gate, shared gate_proj
+    (or fused gate_up), [shared up_proj,] shared down_proj, experts' gate, up and down."""
+    k_ = _cpu_kernels()
+    return k_.moe_block(x, mats, k, normalize) if k_ is not None else None
+
+
 def _decode_op(name: str, *args, **kwargs):
     k = _cpu_kernels()
     return k.decode_op(name, *args, **kwargs) if k is not None else None

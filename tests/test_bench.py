@@ -23,12 +23,6 @@ from pocket_mlx.accounting import weight_stats
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("synthetic") / "tiny-pocket-2bit"
-    return synthetic.build("tiny", "pocket-2bit", out=out, progress=False)
-
-
 def _row(test: str, **over) -> bench.Row:
     base = dict(model="tiny", size_bytes=3 << 20, params_total=4_112_248,
                 params_active=2_932_600, recipe="pocket-2bit", dtype="float32", device="cpu",

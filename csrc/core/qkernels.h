@@ -104,4 +104,27 @@ void moe_route(const float* logits, int64_t rows, int64_t E, int64_t k, bool nor
 // Calls whose weights are smaller than this run on the calling thread only.
 void set_single_thread_bytes(int64_t bytes);
 
+// One quantized matrix [E, N, K] (E = 1 for a plain linear layer), MLX affine format.
+struct QMatrix {
+  const uint32_t* w = nullptr;
+  const void* scales = nullptr;
+  const void* biases = nullptr;
+  DType sdt = F32;
+  int64_t E = 1, N = 0, K = 0;
+  int bits = 4, group_size = 64;
+};
+
+// A Qwen3.5-MoE sparse block: softmax router + top-k routed SwiGLU experts, plus a shared SwiGLU
+// expert scaled by sigmoid(shared_gate(x)). shared_up.w == nullptr: shared_gate_proj holds gate
+// and up stacked ([2 Hs, D], gate rows first).
+struct MoeBlock {
+  QMatrix router, shared_gate, shared_gate_proj, shared_up, shared_down;
+  QMatrix expert_gate, expert_up, expert_down;
+  int64_t k = 8;
+  bool norm_topk = true;
+};
+
+// out [T, D] = the block applied to x [T, D] (float32).
+void moe_block(const MoeBlock& b, const float* x, int64_t T, float* out);
+
 }  // namespace pqk

@@ -382,12 +382,33 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Linear(h, 1, bias=False)
         self.observer = None
 
+    # Up to this many tokens (decode, speculative batches) the block can run as one node of the
+    # CPU extension; prefill keeps the separate ops, which sort tokens by expert.
+    FUSED_MAX_TOKENS = 16
+
     def __call__(self, x: mx.array) -> mx.array:
+        if self.observer is None and x.size <= self.FUSED_MAX_TOKENS * x.shape[-1]:
+            mats = self._quantized_mats()
+            out = ops.moe_block(x, mats, self.top_k, self.norm_topk_prob) if mats else None
+            if out is not None:
+                return out
         inds, scores = ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
         experts = self.switch_mlp(x, inds)
         if self.observer is not None:
             self.observer(x, inds, scores, experts)
         return _combine_experts(experts, scores, self.shared_expert_gate(x), self.shared_expert(x))
+
+
+    def _quantized_mats(self) -> list | None:
+        """(weight, scales, biases, bits, group_size) of every matrix in the order of
+        `ops.moe_block`, or None unless all are quantized without an additive bias."""
+        se, sw = self.shared_expert, self.switch_mlp
+        shared = ([se.gate_up_proj] if "gate_up_proj" in se else [se.gate_proj, se.up_proj])
+        layers = [self.gate, self.shared_expert_gate, *shared, se.down_proj,
+                  sw.gate_proj, sw.up_proj, sw.down_proj]
+        if any("scales" not in m or m.get("biases") is None or "bias" in m for m in layers):
+            return None
+        return [(m["weight"], m["scales"], m["biases"], m.bits, m.group_size) for m in layers]
 
 
 @partial(mx.compile, shapeless=True)
