@@ -8,8 +8,14 @@
 // One state row is 4*Dk bytes (512 B for Dk = 128): each row is read and written once per token
 // while it sits in L1, so the kernel runs at memory speed where MLX's op-by-op form makes five
 // passes over the whole state. Heads are independent: they are split over the thread pool.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
+#include <immintrin.h>
+#define PQK_DELTA_NT 1
+#endif
 
 #include "qkernels.h"
 
@@ -90,6 +96,67 @@ void delta_head(const DeltaArgs& a, int64_t b, int64_t hv) {
   }
 }
 
+#ifdef PQK_DELTA_NT
+// Decode (one token) with AVX-512: the new state goes to memory with non-temporal stores. A
+// layer's state (2 MiB on the 35B shape) has left the caches by the next token (the weights of
+// all other layers stream through in between), so writing it normally costs a read of every
+// line of the fresh output buffer first (read-for-ownership): 3 state-sized transfers per token
+// where 2 suffice.
+// Floats i.. (mask m) of one state row, stored normally; returns acc2 + new row * q.
+__attribute__((target("avx512f,avx512bw"))) inline __m512 delta_part(
+    const float* src, const float* kt, const float* qt, float* row, int64_t i, __mmask16 m,
+    __m512 g, __m512 delta, __m512 acc2) {
+  const __m512 st = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, kt + i), delta,
+                                    _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), g));
+  _mm512_mask_storeu_ps(row + i, m, st);
+  return _mm512_fmadd_ps(st, _mm512_maskz_loadu_ps(m, qt + i), acc2);
+}
+
+__attribute__((target("avx512f,avx512bw"))) void delta_head_nt(const DeltaArgs& a, int64_t b, int64_t hv) {
+  const int64_t Dk = a.Dk, Dv = a.Dv;
+  const int64_t hk = hv / (a.Hv / a.Hk);
+  float* S = a.state + (b * a.Hv + hv) * Dv * Dk;
+  const float* S_in = a.state_in + (b * a.Hv + hv) * Dv * Dk;
+  const float* kt = a.k + (b * a.Hk + hk) * Dk;
+  const float* qt = a.q + (b * a.Hk + hk) * Dk;
+  const float* vt = a.v + (b * a.Hv + hv) * Dv;
+  float* yt = a.y + (b * a.Hv + hv) * Dv;
+  const float gt = a.g[b * a.Hv + hv];
+  const float betat = a.beta[b * a.Hv + hv];
+  const __m512 g = _mm512_set1_ps(gt);
+  for (int64_t dv = 0; dv < Dv; dv++) {
+    const float* src = S_in + dv * Dk;
+    float* row = S + dv * Dk;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < Dk; i += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(src + i), _mm512_loadu_ps(kt + i), acc);
+    const float kv = gt * _mm512_reduce_add_ps(acc);
+    const __m512 delta = _mm512_set1_ps((vt[dv] - kv) * betat);
+    // MLX's buffers are only 8-byte aligned: the floats before the first 64-byte boundary and
+    // after the last one are stored normally (masked), the lines in between streamed.
+    const int64_t lead = std::min<int64_t>(Dk, ((64 - reinterpret_cast<uintptr_t>(row) % 64) % 64) / 4);
+    __m512 acc2 = _mm512_setzero_ps();
+    if (lead) acc2 = delta_part(src, kt, qt, row, 0, (__mmask16)((1u << lead) - 1), g, delta, acc2);
+    int64_t i = lead;
+    for (; i + 16 <= Dk; i += 16) {
+      const __m512 st = _mm512_fmadd_ps(_mm512_loadu_ps(kt + i), delta,
+                                        _mm512_mul_ps(_mm512_loadu_ps(src + i), g));
+      _mm512_stream_ps(row + i, st);
+      acc2 = _mm512_fmadd_ps(st, _mm512_loadu_ps(qt + i), acc2);
+    }
+    if (i < Dk) acc2 = delta_part(src, kt, qt, row, i, (__mmask16)((1u << (Dk - i)) - 1), g, delta, acc2);
+    yt[dv] = _mm512_reduce_add_ps(acc2);
+  }
+  _mm_sfence();  // streaming stores are weakly ordered: visible before the task counts as done
+}
+
+bool use_nt(const DeltaArgs& a) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return avx512 && a.T == 1 && a.Dk >= 16 && a.state != a.state_in &&
+         reinterpret_cast<uintptr_t>(a.state) % 4 == 0;
+}
+#endif
+
 }  // namespace
 
 void gated_delta(const float* q, const float* k, const float* v, const float* g,
@@ -98,6 +165,13 @@ void gated_delta(const float* q, const float* k, const float* v, const float* g,
   const DeltaArgs a{q, k, v, g, beta, state_in, state, y, B, T, Hk, Hv, Dk, Dv};
   const int64_t state_bytes = B * Hv * Dv * Dk * 4;
   // Small states (one layer of a tiny model) are not worth waking the pool for.
+#ifdef PQK_DELTA_NT
+  if (use_nt(a)) {
+    parallel_for(B * Hv, state_bytes < (1 << 20),
+                 [&a](int64_t i) { delta_head_nt(a, i / a.Hv, i % a.Hv); });
+    return;
+  }
+#endif
   parallel_for(B * Hv, state_bytes * T < (1 << 20),
                [&a](int64_t i) { delta_head(a, i / a.Hv, i % a.Hv); });
 }
