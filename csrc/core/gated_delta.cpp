@@ -128,8 +128,13 @@ __attribute__((target("avx512f,avx512bw"))) void delta_head_nt(const DeltaArgs& 
     const float* src = S_in + dv * Dk;
     float* row = S + dv * Dk;
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < Dk; i += 16)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(src + i), _mm512_loadu_ps(kt + i), acc);
+    int64_t j = 0;
+    for (; j + 16 <= Dk; j += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(src + j), _mm512_loadu_ps(kt + j), acc);
+    if (j < Dk) {
+      const __mmask16 m = (__mmask16)((1u << (Dk - j)) - 1);
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, src + j), _mm512_maskz_loadu_ps(m, kt + j), acc);
+    }
     const float kv = gt * _mm512_reduce_add_ps(acc);
     const __m512 delta = _mm512_set1_ps((vt[dv] - kv) * betat);
     // MLX's buffers are only 8-byte aligned: the floats before the first 64-byte boundary and
