@@ -589,6 +589,106 @@ mx::array moe_block(const mx::array& x,
                    std::make_shared<PocketMoE>(cpu_stream(s), bits, gs, k, normalize), inputs);
 }
 
+// One decode token of a Gated DeltaNet layer after its projections (core/linear_attn.cpp).
+// Inputs: qkv, z, b, a ([B, 1, n] each, last axis contiguous: views of one fused projection
+// are fine), conv_state, conv weight, A_log, dt_bias, norm weight, state. Outputs: out
+// [B, 1, Hv * Dv], new conv_state, new state.
+class PocketLinearAttn : public CpuPrimitive {
+ public:
+  PocketLinearAttn(mx::Stream s, int Hk, int Dk, int Hv, int Dv, float eps)
+      : CpuPrimitive(s), Hk_(Hk), Dk_(Dk), Hv_(Hv), Dv_(Dv), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& o : outputs) alloc(o);
+    encode(stream(), inputs, outputs,
+           [inputs, outputs, Hk = Hk_, Dk = Dk_, Hv = Hv_, Dv = Dv_, eps = eps_]() mutable {
+             std::vector<std::vector<uint8_t>> tmp(inputs.size());
+             // Rows of [B, 1, n] arrays: (pointer, batch stride in elements).
+             auto rows = [&](int i, int64_t& stride) {
+               const mx::array& x = inputs[i];
+               if (x.strides().back() == 1 && (x.shape(0) == 1 || x.strides()[1] == x.strides()[0])) {
+                 stride = x.strides()[0];
+                 return x.data<float>();
+               }
+               stride = x.shape(-1);
+               return static_cast<const float*>(contiguous_bytes(x, tmp[i]));
+             };
+             auto flat = [&](int i) {
+               return static_cast<const float*>(contiguous_bytes(inputs[i], tmp[i]));
+             };
+             pqk::LinearAttnStep st;
+             const mx::array& conv_state = inputs[4];
+             st.B = conv_state.shape(0);
+             st.kernel = conv_state.shape(1) + 1;
+             st.conv_dim = conv_state.shape(2);
+             st.Hk = Hk;
+             st.Hv = Hv;
+             st.Dk = Dk;
+             st.Dv = Dv;
+             int64_t ab2;
+             st.qkv = rows(0, st.qkv_stride);
+             st.z = rows(1, st.z_stride);
+             st.b = rows(2, st.ab_stride);
+             st.a = rows(3, ab2);
+             if (ab2 != st.ab_stride) {  // b and a must share one stride: pack a like b
+               st.a = static_cast<const float*>(contiguous_bytes(inputs[3], tmp[3]));
+               st.b = static_cast<const float*>(contiguous_bytes(inputs[2], tmp[2]));
+               st.ab_stride = Hv;
+             }
+             st.conv_state = flat(4);
+             st.conv_w = flat(5);
+             st.A_log = flat(6);
+             st.dt_bias = flat(7);
+             st.norm_w = flat(8);
+             st.state_in = flat(9);
+             st.norm_eps = eps;
+             st.out = outputs[0].data<float>();
+             st.new_conv_state = outputs[1].data<float>();
+             st.state = outputs[2].data<float>();
+             pqk::linear_attn_step(st);
+           });
+  }
+
+  const char* name() const override { return "PocketLinearAttn"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const PocketLinearAttn*>(&other);
+    return o && o->Hk_ == Hk_ && o->Dk_ == Dk_ && o->Hv_ == Hv_ && o->Dv_ == Dv_ && o->eps_ == eps_;
+  }
+
+ private:
+  int Hk_, Dk_, Hv_, Dv_;
+  float eps_;
+};
+
+std::vector<mx::array> linear_attn_step(const mx::array& qkv, const mx::array& z,
+                                        const mx::array& b, const mx::array& a,
+                                        const mx::array& conv_state, const mx::array& conv_w,
+                                        const mx::array& A_log, const mx::array& dt_bias,
+                                        const mx::array& norm_w, const mx::array& state, int Hk,
+                                        int Dk, int Hv, int Dv, float eps, mx::StreamOrDevice s) {
+  const char* err = "pocket_mlx._qkernels.linear_attn_step: ";
+  for (const auto* x : {&qkv, &z, &b, &a, &conv_state, &conv_w, &A_log, &dt_bias, &norm_w, &state})
+    if (x->dtype() != mx::float32) throw std::invalid_argument(std::string(err) + "float32 only");
+  const int64_t B = conv_state.ndim() == 3 ? conv_state.shape(0) : 0;
+  const int64_t C = conv_state.ndim() == 3 ? conv_state.shape(2) : 0;
+  const int64_t K = conv_state.ndim() == 3 ? conv_state.shape(1) + 1 : 0;
+  auto row = [&](const mx::array& x, int64_t n) {
+    return x.ndim() == 3 && x.shape(0) == B && x.shape(1) == 1 && x.shape(2) == n;
+  };
+  if (B == 0 || K < 2 || C != 2 * (int64_t)Hk * Dk + (int64_t)Hv * Dv || Hv % Hk != 0 ||
+      !row(qkv, C) || !row(z, (int64_t)Hv * Dv) || !row(b, Hv) || !row(a, Hv) ||
+      conv_w.size() != (size_t)(C * K) || conv_w.shape(0) != C || A_log.size() != (size_t)Hv ||
+      dt_bias.size() != (size_t)Hv || norm_w.size() != (size_t)Dv ||
+      state.shape() != mx::Shape{(int)B, Hv, Dv, Dk})
+    throw std::invalid_argument(std::string(err) + "shape mismatch");
+  return mx::array::make_arrays(
+      {mx::Shape{(int)B, 1, Hv * Dv}, conv_state.shape(), state.shape()},
+      {mx::float32, mx::float32, mx::float32},
+      std::make_shared<PocketLinearAttn>(cpu_stream(s), Hk, Dk, Hv, Dv, eps),
+      {qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state});
+}
+
 }  // namespace
 
 NB_MODULE(_qkernels, m) {
@@ -621,6 +721,13 @@ NB_MODULE(_qkernels, m) {
         "A whole Qwen3.5-MoE sparse block on the CPU (router, top-k SwiGLU experts, gated shared "
         "expert), float32; mats: (w, scales, biases, bits, group_size) x 7 (fused shared "
         "gate_up) or 8.");
+  m.def("linear_attn_step", &linear_attn_step, nb::arg("qkv"), nb::arg("z"), nb::arg("b"),
+        nb::arg("a"), nb::arg("conv_state"), nb::arg("conv_w"), nb::arg("A_log"),
+        nb::arg("dt_bias"), nb::arg("norm_w"), nb::arg("state"), nb::kw_only(), nb::arg("Hk"),
+        nb::arg("Dk"), nb::arg("Hv"), nb::arg("Dv"), nb::arg("eps"),
+        nb::arg("stream") = nb::none(),
+        "One decode token of a Gated DeltaNet layer after its projections, on the CPU: "
+        "(out [B, 1, Hv*Dv], new conv_state, new state), float32.");
   m.def("set_threads", [](int n) { pqk::set_threads(n); }, nb::arg("n"));
   m.def("get_threads", []() { return pqk::get_threads(); });
   m.def("default_threads", []() { return pqk::default_threads(); });

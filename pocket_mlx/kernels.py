@@ -153,6 +153,18 @@ def moe_block(x, mats: list, k: int, normalize: bool):
         return None
 
 
+def linear_attn_step(*arrays, **dims):
+    """One decode token of a Gated DeltaNet layer after its projections as one node (see
+    `_qkernels.linear_attn_step`), or None when the extension cannot run it."""
+    if not enabled() or not hasattr(_ext, "linear_attn_step") or any(
+            a.dtype != mx.float32 for a in arrays):
+        return None
+    try:
+        return tuple(_ext.linear_attn_step(*arrays, **dims))
+    except (ValueError, TypeError):
+        return None
+
+
 def set_threads(n: int | None) -> None:
     """Worker threads for the kernels (None or <= 0: physical cores)."""
     if _ext is not None:

@@ -41,6 +41,17 @@ def moe_block(x, mats: list, k: int, normalize: bool):
     return k_.moe_block(x, mats, k, normalize) if k_ is not None else None
 
 
+def linear_attn_step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
+                     Hk: int, Dk: int, Hv: int, Dv: int, eps: float):
+    """One decode token of Gated DeltaNet after its projections (conv, gates, delta rule, gated
+    norm) in one node of the extension on the CPU: (out, new conv_state, new state), else None."""
+    k_ = _cpu_kernels()
+    if k_ is None:
+        return None
+    return k_.linear_attn_step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state,
+                               Hk=Hk, Dk=Dk, Hv=Hv, Dv=Dv, eps=eps)
+
+
 def _decode_op(name: str, *args, **kwargs):
     k = _cpu_kernels()
     return k.decode_op(name, *args, **kwargs) if k is not None else None

@@ -1,6 +1,7 @@
 """The extension's one-node decode ops (RMSNorm, gated RMSNorm, causal conv + silu, RoPE, MoE
-router) against MLX's composed forms, which `pocket_mlx.ops` falls back to without the extension.
-Fresh random data each run; odd sizes; float32 (the CPU path)."""
+router, a whole MoE block, a Gated DeltaNet token) against MLX's composed forms, which
+`pocket_mlx.ops` falls back to without the extension. Fresh random data each run; odd sizes;
+float32 (the CPU path)."""
 
 from __future__ import annotations
 
@@ -107,3 +108,84 @@ def test_without_the_extension_ops_are_mlx():
         kernels.set_enabled(True)
     # Non-float32 activations also take MLX's path.
     assert "Pocket" not in nodes(ops.rms_norm(x.astype(mx.bfloat16), None, 1e-6))
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_linear_attention_decode_is_one_node_and_matches_mlx(tiny_ckpt, exact_kernels, fuse):
+    """One decode token of Gated DeltaNet between its projections (conv, gates, delta rule,
+    gated norm) as one node: same output and same caches as MLX's ops, three steps in a row."""
+    from pocket_mlx.loader import load
+    from pocket_mlx.models.qwen3_5_moe import LinearAttentionCache
+
+    model, _ = load(tiny_ckpt, device="cpu", dtype="float32", fuse=fuse)
+    mixer = model.layers[0].linear_attn
+    prompt = rand(1, 5, model.args.hidden_size)
+    ours, ref = LinearAttentionCache(), LinearAttentionCache()
+    mx.eval(mixer(prompt, ours))
+    mx.eval(stock(mixer, prompt, ref))
+    for _ in range(3):
+        x = rand(1, 1, model.args.hidden_size)
+        out = mixer(x, ours)
+        assert "PocketLinearAttn" in nodes(out)
+        expect = stock(mixer, x, ref)
+        assert "PocketLinearAttn" not in nodes(expect)
+        close(out, expect, rtol=1e-4)
+        close(ours.state, ref.state, rtol=1e-4)
+        close(ours.conv_state, ref.conv_state)
+        assert ours.offset == ref.offset
+
+
+def test_linear_attention_step_rejects_bad_shapes():
+    B, Hk, Dk, Hv, Dv, K = 1, 2, 16, 4, 8, 4
+    C = 2 * Hk * Dk + Hv * Dv
+    args = [rand(B, 1, C), rand(B, 1, Hv * Dv), rand(B, 1, Hv), rand(B, 1, Hv),
+            rand(B, K - 1, C), rand(C, K, 1), rand(Hv), rand(Hv), rand(Dv), rand(B, Hv, Dv, Dk)]
+    dims = dict(Hk=Hk, Dk=Dk, Hv=Hv, Dv=Dv, eps=1e-6)
+    assert len(kernels.linear_attn_step(*args, **dims)) == 3
+    with pytest.raises(ValueError, match="shape mismatch"):
+        kernels._ext.linear_attn_step(*args[:9], rand(B, Hv, Dv, Dk + 1), **dims)
+    assert kernels.linear_attn_step(*args[:9], rand(B, Hv, Dv, Dk + 1), **dims) is None
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_moe_block_is_one_node_and_matches_mlx(tiny_ckpt, exact_kernels, fuse, tokens):
+    """A whole sparse-MoE block (router, top-k experts, gated shared expert) as one node equals
+    the block built from MLX's ops, with the shared expert's gate/up separate or fused."""
+    from pocket_mlx.loader import load
+
+    model, _ = load(tiny_ckpt, device="cpu", dtype="float32", fuse=fuse)
+    block = model.layers[1].mlp
+    x = rand(1, tokens, model.args.hidden_size)
+    out = block(x)
+    assert "PocketMoE" in nodes(out) and "PocketGatherQMM" not in nodes(out)
+    ref = stock(block, x)
+    assert "PocketMoE" not in nodes(ref)
+    close(out, ref, rtol=1e-4)  # float32 sums in another order over 3 chained products
+
+
+def test_moe_block_not_used_for_prefill_or_calibration(tiny_ckpt):
+    from pocket_mlx.loader import load
+
+    model, _ = load(tiny_ckpt, device="cpu", dtype="float32")
+    block = model.layers[0].mlp
+    long = rand(1, block.FUSED_MAX_TOKENS + 1, model.args.hidden_size)
+    assert "PocketMoE" not in nodes(block(long))
+    seen = []
+    block.observer = lambda *a: seen.append(a)
+    assert "PocketMoE" not in nodes(block(rand(1, 1, model.args.hidden_size)))
+    assert seen
+
+
+def test_moe_block_rejects_bad_shapes(tiny_ckpt):
+    from pocket_mlx.loader import load
+
+    model, _ = load(tiny_ckpt, device="cpu", dtype="float32")
+    block = model.layers[0].mlp
+    mats = block._quantized_mats()
+    x = rand(1, 1, model.args.hidden_size)
+    with pytest.raises(ValueError, match="wrong shape"):
+        kernels._ext.moe_block(x, [mats[0], mats[0], *mats[2:]], k=block.top_k, normalize=True)
+    with pytest.raises(ValueError, match="bad k"):
+        kernels._ext.moe_block(x, mats, k=10_000, normalize=True)
+    assert kernels.moe_block(x, mats[:-1], block.top_k, True) is None

@@ -97,21 +97,13 @@ void delta_head(const DeltaArgs& a, int64_t b, int64_t hv) {
 }
 
 #ifdef PQK_DELTA_NT
+constexpr int64_t kMaxDk = 512;
+
 // Decode (one token) with AVX-512: the new state goes to memory with non-temporal stores. A
 // layer's state (2 MiB on the 35B shape) has left the caches by the next token (the weights of
 // all other layers stream through in between), so writing it normally costs a read of every
 // line of the fresh output buffer first (read-for-ownership): 3 state-sized transfers per token
 // where 2 suffice.
-// Floats i.. (mask m) of one state row, stored normally; returns acc2 + new row * q.
-__attribute__((target("avx512f,avx512bw"))) inline __m512 delta_part(
-    const float* src, const float* kt, const float* qt, float* row, int64_t i, __mmask16 m,
-    __m512 g, __m512 delta, __m512 acc2) {
-  const __m512 st = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, kt + i), delta,
-                                    _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), g));
-  _mm512_mask_storeu_ps(row + i, m, st);
-  return _mm512_fmadd_ps(st, _mm512_maskz_loadu_ps(m, qt + i), acc2);
-}
-
 __attribute__((target("avx512f,avx512bw"))) void delta_head_nt(const DeltaArgs& a, int64_t b, int64_t hv) {
   const int64_t Dk = a.Dk, Dv = a.Dv;
   const int64_t hk = hv / (a.Hv / a.Hk);
@@ -137,27 +129,42 @@ __attribute__((target("avx512f,avx512bw"))) void delta_head_nt(const DeltaArgs& 
     }
     const float kv = gt * _mm512_reduce_add_ps(acc);
     const __m512 delta = _mm512_set1_ps((vt[dv] - kv) * betat);
-    // MLX's buffers are only 8-byte aligned: the floats before the first 64-byte boundary and
-    // after the last one are stored normally (masked), the lines in between streamed.
-    const int64_t lead = std::min<int64_t>(Dk, ((64 - reinterpret_cast<uintptr_t>(row) % 64) % 64) / 4);
+    // The new row is computed in L1 in a fixed order (the sums must not depend on where MLX
+    // placed the buffer: a different rounding can flip a later top-k expert choice), then
+    // copied out: MLX's buffers are only 8-byte aligned, so the floats before the first 64-byte
+    // boundary and after the last one are stored normally (masked), the lines between streamed.
+    alignas(64) float nr[kMaxDk + 16];
     __m512 acc2 = _mm512_setzero_ps();
-    if (lead) acc2 = delta_part(src, kt, qt, row, 0, (__mmask16)((1u << lead) - 1), g, delta, acc2);
-    int64_t i = lead;
+    int64_t i = 0;
     for (; i + 16 <= Dk; i += 16) {
       const __m512 st = _mm512_fmadd_ps(_mm512_loadu_ps(kt + i), delta,
                                         _mm512_mul_ps(_mm512_loadu_ps(src + i), g));
-      _mm512_stream_ps(row + i, st);
+      _mm512_store_ps(nr + i, st);
       acc2 = _mm512_fmadd_ps(st, _mm512_loadu_ps(qt + i), acc2);
     }
-    if (i < Dk) acc2 = delta_part(src, kt, qt, row, i, (__mmask16)((1u << (Dk - i)) - 1), g, delta, acc2);
+    if (i < Dk) {
+      const __mmask16 m = (__mmask16)((1u << (Dk - i)) - 1);
+      const __m512 st = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, kt + i), delta,
+                                        _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), g));
+      _mm512_mask_storeu_ps(nr + i, m, st);
+      acc2 = _mm512_fmadd_ps(st, _mm512_maskz_loadu_ps(m, qt + i), acc2);
+    }
+    const int64_t lead = std::min<int64_t>(Dk, ((64 - reinterpret_cast<uintptr_t>(row) % 64) % 64) / 4);
+    if (lead)
+      _mm512_mask_storeu_ps(row, (__mmask16)((1u << lead) - 1), _mm512_loadu_ps(nr));
+    i = lead;
+    for (; i + 16 <= Dk; i += 16) _mm512_stream_ps(row + i, _mm512_loadu_ps(nr + i));
+    if (i < Dk)
+      _mm512_mask_storeu_ps(row + i, (__mmask16)((1u << (Dk - i)) - 1), _mm512_loadu_ps(nr + i));
     yt[dv] = _mm512_reduce_add_ps(acc2);
   }
   _mm_sfence();  // streaming stores are weakly ordered: visible before the task counts as done
 }
 
 bool use_nt(const DeltaArgs& a) {
+  // (kMaxDk: the row buffer on the stack; Qwen3.5 uses Dk = 128.)
   static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return avx512 && a.T == 1 && a.Dk >= 16 && a.state != a.state_in &&
+  return avx512 && a.T == 1 && a.Dk >= 16 && a.Dk <= kMaxDk && a.state != a.state_in &&
          reinterpret_cast<uintptr_t>(a.state) % 4 == 0;
 }
 #endif

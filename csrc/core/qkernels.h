@@ -127,4 +127,21 @@ struct MoeBlock {
 // out [T, D] = the block applied to x [T, D] (float32).
 void moe_block(const MoeBlock& b, const float* x, int64_t T, float* out);
 
+// One decode token of a Gated DeltaNet layer after its input projections (float32). Per batch
+// row b: qkv at qkv + b * qkv_stride ([conv_dim] = q | k | v), z at z + b * z_stride ([Hv * Dv]),
+// b / a gates at b + b * ab_stride ([Hv]); conv_state [B, kernel - 1, conv_dim], conv_w
+// [conv_dim, kernel]; state [B, Hv, Dv, Dk]. Writes out [B, Hv * Dv] (gated RMSNorm of the delta
+// rule's output), new_conv_state and state (may not alias state_in).
+struct LinearAttnStep {
+  int64_t B = 1, conv_dim = 0, kernel = 4, Hk = 0, Hv = 0, Dk = 0, Dv = 0;
+  const float *qkv = nullptr, *z = nullptr, *b = nullptr, *a = nullptr;
+  int64_t qkv_stride = 0, z_stride = 0, ab_stride = 0;
+  const float *conv_state = nullptr, *conv_w = nullptr, *A_log = nullptr, *dt_bias = nullptr;
+  const float *norm_w = nullptr, *state_in = nullptr;
+  float norm_eps = 1e-6f;
+  float *out = nullptr, *new_conv_state = nullptr, *state = nullptr;
+};
+
+void linear_attn_step(const LinearAttnStep& a);
+
 }  // namespace pqk

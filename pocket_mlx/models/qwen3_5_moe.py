@@ -279,6 +279,10 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, cache: LinearAttentionCache | None = None) -> mx.array:
         B, S, _ = x.shape
         qkv, z, b, a = project(self, x, *self.FUSED)
+        if S == 1 and cache is not None and cache.state is not None:
+            out = self._decode_step(qkv, z, b, a, cache)
+            if out is not None:
+                return self.out_proj(out)
         z = z.reshape(B, S, self.num_v_heads, self.head_v_dim)
 
         conv_state = cache.conv_state if cache is not None else None
@@ -306,6 +310,22 @@ class GatedDeltaNet(nn.Module):
             cache.offset += S
         out = self.norm(out, z)
         return self.out_proj(out.reshape(B, S, -1))
+
+
+    def _decode_step(self, qkv, z, b, a, cache: LinearAttentionCache) -> mx.array | None:
+        """Everything between the projections for one token as one node of the CPU extension
+        (updates the cache), or None: the caller then runs the ops below."""
+        if cache.conv_state is None:
+            return None
+        fast = ops.linear_attn_step(
+            qkv, z, b, a, cache.conv_state, self.conv1d.weight, self.A_log, self.dt_bias,
+            self.norm.weight, cache.state, Hk=self.num_k_heads, Dk=self.head_k_dim,
+            Hv=self.num_v_heads, Dv=self.head_v_dim, eps=self.norm.eps)
+        if fast is None:
+            return None
+        out, cache.conv_state, cache.state = fast
+        cache.offset += 1
+        return out
 
 
 class Attention(nn.Module):
