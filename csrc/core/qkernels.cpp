@@ -499,8 +499,15 @@ void gather_qmm(const GatherProblem& p) {
     int64_t nseg = 0;
     for (size_t s = 0; s < segs.size(); s++)
       if (segs[s].second < c1 && seg_end[s] > c0) nseg++;
-    // Rows of W per task: ~32 KiB of weights, but at least 4 tasks per thread when possible.
-    int64_t nc = std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(1, row_bytes));
+    // Rows of W per task: ~128 KiB of weights (POCKET_MLX_TASK_KB), but at least 4 tasks per
+    // thread when possible. Each task is one sequential stream; with 32 KiB tasks the two
+    // threads' streams interleaved so finely that decode-shaped matvecs from DRAM ran ~10-15%
+    // slower (csrc/core/bench_core.cpp).
+    static const int64_t task_bytes = [] {
+      const char* e = std::getenv("POCKET_MLX_TASK_KB");
+      return (int64_t)(e ? std::atoi(e) : 128) * 1024;
+    }();
+    int64_t nc = std::max<int64_t>(1, task_bytes / std::max<int64_t>(1, row_bytes));
     const int64_t want = 4 * (int64_t)nth;
     if (nseg * ((N + nc - 1) / nc) < want) {
       int64_t per_seg = (want + nseg - 1) / nseg;
