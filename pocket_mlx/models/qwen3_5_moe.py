@@ -8,7 +8,9 @@ Differences from mlx-lm that matter:
 - layers follow the config's `layer_types` (mlx-lm assumes every 4th is full attention);
 - the (1 + w) RMSNorm shift of a transformers checkpoint is applied in float32 and kept in float32
   (mlx-lm shifts in the checkpoint's dtype and loses bf16 precision);
-- quantized products go through `pocket_mlx.ops` (CPU kernels of the extension when present).
+- quantized products go through `pocket_mlx.ops` (CPU kernels of the extension when present);
+  on the CPU a decode token's MoE block and Gated DeltaNet core (between its projections) are one
+  extension node each (`ops.moe_block`, `ops.linear_attn_step`), MLX's ops otherwise.
 - `Model.fuse_projections` (inference loads only) runs projections of the same input as one
   matmul, under new names (`in_proj`, `qkv_proj`, `gate_up_proj`; see pocket_mlx/fusion.py).
 """
@@ -311,7 +313,6 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out, z)
         return self.out_proj(out.reshape(B, S, -1))
 
-
     def _decode_step(self, qkv, z, b, a, cache: LinearAttentionCache) -> mx.array | None:
         """Everything between the projections for one token as one node of the CPU extension
         (updates the cache), or None: the caller then runs the ops below."""
@@ -417,7 +418,6 @@ class SparseMoeBlock(nn.Module):
         if self.observer is not None:
             self.observer(x, inds, scores, experts)
         return _combine_experts(experts, scores, self.shared_expert_gate(x), self.shared_expert(x))
-
 
     def _quantized_mats(self) -> list | None:
         """(weight, scales, biases, bits, group_size) of every matrix in the order of
