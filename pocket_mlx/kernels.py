@@ -145,9 +145,7 @@ def moe_block(x, mats: list, k: int, normalize: bool):
     extension cannot run it (the caller then builds the block from separate ops)."""
     if not enabled() or not hasattr(_ext, "moe_block") or x.dtype != mx.float32:
         return None
-    if any(not supports(x, bits, gs) for *_, bits, gs in mats):
-        return None
-    try:
+    try:  # unsupported bits / group sizes / shapes raise ValueError in the extension
         return _ext.moe_block(x, mats, k=k, normalize=normalize)
     except (ValueError, TypeError):
         return None

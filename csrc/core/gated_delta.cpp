@@ -42,26 +42,37 @@ static inline float hsum8(v8 x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 
+// Inputs of one (batch, token, value head): q/k rows of its key head, v and y rows, gates.
+struct HeadStep {
+  const float *q, *k, *v;
+  float* y;
+  float g, beta;
+};
+
+static inline HeadStep head_step(const DeltaArgs& a, int64_t b, int64_t t, int64_t hv) {
+  const int64_t bt = b * a.T + t;
+  const int64_t hk = hv / (a.Hv / a.Hk);
+  return {a.q + (bt * a.Hk + hk) * a.Dk, a.k + (bt * a.Hk + hk) * a.Dk,
+          a.v + (bt * a.Hv + hv) * a.Dv, a.y + (bt * a.Hv + hv) * a.Dv,
+          a.g[bt * a.Hv + hv], a.beta[bt * a.Hv + hv]};
+}
+
 // One (batch, value head) over all tokens. Vector path when Dk is a multiple of 8.
 #if defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
 #endif
 void delta_head(const DeltaArgs& a, int64_t b, int64_t hv) {
   const int64_t Dk = a.Dk, Dv = a.Dv, T = a.T;
-  const int64_t hk = hv / (a.Hv / a.Hk);
   float* S = a.state + (b * a.Hv + hv) * Dv * Dk;
   // The first token reads the old state and writes the new one in the same pass (no separate
   // copy of the whole state when the two differ); later tokens update in place.
   const float* S_in = a.state_in + (b * a.Hv + hv) * Dv * Dk;
   const bool vec = Dk % 8 == 0;
   for (int64_t t = 0; t < T; t++) {
-    const int64_t bt = b * T + t;
-    const float* kt = a.k + (bt * a.Hk + hk) * Dk;
-    const float* qt = a.q + (bt * a.Hk + hk) * Dk;
-    const float* vt = a.v + (bt * a.Hv + hv) * Dv;
-    float* yt = a.y + (bt * a.Hv + hv) * Dv;
-    const float gt = a.g[bt * a.Hv + hv];
-    const float betat = a.beta[bt * a.Hv + hv];
+    const HeadStep h = head_step(a, b, t, hv);
+    const float *kt = h.k, *qt = h.q, *vt = h.v;
+    float* yt = h.y;
+    const float gt = h.g, betat = h.beta;
     for (int64_t dv = 0; dv < Dv; dv++) {
       float* row = S + dv * Dk;
       const float* src = (t == 0 ? S_in : S) + dv * Dk;
@@ -106,15 +117,12 @@ constexpr int64_t kMaxDk = 512;
 // where 2 suffice.
 __attribute__((target("avx512f,avx512bw"))) void delta_head_nt(const DeltaArgs& a, int64_t b, int64_t hv) {
   const int64_t Dk = a.Dk, Dv = a.Dv;
-  const int64_t hk = hv / (a.Hv / a.Hk);
   float* S = a.state + (b * a.Hv + hv) * Dv * Dk;
   const float* S_in = a.state_in + (b * a.Hv + hv) * Dv * Dk;
-  const float* kt = a.k + (b * a.Hk + hk) * Dk;
-  const float* qt = a.q + (b * a.Hk + hk) * Dk;
-  const float* vt = a.v + (b * a.Hv + hv) * Dv;
-  float* yt = a.y + (b * a.Hv + hv) * Dv;
-  const float gt = a.g[b * a.Hv + hv];
-  const float betat = a.beta[b * a.Hv + hv];
+  const HeadStep h = head_step(a, b, 0, hv);
+  const float *kt = h.k, *qt = h.q, *vt = h.v;
+  float* yt = h.y;
+  const float gt = h.g, betat = h.beta;
   const __m512 g = _mm512_set1_ps(gt);
   for (int64_t dv = 0; dv < Dv; dv++) {
     const float* src = S_in + dv * Dk;

@@ -19,12 +19,10 @@ inline float softplus(float v) {
   return v > 0.f ? v + std::log1p(std::exp(-v)) : std::log1p(std::exp(v));
 }
 
-// x / sqrt(mean(x^2) + eps) * scale, as ops.rms_norm followed by a multiply in the model.
+// x / sqrt(mean(x^2) + eps) * scale in place, as ops.rms_norm followed by a multiply.
 void rms_scale(float* x, int64_t D, float eps, float scale) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
-  const float inv = 1.f / std::sqrt(ss / (float)D + eps);
-  for (int64_t i = 0; i < D; i++) x[i] = scale * (x[i] * inv);
+  rms_norm(x, nullptr, nullptr, x, 1, D, eps);
+  for (int64_t i = 0; i < D; i++) x[i] *= scale;
 }
 
 }  // namespace
@@ -76,15 +74,8 @@ void linear_attn_step(const LinearAttnStep& a) {
               B, 1, Hk, Hv, Dk, Dv);
   // Gated RMSNorm per value head: norm(y) * w * silu(z).
   for (int64_t b = 0; b < B; b++)
-    for (int64_t h = 0; h < Hv; h++) {
-      const float* yr = y.data() + (b * Hv + h) * Dv;
-      const float* zr = a.z + b * a.z_stride + h * Dv;
-      float* o = a.out + (b * Hv + h) * Dv;
-      float ss = 0.f;
-      for (int64_t i = 0; i < Dv; i++) ss += yr[i] * yr[i];
-      const float r = 1.f / std::sqrt(ss / (float)Dv + a.norm_eps);
-      for (int64_t i = 0; i < Dv; i++) o[i] = yr[i] * r * a.norm_w[i] * silu(zr[i]);
-    }
+    rms_norm(y.data() + b * Hv * Dv, a.norm_w, a.z + b * a.z_stride, a.out + b * Hv * Dv, Hv, Dv,
+             a.norm_eps);
 }
 
 }  // namespace pqk

@@ -18,20 +18,12 @@ static inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 void matmul(const QMatrix& m, const float* x, const std::vector<int64_t>& off,
             const int32_t* expert, float* out) {
   GatherProblem p;
+  static_cast<QMatrix&>(p) = m;
   p.x = x;
   p.xdt = F32;
   p.nrows = (int64_t)off.size();
   p.xrow_off = off.data();
   p.expert = expert;
-  p.w = m.w;
-  p.scales = m.scales;
-  p.biases = m.biases;
-  p.sdt = m.sdt;
-  p.E = m.E;
-  p.N = m.N;
-  p.K = m.K;
-  p.bits = m.bits;
-  p.group_size = m.group_size;
   p.out = out;
   p.odt = F32;
   gather_qmm(p);

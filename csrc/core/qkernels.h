@@ -22,7 +22,19 @@ enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 //        products; bits 2/4/8 only (other bits fall back to EXACT). Not the default.
 enum Mode : int { MODE_EXACT = 0, MODE_FAST = 1 };
 
-struct GatherProblem {
+// One quantized matrix [E, N, K] (E = 1 for a plain linear layer), MLX affine format.
+struct QMatrix {
+  const uint32_t* w = nullptr;
+  const void* scales = nullptr;
+  const void* biases = nullptr;
+  DType sdt = F32;
+  int64_t E = 1, N = 0, K = 0;
+  int bits = 4, group_size = 64;
+};
+
+// A quantized matrix (the QMatrix part: weights [E, N, K*bits/32] uint32, scales / biases
+// [E, N, K/group_size]) applied to rows of activations.
+struct GatherProblem : QMatrix {
   // Activations: row r of the output uses x row starting at element offset xrow_off[r]
   // (K contiguous elements of dtype xdt).
   const void* x = nullptr;
@@ -31,13 +43,6 @@ struct GatherProblem {
   const int64_t* xrow_off = nullptr;
   // Expert of each output row (nullptr: all rows use expert 0). Out-of-range experts give zeros.
   const int32_t* expert = nullptr;
-  // Quantized weights [E, N, K*bits/32] uint32 and scales / biases [E, N, K/group_size].
-  const uint32_t* w = nullptr;
-  const void* scales = nullptr;
-  const void* biases = nullptr;
-  DType sdt = F32;
-  int64_t E = 1, N = 0, K = 0;
-  int bits = 4, group_size = 64;
   // Output [nrows, N] (row r at out + r * N elements), dtype odt.
   void* out = nullptr;
   DType odt = F32;
@@ -104,15 +109,6 @@ void moe_route(const float* logits, int64_t rows, int64_t E, int64_t k, bool nor
 // Calls whose weights are smaller than this run on the calling thread only.
 void set_single_thread_bytes(int64_t bytes);
 
-// One quantized matrix [E, N, K] (E = 1 for a plain linear layer), MLX affine format.
-struct QMatrix {
-  const uint32_t* w = nullptr;
-  const void* scales = nullptr;
-  const void* biases = nullptr;
-  DType sdt = F32;
-  int64_t E = 1, N = 0, K = 0;
-  int bits = 4, group_size = 64;
-};
 
 // A Qwen3.5-MoE sparse block: softmax router + top-k routed SwiGLU experts, plus a shared SwiGLU
 // expert scaled by sigmoid(shared_gate(x)). shared_up.w == nullptr: shared_gate_proj holds gate
