@@ -10,11 +10,11 @@ __all__ = ["load", "generate", "stream_generate", "__version__"]
 def __getattr__(name: str):
     # Lazy so that `pocket-mlx wired` and friends start without importing the model stack.
     if name == "load":
-        from .loader import load
+        from pocket_mlx.engine.loader import load
 
         return load
     if name in ("generate", "stream_generate"):
-        from . import generation as _gen
+        from pocket_mlx.engine import generation as _gen
 
         return getattr(_gen, name)
     raise AttributeError(name)

@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pocket_mlx import bench, devices  # noqa: E402
+from pocket_mlx.analysis import bench  # noqa: E402
+from pocket_mlx.engine import devices  # noqa: E402
 
 
 def run_bench(args: list[str], env: dict[str, str]) -> tuple[dict, str, float]:

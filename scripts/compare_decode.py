@@ -19,8 +19,8 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 from mlx_lm.utils import load_model  # noqa: E402
 
-from pocket_mlx.generation import stream_generate  # noqa: E402
-from pocket_mlx.loader import load  # noqa: E402
+from pocket_mlx.engine.generation import stream_generate  # noqa: E402
+from pocket_mlx.engine.loader import load  # noqa: E402
 
 PROMPT = "Write a long story about the kings of old, their wars and their wisdom."
 

@@ -19,9 +19,9 @@ import time
 
 import mlx.core as mx
 
-from pocket_mlx import synthetic
-from pocket_mlx.fusion import project
-from pocket_mlx.loader import load
+from pocket_mlx.convert import synthetic
+from pocket_mlx.engine.loader import load
+from pocket_mlx.models.fusion import project
 
 
 def graph_nodes(y: mx.array) -> collections.Counter:

@@ -21,7 +21,8 @@ PROMPTS = ["Tell me a fortune", "def main():"]
 
 async def shoot(out: Path, size: tuple[int, int], max_tokens: int) -> None:
     from pocket_mlx.tui.app import ChatApp
-    from pocket_mlx.tui.session import Settings
+
+    from pocket_mlx.engine.session import Settings
 
     app = ChatApp(device="cpu", settings=Settings(max_tokens=max_tokens))
     async with app.run_test(size=size) as pilot:
@@ -54,4 +55,4 @@ def main() -> int:
 if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
-    os._exit(code)  # skip MLX's native teardown after thread use (see pocket_mlx/commands/chat.py)
+    os._exit(code)  # skip MLX's native teardown after thread use (see pocket_mlx/cli/chat.py)

@@ -32,8 +32,9 @@ async def measure(prompt: str, max_tokens: int, model: str | None, runs: int,
                   size: tuple[int, int]) -> tuple[list, list]:
     """Alternate: one `generate --json` subprocess (the app idle), then one TUI reply."""
     from pocket_mlx.tui.app import ChatApp
-    from pocket_mlx.tui.session import Settings
     from textual import events
+
+    from pocket_mlx.engine.session import Settings
 
     app = ChatApp(model, device="cpu", settings=Settings(max_tokens=max_tokens))
     gen, tui, ui_cpu = [], [], []
@@ -86,4 +87,4 @@ def main() -> int:
 if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
-    os._exit(code)  # skip MLX's native teardown after thread use (see pocket_mlx/commands/chat.py)
+    os._exit(code)  # skip MLX's native teardown after thread use (see pocket_mlx/cli/chat.py)

@@ -136,7 +136,7 @@ def write_checkpoint(folder: Path, cfg: dict, weights: dict[str, np.ndarray], *,
 def tiny_ckpt(tmp_path_factory) -> Path:
     """The synthetic `tiny` model, pocket-2bit (mixed): experts 2-bit, routers 8, attention and
     shared expert 4; built once per test session."""
-    from pocket_mlx import synthetic
+    from pocket_mlx.convert import synthetic
 
     out = tmp_path_factory.mktemp("synthetic") / "tiny-pocket-2bit"
     return synthetic.build("tiny", "pocket-2bit", out=out, progress=False)

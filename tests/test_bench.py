@@ -17,8 +17,9 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from pocket_mlx import bench, synthetic
-from pocket_mlx.accounting import weight_stats
+from pocket_mlx.analysis import bench
+from pocket_mlx.analysis.accounting import weight_stats
+from pocket_mlx.convert import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,7 +114,7 @@ def _qbytes(out_dim: int, in_dim: int, bits: int, gs: int = 64, scale_bytes: int
 
 def test_bytes_per_token_by_hand(tiny_ckpt):
     """pocket-2bit tiny: experts 2-bit, router/shared gate 8, rest 4, embed/lm_head 6, bf16."""
-    from pocket_mlx.loader import load
+    from pocket_mlx.engine.loader import load
 
     model, _ = load(tiny_ckpt)
     H, V, E, k, I, S = 128, 8192, 16, 4, 64, 64
@@ -144,7 +145,7 @@ def test_bytes_per_token_by_hand(tiny_ckpt):
 def test_synthetic_checkpoint_loads_everywhere(tiny_ckpt, exact_kernels):
     from mlx_lm.utils import load_model as mlx_lm_load
 
-    from pocket_mlx.loader import load
+    from pocket_mlx.engine.loader import load
 
     cfg = json.loads((tiny_ckpt / "config.json").read_text())
     q = cfg["quantization"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pocket_mlx.conversations import (
+from pocket_mlx.engine.conversations import (
     Conversation,
     ConversationStore,
     CorruptConversation,
@@ -115,7 +115,7 @@ def test_malformed_is_corrupt(store, payload):
 
 
 def test_settings_roundtrip_and_validation():
-    from pocket_mlx.tui.session import Settings
+    from pocket_mlx.engine.session import Settings
 
     s = Settings(system="be brief", temperature=0.7, top_p=0.9, max_tokens=64)
     assert Settings.from_dict(s.to_dict()) == s

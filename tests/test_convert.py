@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from conftest import ROOT, tiny_config, write_checkpoint
 
-from pocket_mlx.cli import main
+from pocket_mlx.cli.main import main
+from pocket_mlx.convert.recipes import Spec, load_recipe, parse_recipe
+from pocket_mlx.engine.loader import load_model
 from pocket_mlx.errors import PocketError
-from pocket_mlx.loader import load_model
-from pocket_mlx.recipes import Spec, load_recipe, parse_recipe
 
 L0 = "language_model.model.layers.0"
 PROMPT = mx.array([[5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 1, 2]])

@@ -1,6 +1,6 @@
 """The extension's one-node decode ops (RMSNorm, gated RMSNorm, causal conv + silu, RoPE, MoE
 router, a whole MoE block, a Gated DeltaNet token) against MLX's composed forms, which
-`pocket_mlx.ops` falls back to without the extension. Fresh random data each run; odd sizes;
+`pocket_mlx.kernels.ops` falls back to without the extension. Fresh random data each run; odd sizes;
 float32 (the CPU path)."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from pocket_mlx import kernels, ops
+from pocket_mlx import kernels
+from pocket_mlx.kernels import ops
 
 pytestmark = pytest.mark.skipif(kernels._ext is None, reason="C++ kernels not built")
 RNG = np.random.default_rng()
@@ -114,7 +115,7 @@ def test_without_the_extension_ops_are_mlx():
 def test_linear_attention_decode_is_one_node_and_matches_mlx(tiny_ckpt, exact_kernels, fuse):
     """One decode token of Gated DeltaNet between its projections (conv, gates, delta rule,
     gated norm) as one node: same output and same caches as MLX's ops, three steps in a row."""
-    from pocket_mlx.loader import load
+    from pocket_mlx.engine.loader import load
     from pocket_mlx.models.qwen3_5_moe import LinearAttentionCache
 
     model, _ = load(tiny_ckpt, device="cpu", dtype="float32", fuse=fuse)
@@ -152,7 +153,7 @@ def test_linear_attention_step_rejects_bad_shapes():
 def test_moe_block_is_one_node_and_matches_mlx(tiny_ckpt, exact_kernels, fuse, tokens):
     """A whole sparse-MoE block (router, top-k experts, gated shared expert) as one node equals
     the block built from MLX's ops, with the shared expert's gate/up separate or fused."""
-    from pocket_mlx.loader import load
+    from pocket_mlx.engine.loader import load
 
     model, _ = load(tiny_ckpt, device="cpu", dtype="float32", fuse=fuse)
     block = model.layers[1].mlp
@@ -165,7 +166,7 @@ def test_moe_block_is_one_node_and_matches_mlx(tiny_ckpt, exact_kernels, fuse, t
 
 
 def test_moe_block_not_used_for_prefill_or_calibration(tiny_ckpt):
-    from pocket_mlx.loader import load
+    from pocket_mlx.engine.loader import load
 
     model, _ = load(tiny_ckpt, device="cpu", dtype="float32")
     block = model.layers[0].mlp
@@ -178,7 +179,7 @@ def test_moe_block_not_used_for_prefill_or_calibration(tiny_ckpt):
 
 
 def test_moe_block_rejects_bad_shapes(tiny_ckpt):
-    from pocket_mlx.loader import load
+    from pocket_mlx.engine.loader import load
 
     model, _ = load(tiny_ckpt, device="cpu", dtype="float32")
     block = model.layers[0].mlp

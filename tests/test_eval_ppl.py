@@ -11,10 +11,10 @@ import mlx.core as mx
 import numpy as np
 from conftest import ROOT, hf_weights, tiny_config, write_checkpoint
 
-from pocket_mlx.calibrate import read_documents, token_stream, windows
-from pocket_mlx.loader import load_model
-from pocket_mlx.perplexity import perplexity
-from pocket_mlx.tokenizer import load_tokenizer
+from pocket_mlx.analysis.perplexity import perplexity
+from pocket_mlx.convert.calibrate import read_documents, token_stream, windows
+from pocket_mlx.engine.loader import load_model
+from pocket_mlx.engine.tokenizer import load_tokenizer
 
 
 def test_perplexity_matches_a_direct_computation(make_ckpt):

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from pocket_mlx import bench
-from pocket_mlx.checkpoint import save_model
-from pocket_mlx.fusion import unfused_parameters
-from pocket_mlx.loader import load, load_model
+from pocket_mlx.analysis import bench
+from pocket_mlx.convert.writer import save_model
+from pocket_mlx.engine.loader import load, load_model
+from pocket_mlx.models.fusion import unfused_parameters
 
 PROMPT = [[5, 17, 42, 7, 99]]
 DECODE = [3, 250, 11]  # fixed tokens: a near-tie in a greedy choice cannot make runs diverge

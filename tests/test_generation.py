@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import ASSET
 
+from pocket_mlx.engine.generation import SamplingParams, generate, stream_generate
+from pocket_mlx.engine.loader import load, load_model
 from pocket_mlx.errors import PocketError
-from pocket_mlx.generation import SamplingParams, generate, stream_generate
-from pocket_mlx.loader import load, load_model
 
 IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19]
 
@@ -135,7 +135,7 @@ def test_bad_sampling_is_refused(bad, msg):
 
 
 def test_gpu_request_without_gpu_names_cpu_flag(tiny):
-    from pocket_mlx.devices import gpu_available
+    from pocket_mlx.engine.devices import gpu_available
 
     if gpu_available():
         pytest.skip("this machine has a GPU")

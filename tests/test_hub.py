@@ -6,7 +6,7 @@ import shutil
 
 from conftest import ASSET
 
-from pocket_mlx.loader import load
+from pocket_mlx.engine.loader import load
 
 
 def test_repo_id_resolves_from_the_hf_cache_offline(tmp_path, monkeypatch):

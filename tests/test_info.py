@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pocket_mlx import chips, info
-from pocket_mlx.platform import CommandResult, FakePlatform
+from pocket_mlx.analysis import info
+from pocket_mlx.system import chips
+from pocket_mlx.system.host import CommandResult, FakePlatform
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30

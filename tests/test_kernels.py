@@ -247,7 +247,7 @@ def test_fallbacks_and_switches():
 
 
 def test_ops_uses_kernels_on_cpu():
-    from pocket_mlx import ops
+    from pocket_mlx.kernels import ops
 
     gs, bits, K, N = 32, 2, 128, 24
     w, s, b = _quantized((N, K), gs, bits, mx.bfloat16)

@@ -1,4 +1,4 @@
-"""In-process wired limit (`pocket_mlx.memory`) with a fake GPU device-info and setter."""
+"""In-process wired limit (`pocket_mlx.system.memory`) with a fake GPU device-info and setter."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from pocket_mlx import memory
-from pocket_mlx.memory import (
+from pocket_mlx.system import memory
+from pocket_mlx.system.host import FakePlatform, RealPlatform
+from pocket_mlx.system.memory import (
     gpu_device_info,
     recommended_working_set,
     wired_limit,
     wired_limit_status,
 )
-from pocket_mlx.platform import FakePlatform, RealPlatform
 
 FIXTURES = Path(__file__).parent / "fixtures" / "macos"
 GiB = 1 << 30

@@ -11,8 +11,8 @@ import pytest
 from conftest import hf_weights, tiny_config, write_checkpoint
 from mlx.utils import tree_flatten
 
-from pocket_mlx.checkpoint import save_model
-from pocket_mlx.loader import load_model
+from pocket_mlx.convert.writer import save_model
+from pocket_mlx.engine.loader import load_model
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 1, 2, 200, 33, 71, 8]
 

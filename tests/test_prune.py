@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from pocket_mlx.cli import main
-from pocket_mlx.convert import calibrate
-from pocket_mlx.loader import load_model, read_config
-from pocket_mlx.prune import ExpertStats, batch_stats, select_experts
+from pocket_mlx.cli.main import main
+from pocket_mlx.convert.pipeline import calibrate
+from pocket_mlx.convert.prune import ExpertStats, batch_stats, select_experts
+from pocket_mlx.engine.loader import load_model, read_config
 
 CALIB = ROOT / "assets" / "text" / "en.calib.txt"
 

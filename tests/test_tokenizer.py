@@ -8,8 +8,8 @@ import shutil
 import pytest
 from conftest import ASSET
 
+from pocket_mlx.engine.tokenizer import Tokenizer
 from pocket_mlx.errors import PocketError
-from pocket_mlx.tokenizer import Tokenizer
 
 TEXTS = ["床前明月光，疑是地上霜。举头望明月，低头思故乡。", "Fortune 🍀🎉 smiles on the bold 👩‍🚀!",
          "def f(x):\n    return x  # 注释 ✓\n"]

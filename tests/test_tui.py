@@ -16,15 +16,15 @@ import pytest
 from pocket_mlx.tui import app as app_module
 from pocket_mlx.tui.app import ChatApp
 from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, Notice, UserMessage
-from pocket_mlx.tui.session import ChatSession, Settings
 from pocket_mlx.tui.stats_panel import StatsPanel
 from textual.app import App
 from textual.screen import Screen
 
-from pocket_mlx.conversations import ConversationStore
-from pocket_mlx.devices import gpu_available
-from pocket_mlx.generation import GenerationStats, Response
-from pocket_mlx.loader import load
+from pocket_mlx.engine.conversations import ConversationStore
+from pocket_mlx.engine.devices import gpu_available
+from pocket_mlx.engine.generation import GenerationStats, Response
+from pocket_mlx.engine.loader import load
+from pocket_mlx.engine.session import ChatSession, Settings
 
 LONG_PROMPT = "def main():"  # the bundled model writes code here without stopping
 CHAT_TCSS = str(Path(app_module.__file__).with_name("chat.tcss"))
@@ -99,8 +99,8 @@ def test_send_shows_reply_and_stats(home):
 
 
 def test_second_turn_prefills_only_new_tokens():
-    from pocket_mlx.loader import default_model_path
-    from pocket_mlx.tokenizer import load_tokenizer
+    from pocket_mlx.engine.loader import default_model_path
+    from pocket_mlx.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_path())
     seen = {}

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pocket_mlx.commands.wired import register, run
+from pocket_mlx.cli.wired import register, run
 from pocket_mlx.errors import PocketError
-from pocket_mlx.platform import (
+from pocket_mlx.system.host import (
     FAKE_PLATFORM_ENV,
     CommandResult,
     FakePlatform,
@@ -26,7 +26,7 @@ from pocket_mlx.platform import (
     parse_version,
     total_ram_bytes,
 )
-from pocket_mlx.wired import (
+from pocket_mlx.system.wired import (
     KEY_BYTES,
     KEY_MB,
     LAUNCHD_LABEL,

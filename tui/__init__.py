@@ -8,7 +8,7 @@ __all__ = ["ChatApp"]
 
 def __getattr__(name: str):
     if name == "ChatApp":
-        from .app import ChatApp
+        from pocket_mlx.tui.app import ChatApp
 
         return ChatApp
     raise AttributeError(name)

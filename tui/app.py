@@ -16,6 +16,13 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import NamedTuple
 
+from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, finish_notice
+from pocket_mlx.tui.events import EngineNotice, ModelFailed, ModelReady, PrefillProgress, ReplyDone
+from pocket_mlx.tui.header import ModelHeader
+from pocket_mlx.tui.model_info import ModelInfo, kernels_label, model_info
+from pocket_mlx.tui.prompt import PromptInput
+from pocket_mlx.tui.screens import HelpScreen, OpenScreen, SettingsScreen
+from pocket_mlx.tui.stats_panel import REFRESH_S, StatsPanel
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
@@ -25,19 +32,11 @@ from textual.screen import Screen
 from textual.widgets import Footer
 from textual.worker import Worker, get_current_worker
 
-from pocket_mlx.conversations import Conversation, ConversationStore, new_id
-from pocket_mlx.devices import describe, gpu_available
+from pocket_mlx.engine.conversations import Conversation, ConversationStore, new_id
+from pocket_mlx.engine.devices import describe, gpu_available
+from pocket_mlx.engine.generation import GenerationStats
+from pocket_mlx.engine.session import ChatSession, Settings
 from pocket_mlx.errors import PocketError
-from pocket_mlx.generation import GenerationStats
-
-from .conversation import AssistantMessage, ConversationView, finish_notice
-from .events import EngineNotice, ModelFailed, ModelReady, PrefillProgress, ReplyDone
-from .header import ModelHeader
-from .model_info import ModelInfo, kernels_label, model_info
-from .prompt import PromptInput
-from .screens import HelpScreen, OpenScreen, SettingsScreen
-from .session import ChatSession, Settings
-from .stats_panel import REFRESH_S, StatsPanel
 
 CHUNK_S = 0.2  # the engine publishes reply text and a stats copy at most this often (5 Hz)
 TICK_S = REFRESH_S  # 0.25 s, the UI's one timer: the stats panel redraws every tick (4 Hz, as the spec asks)
@@ -162,7 +161,7 @@ class ChatApp(App[None]):
         panel.device_label = describe(self.device)
         panel.kernels = kernels_label()
         try:
-            from pocket_mlx.memory import wired_limit_status
+            from pocket_mlx.system.memory import wired_limit_status
 
             panel.wired = wired_limit_status()
         except Exception:  # noqa: BLE001 - a missing sysctl must not stop the chat
@@ -180,7 +179,7 @@ class ChatApp(App[None]):
         """Load the model, then serve generation jobs until the app closes."""
         worker = get_current_worker()
         try:
-            from pocket_mlx.loader import load
+            from pocket_mlx.engine.loader import load
 
             model, tokenizer = load(self.model_ref, device=self.device, fuse=True)
             info = model_info(model, self.model_name)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from pocket_mlx.tui.model_info import ModelInfo
 from textual.message import Message
 
-from pocket_mlx.generation import GenerationStats
-
-from .model_info import ModelInfo
+from pocket_mlx.engine.generation import GenerationStats
 
 
 class ModelReady(Message):

@@ -68,8 +68,8 @@ def disk_size(path: Path) -> int:
 
 
 def model_info(model, name: str | None = None) -> ModelInfo:
-    from pocket_mlx.accounting import weight_stats
-    from pocket_mlx.generation import context_limit
+    from pocket_mlx.analysis.accounting import weight_stats
+    from pocket_mlx.engine.generation import context_limit
 
     path = Path(getattr(model, "path", "."))
     config = getattr(model, "config", {}) or {}

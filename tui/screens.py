@@ -13,10 +13,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from pocket_mlx.conversations import Conversation
+from pocket_mlx.engine.conversations import Conversation
+from pocket_mlx.engine.session import Settings
 from pocket_mlx.errors import PocketError
-
-from .session import Settings
 
 PROMPT_KEYS = [
     ("enter", "send the prompt"),

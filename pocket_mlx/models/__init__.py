@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..errors import PocketError
-from . import qwen3_5_moe
+from pocket_mlx.errors import PocketError
+from pocket_mlx.models import qwen3_5_moe
 
 ARCHITECTURES = {t: qwen3_5_moe for t in qwen3_5_moe.MODEL_TYPES}
 

@@ -8,11 +8,11 @@ Differences from mlx-lm that matter:
 - layers follow the config's `layer_types` (mlx-lm assumes every 4th is full attention);
 - the (1 + w) RMSNorm shift of a transformers checkpoint is applied in float32 and kept in float32
   (mlx-lm shifts in the checkpoint's dtype and loses bf16 precision);
-- quantized products go through `pocket_mlx.ops` (CPU kernels of the extension when present);
+- quantized products go through `pocket_mlx.kernels.ops` (CPU kernels of the extension when present);
   on the CPU a decode token's MoE block and Gated DeltaNet core (between its projections) are one
   extension node each (`ops.moe_block`, `ops.linear_attn_step`), MLX's ops otherwise.
 - `Model.fuse_projections` (inference loads only) runs projections of the same input as one
-  matmul, under new names (`in_proj`, `qkv_proj`, `gate_up_proj`; see pocket_mlx/fusion.py).
+  matmul, under new names (`in_proj`, `qkv_proj`, `gate_up_proj`; see pocket_mlx/models/fusion.py).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import ops
-from ..errors import PocketError
-from ..fusion import fuse, project
-from ..layers import Embedding, Linear, RMSNorm, SwitchGLU
+from pocket_mlx.errors import PocketError
+from pocket_mlx.kernels import ops
+from pocket_mlx.models.fusion import fuse, project
+from pocket_mlx.models.layers import Embedding, Linear, RMSNorm, SwitchGLU
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 

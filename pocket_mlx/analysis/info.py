@@ -1,0 +1,238 @@
+"""What a model is and what it costs: shape, parameters, quantization, bytes per token, RAM.
+
+Works without reading any weight: a model folder is loaded lazily (shapes only), and a bare
+config (`synthetic:NAME` or a config.json path) becomes a lazy skeleton quantized shape-wise, so
+a 35B shape can be described on a machine that holds no 35B weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from pocket_mlx.analysis.accounting import weight_stats
+from pocket_mlx.convert.recipes import family as recipe_family
+from pocket_mlx.errors import PocketError
+from pocket_mlx.models.layers import QuantizedSwitchLinear, SwitchLinear
+
+FAMILIES = ("experts", "router", "attention", "linear_attention", "shared_expert", "embeddings",
+            "lm_head", "other")
+
+
+@dataclass
+class Source:
+    """A model to describe: its config, lazy model, and folder when it has weights."""
+
+    label: str
+    config: dict
+    model: nn.Module
+    path: Path | None  # None: shapes only, no files
+    meta: dict  # pocket.json
+
+
+def _dtype_of(config: dict) -> mx.Dtype:
+    name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return getattr(mx, name.replace("torch.", ""), mx.bfloat16)
+
+
+def open_source(model: str | None) -> Source:
+    """`None` (bundled model), a folder or repo id, `synthetic:NAME[:RECIPE]`, or a config.json."""
+    from pocket_mlx.convert import synthetic
+    from pocket_mlx.engine.loader import load_model, read_config, resolve_model_path
+
+    if model and model.startswith("synthetic:"):
+        _, name, *rest = model.split(":")
+        recipe = rest[0] if rest else synthetic.DEFAULT_RECIPE
+        config = synthetic.config_for(name)
+        skel = synthetic.build_model(config)
+        quant = synthetic.quantization_for(skel, recipe)
+        synthetic.quantize_skeleton(skel, quant, _dtype_of(config))
+        config = {**config, "quantization": quant}
+        meta = {"recipe": recipe, "original_num_experts": synthetic.original_experts(name)}
+        return Source(f"synthetic {name} ({recipe})", config, skel, None, meta)
+    if model and model.endswith(".json"):
+        file = Path(model).expanduser()
+        if not file.is_file():
+            raise PocketError(f"no such config file: {model}")
+        try:
+            config = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise PocketError(f"{file} is not valid JSON: {e}") from None
+        skel = synthetic.skeleton(config, dtype=_dtype_of(config))
+        return Source(str(file), config, skel, None, _pocket_json(file.parent))
+    path = resolve_model_path(model)
+    config = read_config(path)
+    return Source(str(path), config, load_model(path, config, lazy=True), path,
+                  _pocket_json(path))
+
+
+def _pocket_json(folder: Path) -> dict:
+    f = folder / "pocket.json"
+    try:
+        return json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def family(path: str) -> str:
+    """The recipes' module family, routers and embeddings grouped as `info` reports them."""
+    f = recipe_family(path)
+    return {"shared_expert_gate": "router", "embed_tokens": "embeddings"}.get(f, f)
+
+
+def quant_summary(model: nn.Module) -> dict[str, dict]:
+    """Per family: bits used by its matrices ("float" for unquantized ones), group sizes,
+    parameters (logical), bytes stored and bytes read per decoded token."""
+    args = model.args
+    out: dict[str, dict] = {}
+    for path, m in model.named_modules():
+        arrays = {k: v for k, v in m.items() if isinstance(v, mx.array)}
+        if not arrays:
+            continue
+        fam = family(path)
+        entry = out.setdefault(fam, {"bits": set(), "group_sizes": set(), "params": 0,
+                                     "bytes": 0, "bytes_per_token": 0})
+        bits = getattr(m, "bits", None)
+        nbytes = sum(v.nbytes for v in arrays.values())
+        w = arrays.get("weight")
+        if bits:
+            entry["bits"].add(str(bits))
+            entry["group_sizes"].add(m.group_size)
+            entry["params"] += w.size * 32 // bits
+        else:
+            if w is not None and w.ndim >= 2:
+                entry["bits"].add(str(w.dtype).split(".")[-1])
+            entry["params"] += sum(v.size for v in arrays.values())
+        entry["bytes"] += nbytes
+        if isinstance(m, (SwitchLinear, QuantizedSwitchLinear)):
+            entry["bytes_per_token"] += int(nbytes * args.num_experts_per_tok / m.num_experts)
+        elif fam == "embeddings" and not args.tie_word_embeddings:
+            entry["bytes_per_token"] += nbytes // w.shape[0]
+        else:
+            entry["bytes_per_token"] += nbytes
+    for entry in out.values():
+        entry["bits"] = "/".join(sorted(entry["bits"], key=lambda b: (not b.isdigit(), b)))
+        entry["group_sizes"] = sorted(entry["group_sizes"])
+    return {f: out[f] for f in FAMILIES if f in out}
+
+
+def describe(model: str | None = None, context: int | None = None,
+             bandwidth_gbps: float | None = None, platform=None) -> dict:
+    """Everything `pocket-mlx info` prints, as one JSON-ready dict."""
+    from pocket_mlx.analysis.bench import kernels_info
+    from pocket_mlx.system import chips
+    from pocket_mlx.system.host import get_platform
+    from pocket_mlx.system.wired import default_reserve_bytes, kv_cache_bytes
+
+    src = open_source(model)
+    platform = platform or get_platform()
+    args = src.model.args
+    stats = weight_stats(src.model)
+    if context is not None and context <= 0:
+        raise PocketError(f"--context must be > 0, got {context}")
+    kv = kv_cache_bytes(src.config, context)
+    ram_needed = stats.bytes_total + kv.total
+    total_ram = platform.total_ram_bytes()
+    usable = total_ram - default_reserve_bytes(total_ram) if total_ram else None
+    disk = None
+    if src.path is not None:
+        disk = sum(f.stat().st_size for f in src.path.glob("*.safetensors"))
+    bw_source = "--bandwidth" if bandwidth_gbps else None
+    if not bandwidth_gbps:
+        chip = chips.detect(platform)
+        if chip:
+            bw_source = f"Apple {chip[0]} (published spec)"
+            bandwidth_gbps = chip[1]
+    n_linear = sum(1 for t in args.layer_types if t == "linear_attention")
+    return {
+        "model": src.label,
+        "architecture": {
+            "model_type": args.model_type, "layers": args.num_hidden_layers,
+            "linear_attention_layers": n_linear,
+            "full_attention_layers": args.num_hidden_layers - n_linear,
+            "hidden_size": args.hidden_size, "vocab_size": args.vocab_size,
+            "attention_heads": args.num_attention_heads, "kv_heads": args.num_key_value_heads,
+            "head_dim": args.head_dim, "linear_key_heads": args.linear_num_key_heads,
+            "linear_value_heads": args.linear_num_value_heads,
+            "moe_intermediate_size": args.moe_intermediate_size,
+            "shared_expert_intermediate_size": args.shared_expert_intermediate_size,
+            "max_position_embeddings": args.max_position_embeddings,
+        },
+        "params_total": stats.params_total,
+        "params_active": stats.params_active,
+        "experts_per_layer": stats.experts_per_layer,
+        "experts_original": int(src.meta.get("original_num_experts") or stats.experts_per_layer),
+        "top_k": stats.top_k,
+        "recipe": src.meta.get("recipe"),
+        "quantization": quant_summary(src.model),
+        "weights_bytes": stats.bytes_total,
+        "disk_bytes": disk,
+        "bytes_per_token": stats.bytes_per_token,
+        "context": kv.context,
+        "kv_cache_bytes": kv.full_bytes,
+        "linear_state_bytes": kv.linear_bytes,
+        "ram_needed_bytes": ram_needed,
+        "ram_total_bytes": total_ram,
+        "ram_usable_bytes": usable,
+        "fits": bool(usable is not None and ram_needed <= usable),
+        "bandwidth_gbps": bandwidth_gbps,
+        "bandwidth_source": bw_source,
+        "decode_ceiling_tps": (bandwidth_gbps * 1e9 / stats.bytes_per_token
+                               if bandwidth_gbps else None),
+        "kernels": kernels_info()["name"],
+    }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def format_text(d: dict) -> str:
+    a = d["architecture"]
+    lines = [
+        f"model            {d['model']}",
+        f"architecture     {a['model_type']}: {a['layers']} layers "
+        f"({a['linear_attention_layers']} Gated DeltaNet, {a['full_attention_layers']} full "
+        f"attention), hidden {a['hidden_size']}, vocab {a['vocab_size']}",
+        f"                 attention {a['attention_heads']} heads / {a['kv_heads']} KV x "
+        f"{a['head_dim']}; linear {a['linear_key_heads']} key / {a['linear_value_heads']} "
+        f"value heads; experts {a['moe_intermediate_size']} wide, shared "
+        f"{a['shared_expert_intermediate_size']}",
+        f"parameters       {_count(d['params_total'])} total, {_count(d['params_active'])} "
+        f"active per token",
+        f"experts          {d['experts_per_layer']} per layer (of {d['experts_original']} "
+        f"originally), top-{d['top_k']}",
+        f"recipe           {d['recipe'] or 'n/a'}",
+        "quantization     family            bits     params     stored  read/token",
+    ]
+    for fam, q in d["quantization"].items():
+        lines.append(f"                 {fam:<17} {q['bits']:<8} {_count(q['params']):>7} "
+                     f"{_size(q['bytes']):>10} {_size(q['bytes_per_token']):>10}")
+    fit = "yes" if d["fits"] else "no"
+    lines += [
+        f"weights          {_size(d['weights_bytes'])} in memory, {_size(d['disk_bytes'])} "
+        f"on disk",
+        f"per token        {_size(d['bytes_per_token'])} of weights read per decoded token",
+        f"RAM needed       {_size(d['ram_needed_bytes'])} at {d['context']} tokens (weights + "
+        f"KV {_size(d['kv_cache_bytes'])} + linear state {_size(d['linear_state_bytes'])})",
+        f"fits this host   {fit} ({_size(d['ram_total_bytes'])} RAM, "
+        f"{_size(d['ram_usable_bytes'])} usable)",
+    ]
+    if d["decode_ceiling_tps"]:
+        lines.append(f"decode ceiling   {d['decode_ceiling_tps']:.1f} tok/s at "
+                     f"{d['bandwidth_gbps']:g} GB/s ({d['bandwidth_source']})")
+    else:
+        lines.append("decode ceiling   unknown: pass --bandwidth GBPS (measure it with "
+                     "`pocket-mlx bench --bandwidth`)")
+    lines.append(f"kernels          {d['kernels']}")
+    return "\n".join(lines)

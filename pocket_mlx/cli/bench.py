@@ -1,0 +1,146 @@
+"""`pocket-mlx bench`: llama-bench-style pp/tg throughput, bandwidth roofline, mlx-lm comparison.
+
+Without `--bandwidth` the roofline still comes from a quick probe (256 MB, best of 3) so every
+tg row has one; `--bandwidth` runs the longer probe (1 GB, best of 7) and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pocket_mlx.errors import PocketError
+
+
+def register(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="measure prefill and decode speed (llama-bench style)",
+                       description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", "-m", default=None,
+                     help="model folder or Hugging Face repo id (default: the bundled model)")
+    src.add_argument("--synthetic", default=None, metavar="NAME",
+                     help="random-weight model of a known shape: pocket-35b, pocket-35b-e128, "
+                          "tiny (built once into the cache)")
+    p.add_argument("--synthetic-recipe", default=None, metavar="RECIPE",
+                   help="quantization of --synthetic: pocket-2bit (default), pocket-3bit, "
+                        "uniform-2/3/4/8")
+    p.add_argument("-p", "--n-prompt", type=int, default=512, help="pp test size (0 = skip)")
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="tg test size (0 = skip)")
+    p.add_argument("-r", "--repetitions", type=int, default=3)
+    p.add_argument("--device", choices=["cpu", "gpu"], default=None)
+    p.add_argument("--threads", "-t", type=int, default=None,
+                   help="threads of the project's CPU kernels (when built)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="activation/scale dtype; auto = float32 on the CPU (bf16 is 5-40x slower "
+                        "there), the checkpoint's own on the GPU")
+    p.add_argument("--vs-mlx-lm", action="store_true",
+                   help="also run stock mlx-lm on the same weights, interleaved")
+    p.add_argument("--bandwidth", action="store_true",
+                   help="run the full memory-bandwidth probe and print it")
+    p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=run)
+    return p
+
+
+def recipe_of(path: Path, config: dict) -> str:
+    """The recipe name from pocket.json, else a summary of the quantization dict."""
+    meta = path / "pocket.json"
+    if meta.is_file():
+        try:
+            recipe = json.loads(meta.read_text()).get("recipe")
+            if recipe:
+                return str(recipe)
+        except (OSError, ValueError):
+            pass
+    from pocket_mlx.engine.loader import quantization_of
+
+    q = quantization_of(config)
+    if not q:
+        return "float"
+    bits = {q.get("bits", 4)} | {v["bits"] for v in q.values() if isinstance(v, dict)}
+    return f"uniform-{bits.pop()}" if len(bits) == 1 else "mixed-" + "/".join(
+        str(b) for b in sorted(bits))
+
+
+def run(args) -> int:
+    for flag, v in (("-r", args.repetitions), ("-p", args.n_prompt), ("-n", args.n_gen)):
+        if v < (1 if flag == "-r" else 0):
+            raise PocketError(f"{flag} must be {'>= 1' if flag == '-r' else '>= 0'}, got {v}")
+    if args.threads is not None and args.threads < 1:
+        raise PocketError(f"--threads must be >= 1, got {args.threads}")
+    if args.synthetic_recipe and not args.synthetic:
+        raise PocketError("--synthetic-recipe needs --synthetic")
+    import mlx.core as mx
+
+    from pocket_mlx.analysis import bench
+    from pocket_mlx.engine import devices
+
+    device = devices.resolve_device(args.device)
+    # Before anything imports mlx_lm.generate (see bench.mlx_lm_generate_module).
+    mx.set_default_device(devices.mx_device(device))
+    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+
+    from pocket_mlx.analysis.accounting import weight_stats
+    from pocket_mlx.engine.loader import load, read_config, resolve_model_path
+
+    if args.synthetic:
+        from pocket_mlx.convert import synthetic
+
+        recipe = args.synthetic_recipe or synthetic.DEFAULT_RECIPE
+        if recipe not in synthetic.RECIPES:
+            raise PocketError(f"unknown recipe {recipe!r} (known: {', '.join(synthetic.RECIPES)})")
+        synthetic.config_for(args.synthetic)  # validates the name
+        path = synthetic.build(args.synthetic, recipe, progress=not args.quiet)
+        name = args.synthetic
+    else:
+        path = resolve_model_path(args.model)
+        name = path.name
+    config = read_config(path)
+    recipe = recipe_of(path, config)
+
+    threads = bench.set_threads(args.threads)
+    kinfo = bench.kernels_info()
+    if args.threads and not kinfo["active"]:
+        log(f"note: --threads {args.threads} has no effect: MLX runs CPU ops on one thread "
+            "and the pocket kernels are not active")
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else None
+    log(f"loading {path} ({dtype or 'checkpoint dtype'}) on {devices.describe(device)}")
+    model, _ = load(path, device=device, dtype=dtype, fuse=True)
+    stats = weight_stats(model)
+    scales = [v for k, v in _flat(model) if k.endswith("scales")]
+    shown_dtype = dtype or (str(scales[0].dtype).split(".")[-1] if scales else "float")
+
+    bw = bench.probe_bandwidth(device, threads, quick=not args.bandwidth)
+    if args.bandwidth:
+        print(f"memory read bandwidth ({device}, {threads} thread(s)): {bw:.1f} GB/s",
+              file=sys.stderr if args.output != "md" else sys.stdout, flush=True)
+
+    runners = [bench.pocket_runner(model, device)]
+    if args.vs_mlx_lm:
+        runners.append(bench.mlx_lm_runner(bench.mlx_lm_model(path, model), device))
+    results = bench.run_tests(runners, vocab=model.args.vocab_size, p=args.n_prompt,
+                              n=args.n_gen, repeats=args.repetitions, log=log,
+                              probe=lambda: bench.probe_bandwidth(device, threads))
+    meta = dict(model=name, size_bytes=stats.bytes_total, params_total=stats.params_total,
+                params_active=stats.params_active, recipe=recipe, dtype=shown_dtype,
+                device=device, threads=threads, kernels=kinfo["name"],
+                bytes_per_token=stats.bytes_per_token)
+    rows = bench.make_rows(results, meta, bw)
+    if args.output == "json":
+        print(bench.to_json(rows, bench.machine_info(bw)))
+    elif args.output == "csv":
+        sys.stdout.write(bench.to_csv(rows))
+    else:
+        print(bench.format_markdown(rows))
+    return 0
+
+
+def _flat(model):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())

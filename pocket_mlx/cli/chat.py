@@ -1,0 +1,60 @@
+"""`pocket-mlx chat`: the terminal chat app (Textual), with saved conversations."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pocket_mlx.cli.generate import add_model_args
+
+
+def register(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("chat", help="chat in the terminal",
+                       description="Chat with a model in a terminal app: live throughput, "
+                                   "device switching, saved conversations.")
+    add_model_args(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--temp", type=float, default=None, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default 1.0)")
+    p.add_argument("--max-tokens", "-n", type=int, default=None,
+                   help="longest reply in tokens (default 256)")
+    p.add_argument("--resume", metavar="ID", default=None,
+                   help="continue a saved conversation (see the open dialog, ctrl+o)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    from pocket_mlx.engine.conversations import ConversationStore
+    from pocket_mlx.engine.devices import resolve_device
+    from pocket_mlx.engine.loader import resolve_model_path
+    from pocket_mlx.engine.session import Settings
+
+    device = resolve_device(args.device)
+    store = ConversationStore()
+    conv = store.load(args.resume) if args.resume else None
+    settings = Settings.from_dict(conv.settings) if conv else Settings()
+    for name, value in (("system", args.system), ("temperature", args.temp),
+                        ("top_p", args.top_p), ("max_tokens", args.max_tokens)):
+        if value is not None:
+            setattr(settings, name, value)
+    settings.validate()
+    model = args.model or (conv.model if conv and conv.model else None)
+    path = resolve_model_path(model)  # a bad --model fails here, on one line, before the UI
+
+    from pocket_mlx.tui.app import ChatApp
+
+    name = args.model or (conv.model if conv else None)
+    name = str(name).rstrip("/").split("/")[-1] if name else path.name
+    app = ChatApp(model, device=device, settings=settings, conversation=conv, store=store,
+                  model_name=name)
+    app.run()
+    code = app.return_code or 0
+    # Workaround: after MLX ran on a worker thread (the app's engine), the interpreter's exit
+    # often aborts in MLX's C++ teardown ("terminate called without an active exception",
+    # SIGABRT). Everything is saved (atomic writes) and the terminal restored by now, so leave
+    # without running the native destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,62 @@
+"""`pocket-mlx` command line: one console script, one module per subcommand.
+
+Each subcommand lives in `pocket_mlx/cli/<name>.py` and exposes
+`register(subparsers) -> argparse.ArgumentParser` whose parser has `func=run(args) -> int`.
+Errors a user can cause are `PocketError`s: printed as one line, exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pocket_mlx.errors import PocketError
+
+COMMANDS = ["chat", "generate", "info", "wired", "convert", "eval_ppl", "bench"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors on one line with exit code 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pocket-mlx", description=__doc__.splitlines()[0])
+    from pocket_mlx import __version__
+
+    parser.add_argument("--version", action="version", version=f"pocket-mlx {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"pocket_mlx.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name and e.name.endswith(f"cli.{name}"):
+                continue  # subcommand not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except PocketError as e:
+        print(f"pocket-mlx {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"pocket-mlx {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Calibration text and router statistics, computed one layer at a time.
+
+The model is loaded lazily and run layer by layer over all calibration windows: each layer's
+weights are read, used on every window, then dropped. Peak memory is one layer plus the hidden
+states of the calibration windows, whatever the size of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_unflatten
+
+from pocket_mlx.convert.prune import ExpertStats
+from pocket_mlx.errors import PocketError
+
+SEPARATOR = "<|endoftext|>"
+
+
+@dataclass
+class TextFile:
+    name: str
+    size: int
+    sha256: str
+    tokens: int  # tokens used (after any cap)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_documents(path: Path, separator: str = SEPARATOR) -> list[str]:
+    """Documents of a text file, split on lines that are exactly `separator`."""
+    path = Path(path)
+    if not path.is_file():
+        raise PocketError(f"no such text file: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PocketError(f"cannot read {path} as UTF-8 text: {e}") from None
+    docs, cur = [], []
+    for line in text.splitlines(keepends=True):
+        if line.strip() == separator:
+            docs.append("".join(cur))
+            cur = []
+        else:
+            cur.append(line)
+    docs.append("".join(cur))
+    docs = [d.strip("\n") for d in docs]
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise PocketError(f"{path} has no text")
+    return docs
+
+
+def token_stream(docs: list[str], tokenizer, separator: str = SEPARATOR) -> list[int]:
+    """All documents' tokens, joined by the separator token when the tokenizer has one."""
+    sep = tokenizer.token_to_id(separator) if separator else None
+    if sep is None:
+        sep = tokenizer.token_to_id(SEPARATOR)
+    ids: list[int] = []
+    for i, d in enumerate(docs):
+        if i and sep is not None:
+            ids.append(sep)
+        ids.extend(tokenizer.encode(d, add_special_tokens=False))
+    return ids
+
+
+def windows(ids: list[int], window: int, min_len: int = 2) -> list[list[int]]:
+    """Consecutive non-overlapping windows; a last short one is kept if it has `min_len`."""
+    out = [ids[i:i + window] for i in range(0, len(ids), window)]
+    return [w for w in out if len(w) >= min_len]
+
+
+def file_info(path: Path, tokens: int) -> TextFile:
+    data = Path(path).read_bytes()
+    return TextFile(Path(path).name, len(data), hashlib.sha256(data).hexdigest(), tokens)
+
+
+def calibration_windows(files: list[Path], tokenizer, window: int = 512,
+                        max_tokens: int = 16384) -> tuple[list[list[int]], list[TextFile]]:
+    """Windows from each file (at most `max_tokens` per file, so domains weigh equally)."""
+    chunks, infos = [], []
+    for f in files:
+        f = Path(f)
+        if not f.is_file():
+            raise PocketError(f"calibration file {f} does not exist")
+        if f.stat().st_size == 0:
+            raise PocketError(f"calibration file {f} is empty")
+        ids = token_stream(read_documents(f), tokenizer)[:max_tokens]
+        if len(ids) < 2:
+            raise PocketError(f"calibration file {f} has too little text")
+        chunks += windows(ids, window)
+        infos.append(file_info(f, len(ids)))
+    return chunks, infos
+
+
+def collect_stats(model, chunks: list[list[int]], progress: bool = True) -> ExpertStats:
+    """Run the windows through a (lazily loaded) model layer by layer, observing each MoE
+    block. The model's layers are dropped as they are done: do not use it afterwards."""
+    from tqdm import tqdm
+
+    if not chunks:
+        raise PocketError("no calibration text")
+    lm = model.language_model
+    layers = lm.model.layers
+    stats = ExpertStats(len(layers), model.args.num_experts)
+    stats.tokens = sum(len(c) for c in chunks)
+    hs = []
+    for c in chunks:
+        h = lm.model.embed_tokens(mx.array(c, mx.int32)[None])
+        mx.eval(h)
+        hs.append(h)
+    for i in tqdm(range(len(layers)), desc="calibrate", unit="layer", disable=not progress,
+                  leave=False):
+        layer = layers[i]
+        layer.mlp.observer = stats.observer(i)
+        for j, h in enumerate(hs):
+            hs[j] = layer(h)
+            mx.eval(hs[j])
+        layer.mlp.observer = None
+        layers[i] = None  # drop this layer's weights
+        del layer
+    return stats
+
+
+# ---- `--recipe auto`: spend a bit budget where it lowers the output error most -------------------
+AUTO_BITS = (2, 3, 4, 6)
+
+
+def _groups(model) -> dict[str, list[str]]:
+    """Per layer: routed experts, and the dense rest (attention or linear attention plus the
+    shared expert); then embeddings and lm_head. Routers and the shared-expert gate are not in
+    play (8 bits, tiny). Few groups keep the measurement cheap."""
+    groups: dict[str, list[str]] = {}
+    for path, m in model.named_modules():
+        if not hasattr(m, "to_quantized"):
+            continue
+        if path.endswith(("mlp.gate", "shared_expert_gate")):
+            continue
+        parts = path.split(".")
+        if "layers" in parts:
+            i = parts[parts.index("layers") + 1]
+            fam = "experts" if ".switch_mlp." in path else "dense"
+            key = f"layers.{i}.{fam}"
+        else:
+            key = parts[-1]
+        groups.setdefault(key, []).append(path)
+    return groups
+
+
+def _kl(base_logp: mx.array, logp: mx.array) -> float:
+    return float((mx.exp(base_logp) * (base_logp - logp)).sum(-1).mean().item())
+
+
+def auto_recipe(model, chunks: list[list[int]], target_bpw: float, progress: bool = True,
+                scale_bits: int = 16):
+    """A Recipe for `model` at about `target_bpw` bits per weight: measure the KL divergence of
+    the logits when one group alone is quantized at each width, then upgrade greedily the
+    group with the best KL drop per extra bit until the budget is spent (KL assumed additive).
+    `scale_bits`: width of the stored scales and biases (the output's float dtype)."""
+    import mlx.nn as nn
+    from tqdm import tqdm
+
+    from pocket_mlx.convert.recipes import Recipe, Spec, glob_rule
+
+    xs = [mx.array(c, mx.int32)[None] for c in chunks]
+
+    def logprobs() -> list[mx.array]:
+        out = []
+        for x in xs:  # one window at a time: small graphs, no batch-shape corner cases
+            lg = model(x).astype(mx.float32)
+            out.append(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+            mx.eval(out[-1])
+        return out
+
+    base = logprobs()
+    groups = _groups(model)
+    modules = dict(model.named_modules())
+    size = {g: sum(modules[p].weight.size for p in ps) for g, ps in groups.items()}
+    kl: dict[tuple[str, int], float] = {}
+    todo = [(g, b) for g in groups for b in AUTO_BITS]
+    for g, b in tqdm(todo, desc="auto recipe", disable=not progress, leave=False):
+        paths = set(groups[g])
+        saved = [(p, modules[p]) for p in paths]
+        nn.quantize(model, 64, b, class_predicate=lambda p, m, s=paths: p in s)
+        kl[(g, b)] = sum(_kl(p, q) for p, q in zip(base, logprobs())) / len(xs)
+        model.update_modules(tree_unflatten(saved))
+    overhead = 2 * scale_bits / 64  # a scale and a bias per group of 64
+    # Budget over the groups in play; routers and gates are added at 8.5 bits.
+    fixed = [p for p in modules if p.endswith(("mlp.gate", "shared_expert_gate"))]
+    fixed_bits = sum(modules[p].weight.size for p in fixed) * (8 + overhead)
+    total = sum(size.values()) + sum(modules[p].weight.size for p in fixed)
+    budget = target_bpw * total - fixed_bits
+    bits = {g: AUTO_BITS[0] for g in groups}
+    spent = sum(size[g] * (bits[g] + overhead) for g in groups)
+    if spent > budget:
+        from pocket_mlx.errors import PocketError
+
+        lowest = (spent + fixed_bits) / total
+        raise PocketError(f"--target-bpw {target_bpw:g} is below the lowest this recipe "
+                          f"reaches ({lowest:.2f})")
+    while True:
+        best = None
+        for g in groups:
+            i = AUTO_BITS.index(bits[g])
+            if i + 1 == len(AUTO_BITS):
+                continue
+            nb = AUTO_BITS[i + 1]
+            cost = size[g] * (nb - bits[g])
+            if spent + cost > budget:
+                continue
+            gain = (kl[(g, bits[g])] - kl[(g, nb)]) / cost
+            if best is None or gain > best[0]:
+                best = (gain, g, nb, cost)
+        if best is None or best[0] <= 0:
+            break
+        _, g, nb, cost = best
+        bits[g] = nb
+        spent += cost
+    rules = [glob_rule("*.mlp.gate", Spec(8)), glob_rule("*.shared_expert_gate", Spec(8))]
+    for g, ps in groups.items():
+        rules += [glob_rule(p, Spec(bits[g])) for p in ps]
+    recipe = Recipe(f"auto-{target_bpw:g}", rules, default=Spec(4))
+    return recipe, {g: {"bits": bits[g], "kl": {b: round(kl[(g, b)], 5) for b in AUTO_BITS}}
+                    for g in groups}

@@ -1,0 +1,415 @@
+"""Streaming conversion: any checkpoint the loader reads -> a pruned, mixed-precision MLX one.
+
+Tensors are read lazily and processed one layer at a time (prune, dequantize if needed, cast,
+quantize), evaluated, appended to the current shard's data file and dropped, so peak memory is
+about one layer whatever the checkpoint's size. Shards get their safetensors header when they
+close. Everything happens in a temporary folder beside OUT, renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from pocket_mlx import __version__
+from pocket_mlx.convert.prune import (
+    CRITERIA,
+    ExpertStats,
+    check_prune_to,
+    select_experts,
+    slice_layer,
+)
+from pocket_mlx.convert.recipes import Recipe, Spec, family
+from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config
+from pocket_mlx.engine.loader import (
+    load_model,
+    load_weights,
+    quantization_of,
+    read_config,
+    resolve_model_path,
+)
+from pocket_mlx.errors import PocketError
+from pocket_mlx.models import build_model
+
+_LAYER = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
+_ST_DTYPES = {
+    mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32",
+    mx.int32: "I32", mx.uint8: "U8", mx.int8: "I8", mx.int64: "I64", mx.uint16: "U16",
+    mx.int16: "I16", mx.bool_: "BOOL", mx.uint64: "U64",
+}
+
+
+@dataclass
+class ConvertOptions:
+    recipe: Recipe | None  # None with auto_bpw: measured on the calibration text
+    auto_bpw: float | None = None
+    prune_to: int | None = None
+    calib: list[Path] = field(default_factory=list)
+    criterion: str = "reap-sum"
+    seed: int = 0
+    dtype: str | None = None  # None keeps the source's float dtype
+    shard_bytes: int = 5 << 30
+    calib_tokens: int = 16384  # per calibration file
+    window: int = 512
+    force: bool = False
+    progress: bool = True
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    info: dict  # what pocket.json holds
+
+
+class ShardWriter:
+    """Appends evaluated tensors to raw data files; `close` writes each safetensors shard
+    (header, then the data copied over) and the index. Memory use: nothing beyond the tensor
+    being written."""
+
+    def __init__(self, folder: Path, shard_bytes: int):
+        self.folder, self.shard_bytes = folder, shard_bytes
+        self.shards: list[dict] = []  # {"data": Path, "header": {}, "size": int}
+        self._f = None
+
+    def _new_shard(self) -> None:
+        if self._f:
+            self._f.close()
+        data = self.folder / f".shard-{len(self.shards)}.data"
+        self.shards.append({"data": data, "header": {}, "size": 0})
+        self._f = open(data, "wb")
+
+    def add(self, name: str, arr: mx.array) -> None:
+        if arr.dtype not in _ST_DTYPES:
+            raise PocketError(f"cannot write {name}: dtype {arr.dtype} has no safetensors type")
+        nbytes = arr.nbytes
+        if not self.shards or (self.shards[-1]["size"]
+                               and self.shards[-1]["size"] + nbytes > self.shard_bytes):
+            self._new_shard()
+        shard = self.shards[-1]
+        mv = memoryview(arr)
+        if not mv.c_contiguous:
+            arr = mx.contiguous(arr)
+            mx.eval(arr)
+            mv = memoryview(arr)
+        self._f.write(mv)
+        start = shard["size"]
+        shard["header"][name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape),
+                                 "data_offsets": [start, start + nbytes]}
+        shard["size"] += nbytes
+
+    def close(self) -> dict[str, str]:
+        if self._f:
+            self._f.close()
+            self._f = None
+        n = len(self.shards)
+        weight_map, total = {}, 0
+        for i, shard in enumerate(self.shards):
+            fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            header = {"__metadata__": {"format": "mlx"}, **shard["header"]}
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)
+            with open(self.folder / fname, "wb") as out, open(shard["data"], "rb") as data:
+                out.write(len(raw).to_bytes(8, "little"))
+                out.write(raw)
+                shutil.copyfileobj(data, out, 64 << 20)
+            shard["data"].unlink()
+            for k in shard["header"]:
+                weight_map[k] = fname
+            total += shard["size"]
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return weight_map
+
+
+def _unit(key: str, num_layers: int) -> int:
+    """Write order: embeddings (0), layers (1..L), then the final norm and lm_head (L+1)."""
+    if m := _LAYER.match(key):
+        return int(m.group(1)) + 1
+    return 0 if ".embed_tokens." in key else num_layers + 1
+
+
+def _source_spec(path: str, quant: dict | None, weights: dict) -> Spec | None:
+    if not quant or f"{path}.scales" not in weights:
+        return None
+    entry = quant.get(path)
+    if isinstance(entry, dict):
+        return Spec(int(entry["bits"]), int(entry["group_size"]))
+    return Spec(int(quant["bits"]), int(quant["group_size"]))
+
+
+def _keep_float32(name: str, v: mx.array) -> bool:
+    """(1 + w) norms stay float32, as the loader keeps them."""
+    return v.ndim == 1 and v.dtype == mx.float32 and name.endswith("norm.weight")
+
+
+def plan_quantization(target, recipe: Recipe) -> tuple[dict[str, Spec | None], list[str]]:
+    """Spec per quantizable module of the target model, and notes on modules kept float."""
+    specs, notes = {}, []
+    for path, module in target.named_modules():
+        if not hasattr(module, "to_quantized"):
+            continue
+        spec, note = recipe.resolve(path, int(module.weight.shape[-1]))
+        specs[path] = spec
+        if note:
+            notes.append(note)
+    return specs, notes
+
+
+def quantization_dict(specs: dict[str, Spec | None], recipe: Recipe) -> dict | None:
+    """mlx-lm's convention: default bits/group size plus an entry per module (false = float)."""
+    used = [s for s in specs.values() if s is not None]
+    if not used:
+        return None
+    default = recipe.default or Counter(used).most_common(1)[0][0]
+    quant: dict = {"group_size": default.group_size, "bits": default.bits, "mode": "affine"}
+    for path in sorted(specs):
+        quant[path] = specs[path].as_dict() if specs[path] is not None else False
+    return quant
+
+
+def family_bits(specs: dict[str, Spec | None]) -> dict[str, list]:
+    """Which bit widths each module family got ("float" when kept float)."""
+    out: dict[str, set] = {}
+    for path, spec in specs.items():
+        out.setdefault(family(path), set()).add("float" if spec is None else spec.bits)
+    return {k: sorted(v, key=lambda b: (isinstance(b, str), b)) for k, v in sorted(out.items())}
+
+
+def _convert_module(tensors: dict, path: str, src: Spec | None, dst: Spec | None,
+                    dtype: mx.Dtype | None) -> dict[str, mx.array]:
+    w = tensors.pop(f"{path}.weight")
+    scales, biases = tensors.pop(f"{path}.scales", None), tensors.pop(f"{path}.biases", None)
+    out = {}
+    if src is not None and src == dst:  # already as asked: pass through (no re-rounding)
+        out[f"{path}.weight"] = w
+        out[f"{path}.scales"] = scales.astype(dtype) if dtype else scales
+        if biases is not None:
+            out[f"{path}.biases"] = biases.astype(dtype) if dtype else biases
+        return out
+    if src is not None:
+        w = mx.dequantize(w, scales, biases, src.group_size, src.bits)
+    if dtype is not None:
+        w = w.astype(dtype)
+    if dst is None:
+        out[f"{path}.weight"] = w
+    else:
+        q, s, b = mx.quantize(w, dst.group_size, dst.bits)
+        out.update({f"{path}.weight": q, f"{path}.scales": s, f"{path}.biases": b})
+    return out
+
+
+def write_weights(folder: Path, weights: dict[str, mx.array], specs: dict[str, Spec | None],
+                  src_quant: dict | None, num_layers: int, kept: list[list[int]] | None,
+                  dtype: mx.Dtype | None, shard_bytes: int, progress: bool = True) -> None:
+    """Consume the lazy `weights` dict unit by unit (pruning, quantizing, writing)."""
+    from tqdm import tqdm
+
+    src_specs = {p: _source_spec(p, src_quant, weights) for p in specs}
+    units: dict[int, list[str]] = {}
+    for k in weights:
+        units.setdefault(_unit(k, num_layers), []).append(k)
+    writer = ShardWriter(folder, shard_bytes)
+    for u in tqdm(sorted(units), desc="quantize+write", unit="layer", disable=not progress,
+                  leave=False):
+        tensors = {k: weights.pop(k) for k in units[u]}
+        if kept is not None and 1 <= u <= num_layers:
+            tensors = slice_layer(tensors, f"language_model.model.layers.{u - 1}", kept[u - 1])
+        out: dict[str, mx.array] = {}
+        for path in sorted({k.rsplit(".", 1)[0] for k in tensors}):
+            if path in specs and f"{path}.weight" in tensors:
+                out.update(_convert_module(tensors, path, src_specs[path], specs[path], dtype))
+        for k, v in tensors.items():  # norms, conv1d, A_log, dt_bias, biases
+            if dtype is not None and mx.issubdtype(v.dtype, mx.floating) and not _keep_float32(k, v):
+                v = v.astype(dtype)
+            out[k] = v
+        mx.eval(out)
+        for k in sorted(out):
+            writer.add(k, out[k])
+        del tensors, out
+    writer.close()
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise PocketError(f"{out} already exists (use --force to replace it)")
+    stale = sorted(out.parent.glob(f".{out.name}.tmp-*")) if out.parent.is_dir() else []
+    if stale:
+        print(f"note: {stale[0]} is left over from an interrupted conversion; "
+              "delete it to free the space")
+
+
+def source_info(src: str, path: Path) -> dict:
+    return {"source": str(src), "path": str(path.resolve())}
+
+
+def calibrate(path: Path, config: dict, files: list[Path], window: int, max_tokens: int,
+              progress: bool = True) -> tuple[ExpertStats, list[dict]]:
+    """Router statistics of the source model on calibration text (float32 on the CPU)."""
+    from pocket_mlx.convert.calibrate import calibration_windows, collect_stats
+    from pocket_mlx.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path, config)
+    chunks, infos = calibration_windows(files, tokenizer, window, max_tokens)
+    dtype = "float32" if mx.default_device() == mx.cpu else None
+    model = load_model(path, config, dtype=dtype, lazy=True)
+    stats = collect_stats(model, chunks, progress=progress)
+    return stats, [i.as_dict() for i in infos]
+
+
+def auto_for(path: Path, config: dict, opts: ConvertOptions) -> tuple[Recipe, dict]:
+    """Measure per-group quantization sensitivity on (at most 256 tokens of) the calibration
+    text and build a recipe for `opts.auto_bpw`. Loads the whole model: small models only."""
+    from pocket_mlx.convert.calibrate import auto_recipe, calibration_windows
+    from pocket_mlx.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path, config)
+    per_file = max(2, min(opts.calib_tokens, 256 // len(opts.calib)))
+    chunks, _ = calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)
+    dtype = "float32" if mx.default_device() == mx.cpu else None
+    out_dtype = getattr(mx, opts.dtype) if opts.dtype else next(
+        (v.dtype for v in load_weights(path).values()
+         if v.ndim == 2 and mx.issubdtype(v.dtype, mx.floating)), mx.bfloat16)
+    model = load_model(path, config, dtype=dtype)
+    return auto_recipe(model, chunks, opts.auto_bpw, opts.progress, 8 * out_dtype.size)
+
+
+def convert(src: str, out: Path, opts: ConvertOptions,
+            log: Callable[[str], None] = print,
+            stats: ExpertStats | None = None, calib_info: list[dict] | None = None
+            ) -> ConvertResult:
+    """Convert SRC into OUT. `stats`/`calib_info` reuse a calibration already made (the
+    quality report prunes one calibration several ways)."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    path = resolve_model_path(src)
+    config = read_config(path)
+    source = build_model(config)
+    args = source.args
+    dtype = getattr(mx, opts.dtype) if opts.dtype else None
+    kept = None
+    if opts.prune_to is not None:
+        check_prune_to(opts.prune_to, args.num_experts, args.num_experts_per_tok)
+        if opts.criterion not in CRITERIA + ("random",):
+            raise PocketError(f"unknown criterion {opts.criterion!r} "
+                              f"(known: {', '.join(CRITERIA)})")
+        if opts.criterion != "random" and not opts.calib and stats is None:
+            raise PocketError(f"--prune-to with criterion {opts.criterion} needs calibration "
+                              "text: --calib FILE")
+    elif opts.calib and opts.auto_bpw is None:
+        raise PocketError("--calib is used only with --prune-to or --recipe auto")
+    if opts.auto_bpw is not None and not opts.calib:
+        raise PocketError("--recipe auto needs calibration text: --calib FILE")
+    _check_out(out, opts.force)
+    auto = None
+    if opts.auto_bpw is not None:
+        opts.recipe, auto = auto_for(path, config, opts)
+    if opts.prune_to is not None:
+        if stats is None and opts.criterion != "random":
+            for f in opts.calib:  # fail before the slow part
+                if not Path(f).is_file():
+                    raise PocketError(f"calibration file {f} does not exist")
+                if Path(f).stat().st_size == 0:
+                    raise PocketError(f"calibration file {f} is empty")
+            stats, calib_info = calibrate(path, config, opts.calib, opts.window,
+                                          opts.calib_tokens, opts.progress)
+        kept = select_experts(stats, opts.prune_to, opts.criterion, args.num_hidden_layers,
+                              args.num_experts, opts.seed)
+    text_cfg = dict(config.get("text_config") or config)
+    if kept is not None:
+        text_cfg["num_experts"] = opts.prune_to
+    target = build_model(mlx_config(text_cfg))
+    specs, notes = plan_quantization(target, opts.recipe)
+    for n in notes:
+        log(f"note: {n}")
+    quant = quantization_dict(specs, opts.recipe)
+    weights = source.sanitize(load_weights(path))
+    src_quant = quantization_of(config)
+    with atomic_dir(out, force=opts.force) as tmp:
+        write_weights(tmp, weights, specs, src_quant, args.num_hidden_layers, kept, dtype,
+                      opts.shard_bytes, opts.progress)
+        del weights
+        new_cfg = mlx_config(text_cfg, quant)
+        (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2))
+        copy_tokenizer(path, tmp)
+        info = _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args,
+                            calib_info, stats)
+        if auto is not None:
+            info["auto"] = {"target_bpw": opts.auto_bpw, "groups": auto}
+        info["seconds"] = round(time.perf_counter() - t0, 1)
+        (tmp / "pocket.json").write_text(json.dumps(info, indent=2))
+    return ConvertResult(out, info)
+
+
+def disk_size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
+def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_info,
+                 stats) -> dict:
+    from pocket_mlx.analysis.accounting import weight_stats
+
+    ws = weight_stats(load_model(tmp, new_cfg, lazy=True))
+    info = {
+        "pocket_mlx_version": __version__,
+        **source_info(src, path),
+        "recipe": opts.recipe.describe(),
+        "bits": family_bits(specs),
+        "notes": notes,
+        "dtype": opts.dtype or "source",
+        "num_experts": int(new_cfg["num_experts"]),
+        "original_num_experts": int(args.num_experts),
+        "num_experts_per_tok": int(args.num_experts_per_tok),
+        "pruning": None,
+        "stats": {
+            "bits_per_weight": round(8 * ws.bytes_total / ws.params_total, 3),
+            "bytes_per_token": ws.bytes_per_token,
+            "bytes_total": ws.bytes_total,
+            "params_total": ws.params_total,
+            "params_active": ws.params_active,
+            "size_on_disk": disk_size(tmp),
+        },
+    }
+    if kept is not None:
+        info["pruning"] = {
+            "criterion": opts.criterion,
+            "seed": opts.seed if opts.criterion == "random" else None,
+            "kept_experts": {str(i): ids for i, ids in enumerate(kept)},
+            "calibration": calib_info or [],
+            "calibration_tokens": stats.tokens if stats is not None else 0,
+            "window": opts.window,
+        }
+        # Also at top level, where tools look first.
+        info["kept_experts"] = info["pruning"]["kept_experts"]
+        info["criterion"] = opts.criterion
+        info["calibration"] = info["pruning"]["calibration"]
+    return info
+
+
+def summary(info: dict, out: Path) -> str:
+    s = info["stats"]
+    pr = ""
+    if info.get("pruning"):
+        pr = f", experts {info['original_num_experts']} -> {info['num_experts']} per layer"
+    return (f"wrote {out}: recipe {info['recipe']['name']}{pr}; "
+            f"{s['bits_per_weight']:.2f} bits/weight, {s['bytes_per_token'] / 1e6:.2f} MB read "
+            f"per token, {s['size_on_disk'] / 1e6:.1f} MB on disk ({info['seconds']:.0f} s)")
+
+
+def shard_bytes(gb: float | None) -> int:
+    if gb is None:
+        return 5 << 30
+    if gb <= 0:
+        raise PocketError(f"--shard-size-gb must be positive, got {gb:g}")
+    return max(1, int(gb * (1 << 30)))
+
+
+__all__ = ["ConvertOptions", "ConvertResult", "convert", "calibrate", "summary", "shard_bytes",
+           "disk_size"]

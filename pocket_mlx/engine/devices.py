@@ -1,0 +1,75 @@
+"""Device selection: one generation stream per device, created on demand.
+
+mlx-lm creates its generation stream once, at import time, on whatever device was default then;
+a later `mx.set_default_device(mx.cpu)` does not move it (see FIELD_NOTES). Here each device gets
+its own stream and callers pass the device explicitly, so one loaded model can switch device
+between two generations.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+
+from pocket_mlx.errors import PocketError
+
+# MLX streams belong to the thread that created them, so the cache is per thread (the chat app
+# generates on a worker thread, scripts on the main one).
+_LOCAL = threading.local()
+
+
+def gpu_available() -> bool:
+    """True when MLX has a GPU backend here (Metal on a Mac, CUDA where built with it)."""
+    try:
+        return bool(mx.is_available(mx.gpu))
+    except Exception:
+        return False
+
+
+def gpu_backend_name() -> str:
+    if not gpu_available():
+        return "none"
+    try:
+        if mx.metal.is_available():
+            return "Metal"
+    except Exception:
+        pass
+    try:
+        if mx.cuda.is_available():
+            return "CUDA"
+    except Exception:
+        pass
+    return "GPU"
+
+
+def resolve_device(name: str | None) -> str:
+    """Map a user's device name to "gpu" or "cpu"; None means the best available."""
+    if name is None or name == "auto":
+        return "gpu" if gpu_available() else "cpu"
+    name = name.lower()
+    if name in ("metal", "cuda"):
+        name = "gpu"
+    if name not in ("gpu", "cpu"):
+        raise PocketError(f"unknown device {name!r}: use --device gpu or --device cpu")
+    if name == "gpu" and not gpu_available():
+        raise PocketError("no GPU is available to MLX on this machine: use --device cpu")
+    return name
+
+
+def mx_device(name: str) -> mx.Device:
+    return mx.gpu if name == "gpu" else mx.cpu
+
+
+def stream_for(name: str) -> mx.Stream:
+    """The generation stream of a device, created once per device."""
+    name = resolve_device(name)
+    streams = _LOCAL.__dict__.setdefault("streams", {})
+    if name not in streams:
+        streams[name] = mx.new_stream(mx_device(name))
+    return streams[name]
+
+
+def describe(name: str) -> str:
+    """Human label for a resolved device: 'GPU (Metal)', 'GPU (CUDA)' or 'CPU'."""
+    return f"GPU ({gpu_backend_name()})" if name == "gpu" else "CPU"

@@ -1,0 +1,164 @@
+"""Tokenizers (HF `tokenizer.json` or sentencepiece `tokenizer.model`), chat templates, EOS ids,
+and a streaming detokenizer that never emits half a UTF-8 character."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pocket_mlx.errors import PocketError
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+
+
+def _token_content(tok) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+class Tokenizer:
+    """One face over both backends: encode, decode, chat template, EOS ids."""
+
+    def __init__(self, path: Path, config: dict | None = None):
+        self.path = Path(path)
+        tcfg = _read_json(self.path / "tokenizer_config.json")
+        if (self.path / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer as HFTokenizer
+
+            self._hf = HFTokenizer.from_file(str(self.path / "tokenizer.json"))
+            self._sp = None
+        elif (self.path / "tokenizer.model").is_file():
+            import sentencepiece as spm
+
+            self._sp = spm.SentencePieceProcessor(model_file=str(self.path / "tokenizer.model"))
+            self._hf = None
+        else:
+            raise PocketError(f"{self.path} has no tokenizer.json or tokenizer.model")
+        self.add_bos = bool(tcfg.get("add_bos_token", False))
+        self.bos_token = _token_content(tcfg.get("bos_token"))
+        self.eos_token = _token_content(tcfg.get("eos_token"))
+        self.chat_template = self._find_template(tcfg)
+        self.eos_token_ids = self._find_eos(config or {}, tcfg)
+        self.special_ids = set(self.eos_token_ids)
+        for tid, info in (tcfg.get("added_tokens_decoder") or {}).items():
+            if isinstance(info, dict) and info.get("special"):
+                self.special_ids.add(int(tid))
+
+    # ---- vocabulary -------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size() if self._hf else self._sp.get_piece_size()
+
+    def token_to_id(self, token: str) -> int | None:
+        if self._hf:
+            return self._hf.token_to_id(token)
+        i = self._sp.piece_to_id(token)
+        return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._hf:
+            ids = self._hf.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self._sp.encode(text)
+        if add_special_tokens and self.add_bos and self.bos_token:
+            bos = self.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._hf:
+            return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        return self._sp.decode(list(ids))
+
+    # ---- chat -------------------------------------------------------------------------------
+    def _find_template(self, tcfg: dict) -> str | None:
+        jinja = self.path / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text()
+        t = tcfg.get("chat_template")
+        if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
+            t = next((x["template"] for x in t if x.get("name") == "default"), t[0]["template"])
+        if isinstance(t, str):
+            return t
+        js = _read_json(self.path / "chat_template.json").get("chat_template")
+        return js if isinstance(js, str) else None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise PocketError("this model has no chat template; use --raw")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg):
+            raise PocketError(f"chat template: {msg}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        )
+
+    def _find_eos(self, config: dict, tcfg: dict) -> list[int]:
+        ids: list[int] = []
+
+        def add(v):
+            for x in v if isinstance(v, list) else [v]:
+                if isinstance(x, int) and x not in ids:
+                    ids.append(x)
+
+        add(config.get("eos_token_id"))
+        add((config.get("text_config") or {}).get("eos_token_id"))
+        add(_read_json(self.path / "generation_config.json").get("eos_token_id"))
+        if self.eos_token:
+            add(self.token_to_id(self.eos_token))
+        if not ids and self._sp is not None and self._sp.eos_id() >= 0:
+            ids.append(self._sp.eos_id())
+        return ids
+
+    def detokenizer(self) -> StreamingDetokenizer:
+        return StreamingDetokenizer(self)
+
+
+class StreamingDetokenizer:
+    """Turns a token stream into text pieces; holds back an incomplete UTF-8 sequence (which
+    decodes to U+FFFD) until the token that completes it arrives."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.emitted = ""  # text of self.tokens already handed out
+        self.text = ""  # everything handed out so far
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        decoded = self.tokenizer.decode(self.tokens)
+        if decoded.endswith("\ufffd"):
+            return ""
+        piece = decoded[len(self.emitted):]
+        self.emitted = decoded
+        self.text += piece
+        if decoded.endswith("\n"):
+            # Start a new segment: keeps decoding cost per token bounded.
+            self.tokens, self.emitted = [], ""
+        return piece
+
+    def flush(self) -> str:
+        """What is left at the end (a dangling partial character becomes U+FFFD)."""
+        decoded = self.tokenizer.decode(self.tokens) if self.tokens else ""
+        piece = decoded[len(self.emitted):]
+        self.tokens, self.emitted = [], ""
+        self.text += piece
+        return piece
+
+
+def load_tokenizer(path: Path, config: dict | None = None) -> Tokenizer:
+    return Tokenizer(path, config)

@@ -1,0 +1,210 @@
+"""Python face of the optional C++ CPU kernels (`pocket_mlx._qkernels`).
+
+`pocket_mlx.kernels.ops` calls these on the CPU device. Every entry point has the semantics of the MLX op
+it replaces and falls back to that op for anything the extension does not handle.
+
+Environment:
+  POCKET_MLX_KERNELS=0        disable the extension (MLX's own kernels are used)
+  POCKET_MLX_THREADS=N        worker threads (default: physical cores)
+  POCKET_MLX_KERNEL_MODE=exact|fast  start mode (default: fast; see set_mode)
+  POCKET_MLX_ISA=avx2|scalar  force an instruction set (testing)
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+try:
+    from pocket_mlx import _qkernels as _ext
+
+    _import_error: str | None = None
+except ImportError as e:  # not built (no compiler at install time) or ABI mismatch
+    _ext = None
+    if "_qkernels" in str(e) and ("cannot import name" in str(e) or "No module named" in str(e)):
+        _import_error = ("C++ extension pocket_mlx._qkernels is not built (installing it needs a "
+                         "C++17 compiler and CMake; see the pip install log)")
+    else:
+        _import_error = f"C++ extension pocket_mlx._qkernels failed to load: {e}"
+
+_SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+_SUPPORTED_GROUPS = (32, 64, 128)
+_FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
+_MODES = {"exact": 0, "fast": 1}
+_user_enabled = True
+
+# FAST is the default: on the pocket-2bit reference model its perplexity is within 0.5% of EXACT
+# in every domain (docs/BENCHMARKS.md) and the 2-bit MoE matvec does ~4x less work per weight.
+DEFAULT_MODE = "fast"
+if _ext is not None:
+    _env_mode = os.environ.get("POCKET_MLX_KERNEL_MODE", "").strip().lower()
+    _ext.set_mode(_MODES[_env_mode if _env_mode in _MODES else DEFAULT_MODE])
+
+
+def _env_disabled() -> bool:
+    return os.environ.get("POCKET_MLX_KERNELS", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def enabled() -> bool:
+    """True when the extension is importable and not disabled (env or set_enabled(False))."""
+    return _ext is not None and _user_enabled and not _env_disabled()
+
+
+def set_enabled(flag: bool) -> None:
+    global _user_enabled
+    _user_enabled = bool(flag)
+
+
+def supports(x, bits: int, group_size: int) -> bool:
+    """Whether the extension handles activations `x` with this quantization."""
+    return (
+        _ext is not None
+        and bits in _SUPPORTED_BITS
+        and group_size in _SUPPORTED_GROUPS
+        and x.dtype in _FLOAT_TYPES
+        and x.ndim >= 1
+        and x.shape[-1] > 0
+        and x.shape[-1] % group_size == 0
+    )
+
+
+def _weights_ok(x, w, scales, biases, w_ndim: int, bits: int, group_size: int) -> bool:
+    return (
+        biases is not None
+        and w.ndim == w_ndim
+        and w.dtype == mx.uint32
+        and scales.dtype in _FLOAT_TYPES
+        and biases.dtype == scales.dtype
+        and scales.shape == biases.shape
+        and w.shape[-1] * 32 == x.shape[-1] * bits
+        and scales.shape[-1] * group_size == x.shape[-1]
+    )
+
+
+def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int):
+    """Same as mx.quantized_matmul(x, w, scales, biases, transpose=True, ...) (CPU)."""
+    if enabled() and supports(x, bits, group_size) and _weights_ok(x, w, scales, biases, 2,
+                                                                     bits, group_size):
+        try:
+            return _ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+        except (ValueError, TypeError):
+            pass
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
+                               bits=bits)
+
+
+def gather_qmm(x, w, scales, biases, indices, *, group_size: int, bits: int,
+               sorted_indices: bool = False):
+    """Same as mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, ...)."""
+    if (enabled() and supports(x, bits, group_size) and x.ndim >= 2 and indices is not None
+            and mx.issubdtype(indices.dtype, mx.integer)
+            and _weights_ok(x, w, scales, biases, 3, bits, group_size)):
+        try:
+            return _ext.gather_qmm(x, w, scales, biases, indices, group_size=group_size,
+                                   bits=bits)
+        except (ValueError, TypeError):
+            pass
+    return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True,
+                         group_size=group_size, bits=bits, sorted_indices=sorted_indices)
+
+
+def gated_delta(q, k, v, g, beta, state):
+    """The gated delta rule over a sequence (see models/qwen3_5_moe.py) on the CPU, float32:
+    returns (y, new_state), or None when the extension cannot run it."""
+    if not enabled() or not hasattr(_ext, "gated_delta"):
+        return None
+    f32 = mx.float32
+    B, _, _, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), f32)
+    # No mx.contiguous: the primitive reads strided inputs itself, and every extra node costs
+    # ~10 us per layer per decoded token on the CPU.
+    args = [a if a.dtype == f32 else a.astype(f32) for a in (q, k, v, g, beta, state)]
+    try:
+        return tuple(_ext.gated_delta(*args))
+    except (ValueError, TypeError):
+        return None
+
+
+def decode_op(name: str, *args, **kwargs):
+    """One of the extension's small float32 ops (rms_norm, causal_conv_silu, rope, moe_route), or
+    None when the extension cannot run it (the caller then uses MLX's composed form)."""
+    if not enabled() or not hasattr(_ext, name) or any(
+            isinstance(a, mx.array) and a.dtype != mx.float32 for a in args):
+        return None
+    try:
+        return getattr(_ext, name)(*args, **kwargs)
+    except (ValueError, TypeError):
+        return None
+
+
+def moe_block(x, mats: list, k: int, normalize: bool):
+    """A whole sparse-MoE block as one node (see `_qkernels.moe_block`), or None when the
+    extension cannot run it (the caller then builds the block from separate ops)."""
+    if not enabled() or not hasattr(_ext, "moe_block") or x.dtype != mx.float32:
+        return None
+    try:  # unsupported bits / group sizes / shapes raise ValueError in the extension
+        return _ext.moe_block(x, mats, k=k, normalize=normalize)
+    except (ValueError, TypeError):
+        return None
+
+
+def linear_attn_step(*arrays, **dims):
+    """One decode token of a Gated DeltaNet layer after its projections as one node (see
+    `_qkernels.linear_attn_step`), or None when the extension cannot run it."""
+    if not enabled() or not hasattr(_ext, "linear_attn_step") or any(
+            a.dtype != mx.float32 for a in arrays):
+        return None
+    try:
+        return tuple(_ext.linear_attn_step(*arrays, **dims))
+    except (ValueError, TypeError):
+        return None
+
+
+def set_threads(n: int | None) -> None:
+    """Worker threads for the kernels (None or <= 0: physical cores)."""
+    if _ext is not None:
+        _ext.set_threads(0 if n is None else int(n))
+
+
+def get_threads() -> int:
+    return _ext.get_threads() if _ext is not None else 0
+
+
+def set_mode(mode: str) -> None:
+    """'fast' (default: activations as int8 per group, integer dot products, bits 2/4/6/8; other
+    bits run EXACT) or 'exact' (float32 products, MLX's result up to summation order)."""
+    m = mode.lower()
+    if m not in _MODES:
+        raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+    if _ext is not None:
+        _ext.set_mode(_MODES[m])
+
+
+def get_mode() -> str:
+    if _ext is None:
+        return "exact"  # MLX's own ops
+    return {v: k for k, v in _MODES.items()}[_ext.get_mode()]
+
+
+def set_isa(name: str) -> bool:
+    """Force 'avx512' | 'avx2' | 'neon' | 'scalar' | 'auto'; False if this CPU cannot."""
+    return bool(_ext is not None and _ext.force_isa(name))
+
+
+def info() -> dict:
+    """What runs the CPU quantized matmuls, for the TUI / `info` / `bench`."""
+    if _ext is None:
+        return {"active": False, "reason": _import_error}
+    if _env_disabled():
+        return {"active": False, "reason": "disabled by POCKET_MLX_KERNELS=0"}
+    if not _user_enabled:
+        return {"active": False, "reason": "disabled by set_enabled(False)"}
+    return {
+        "active": True,
+        "isa": _ext.isa(),
+        "threads": _ext.get_threads(),
+        "mode": get_mode(),
+    }

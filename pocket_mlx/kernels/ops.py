@@ -1,0 +1,141 @@
+"""Quantized matmul entry points used by every quantized layer of the model.
+
+The model never calls `mx.quantized_matmul` / `mx.gather_qmm` directly: it calls these two
+functions, so a faster CPU kernel (the optional C++ extension, `pocket_mlx.kernels`) can take over
+on the CPU device while the GPU keeps MLX's own kernels. Without the extension these are exactly
+MLX's ops.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def _cpu_kernels():
+    """The extension's kernels when generating on the CPU (the device of the current stream) and
+    they are built and enabled, else None."""
+    if mx.default_device() != mx.cpu:
+        return None
+    try:
+        from pocket_mlx import kernels
+    except ImportError:
+        return None
+    return kernels if kernels.enabled() else None
+
+
+def gated_delta(q, k, v, g, beta, state):
+    """The extension's gated-delta recurrence on the CPU, else None (the model then uses its
+    MLX form)."""
+    k_ = _cpu_kernels()
+    return k_.gated_delta(q, k, v, g, beta, state) if k_ is not None else None
+
+
+def moe_block(x, mats: list, k: int, normalize: bool):
+    """A whole sparse-MoE block in one node of the extension on the CPU, else None. `mats`: the
+    (weight, scales, biases, bits, group_size) of router, shared-expert gate, shared gate_proj
+    (or fused gate_up), [shared up_proj,] shared down_proj, experts' gate, up and down."""
+    k_ = _cpu_kernels()
+    return k_.moe_block(x, mats, k, normalize) if k_ is not None else None
+
+
+def linear_attn_step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
+                     Hk: int, Dk: int, Hv: int, Dv: int, eps: float):
+    """One decode token of Gated DeltaNet after its projections (conv, gates, delta rule, gated
+    norm) in one node of the extension on the CPU: (out, new conv_state, new state), else None."""
+    k_ = _cpu_kernels()
+    if k_ is None:
+        return None
+    return k_.linear_attn_step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state,
+                               Hk=Hk, Dk=Dk, Hv=Hv, Dv=Dv, eps=eps)
+
+
+def _decode_op(name: str, *args, **kwargs):
+    k = _cpu_kernels()
+    return k.decode_op(name, *args, **kwargs) if k is not None else None
+
+
+def rms_norm(x, weight, eps: float):
+    """mx.fast.rms_norm; on the CPU one node of the extension instead of MLX's composed
+    fallback (~10 nodes)."""
+    out = _decode_op("rms_norm", x, weight, None, eps=eps)
+    return out if out is not None else mx.fast.rms_norm(x, weight, eps)
+
+
+def rms_norm_gated(x, weight, gate, eps: float):
+    """rms_norm(x, weight) * silu(gate), computed in float32, in x's dtype."""
+    out = _decode_op("rms_norm", x, weight, gate, eps=eps)
+    return out if out is not None else _gated(x, gate, mx.fast.rms_norm(x, weight, eps))
+
+
+@partial(mx.compile, shapeless=True)
+def _gated(x, gate, y):
+    return (nn.silu(gate.astype(mx.float32)) * y.astype(mx.float32)).astype(x.dtype)
+
+
+def causal_conv_silu(x, w):
+    """silu(causal depthwise conv): x [B, S + K - 1, C] (K - 1 rows of history first),
+    w [C, K, 1] -> [B, S, C]."""
+    out = _decode_op("causal_conv_silu", x, w)
+    return out if out is not None else nn.silu(depthwise_conv(x, w))
+
+
+def depthwise_conv(x: mx.array, w: mx.array) -> mx.array:
+    """Causal depthwise conv as K shifted multiply-adds: the same sum as nn.Conv1d(groups=C),
+    a handful of fused elementwise ops instead of MLX's grouped convolution (slow for one
+    token)."""
+    K = w.shape[1]
+    S = x.shape[1] - K + 1
+    w = w[:, :, 0].astype(x.dtype)
+    out = x[:, 0:S] * w[:, 0]
+    for j in range(1, K):
+        out = out + x[:, j:j + S] * w[:, j]
+    return out
+
+
+def rope(x, dims: int, base: float, offset):
+    """mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=offset)."""
+    # Decode only (one position): a prefill's x is a transposed view the kernel would copy.
+    out = (_decode_op("rope", x, dims=dims, base=base, offset=offset)
+           if isinstance(offset, int) and x.shape[-2] == 1 else None)
+    return out if out is not None else mx.fast.rope(
+        x, dims, traditional=False, base=base, scale=1.0, offset=offset)
+
+
+def moe_route(logits, k: int, normalize: bool):
+    """Router: softmax over the experts, the top-k (indices, probabilities), probabilities
+    renormalized over the k when `normalize`. Order within the k is unspecified."""
+    out = _decode_op("moe_route", logits, k=k, normalize=normalize)
+    if out is not None:
+        return tuple(out)
+    probs = mx.softmax(logits, axis=-1, precise=True)
+    inds = mx.stop_gradient(mx.argpartition(probs, kth=-k, axis=-1)[..., -k:])
+    scores = mx.take_along_axis(probs, inds, axis=-1)
+    if normalize:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return inds, scores
+
+
+def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int):
+    """x @ dequant(w).T in MLX's affine format."""
+    k = _cpu_kernels()
+    if k is not None and k.supports(x, bits, group_size):
+        return k.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+    return mx.quantized_matmul(
+        x, w, scales, biases, transpose=True, group_size=group_size, bits=bits
+    )
+
+
+def gather_qmm(x, w, scales, biases, indices, *, group_size: int, bits: int,
+               sorted_indices: bool = False):
+    """Per-token expert matmul: x[..., 1, K] against dequant(w[indices]).T."""
+    k = _cpu_kernels()
+    if k is not None and k.supports(x, bits, group_size):
+        return k.gather_qmm(x, w, scales, biases, indices, group_size=group_size, bits=bits,
+                            sorted_indices=sorted_indices)
+    return mx.gather_qmm(
+        x, w, scales, biases, rhs_indices=indices, transpose=True,
+        group_size=group_size, bits=bits, sorted_indices=sorted_indices,
+    )

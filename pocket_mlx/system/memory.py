@@ -1,0 +1,113 @@
+"""In-process GPU wired memory: keep the model resident while generating on the GPU.
+
+Why not mlx-lm's `wired_limit`: it asks `mx.device_info()` about the *default* device. When the
+CPU is the default (pocket-mlx keeps a stream per device), that dict has no
+`max_recommended_working_set_size` and the helper fails. Here the GPU is asked explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from pocket_mlx.system.wired import FIX_COMMAND, GiB, find_key, read_limit
+
+_warned = False
+
+
+def gpu_device_info() -> dict:
+    """MLX's info dict for the GPU device; {} when MLX has no GPU here (Linux CPU wheel)."""
+    try:
+        import mlx.core as mx
+
+        if not mx.is_available(mx.gpu):
+            return {}
+        return dict(mx.device_info(mx.gpu))
+    except Exception:  # noqa: BLE001 - any backend trouble means "no GPU info"
+        return {}
+
+
+def recommended_working_set(device_info: dict | None = None) -> int | None:
+    """The GPU's `max_recommended_working_set_size` in bytes, or None where it has none."""
+    info = gpu_device_info() if device_info is None else device_info
+    value = info.get("max_recommended_working_set_size")
+    return int(value) if value else None
+
+
+@contextmanager
+def wired_limit(
+    model_bytes: int,
+    device: str,
+    *,
+    device_info: dict | None = None,
+    warn: Callable[[str], object] = print,
+    setter: Callable[[int], int] | None = None,
+    streams: Sequence[object] | None = None,
+) -> Iterator[None]:
+    """Wire up to the GPU's recommended working set for the duration of a GPU generation.
+
+    No-op for device "cpu" or when the GPU reports no recommended size. Warns once per process
+    when the model is over 90% of it, naming the fix. `setter` defaults to `mx.set_wired_limit`
+    (returns the previous limit, restored on exit after synchronizing `streams`).
+    """
+    global _warned
+    if device == "cpu":
+        yield
+        return
+    max_rec = recommended_working_set(device_info)
+    if max_rec is None:
+        yield
+        return
+    if model_bytes > 0.9 * max_rec and not _warned:
+        _warned = True
+        warn(
+            f"[pocket-mlx] warning: the model needs {model_bytes / GiB:.1f} GB, close to the GPU's "
+            f"recommended working set of {max_rec / GiB:.1f} GB: generation may be slow. "
+            f"On macOS raise the wired limit: {FIX_COMMAND}"
+        )
+    real = setter is None
+    if real:
+        import mlx.core as mx
+
+        setter = mx.set_wired_limit
+    try:
+        old = setter(max_rec)
+    except Exception as e:  # noqa: BLE001 - e.g. above the system limit: run unwired
+        warn(f"[pocket-mlx] warning: could not set the wired limit ({e}); continuing without")
+        yield
+        return
+    try:
+        yield
+    finally:
+        if real:
+            import mlx.core as mx
+
+            if streams:
+                for s in streams:
+                    mx.synchronize(s)
+            else:
+                mx.synchronize()
+        setter(old)
+
+
+def reset_warning() -> None:
+    """Forget that the 90% warning was shown (tests)."""
+    global _warned
+    _warned = False
+
+
+def wired_limit_status(platform=None) -> str | None:
+    """Short label for the TUI: "wired 24.0 GB (iogpu.wired_limit_mb)", "wired default (...)",
+    or None where the platform has no such setting. Runs `sysctl`: call once, not per frame."""
+    from pocket_mlx.system.host import get_platform
+
+    platform = platform or get_platform()
+    key = find_key(platform)
+    if key is None:
+        return None
+    raw = read_limit(platform, key)
+    if raw is None:
+        return None
+    if raw == 0:
+        return f"wired default ({key.name})"
+    return f"wired {key.to_mb(raw) / 1024:.1f} GB ({key.name})"

@@ -1,0 +1,274 @@
+"""The macOS GPU wired-memory limit: read it, recommend a value, set it, make it survive reboots.
+
+Why: Apple-silicon Macs let the GPU wire only ~65-75% of RAM by default. A model near that size
+runs far slower (pages are evicted and re-wired) until the limit is raised with
+`sudo sysctl iogpu.wired_limit_mb=N` (macOS 14+) or `debug.iogpu.wired_limit=<bytes>` (macOS 13).
+The value resets at reboot; a LaunchDaemon can re-apply it. Sizes here are binary: 1 MB = 2**20
+bytes (what the `_mb` sysctl means), 1 GB = 2**30 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from pocket_mlx.errors import PocketError
+from pocket_mlx.system.host import Platform, parse_sysctl_int
+
+MiB = 1 << 20
+GiB = 1 << 30
+MIN_RESERVE_BYTES = 4 * GiB
+RESERVE_FRACTION = 0.15
+HEADROOM_BYTES = 2 * GiB  # a limit above total RAM minus this is refused
+LAUNCHD_LABEL = "com.pocket-mlx.wired-limit"
+LAUNCHD_PATH = f"/Library/LaunchDaemons/{LAUNCHD_LABEL}.plist"
+FIX_COMMAND = "pocket-mlx wired --set auto"
+
+
+@dataclass(frozen=True)
+class WiredKey:
+    """A wired-limit sysctl and the unit of its value (bytes per unit)."""
+
+    name: str
+    unit: int
+
+    def to_mb(self, raw: int) -> int:
+        return raw * self.unit // MiB
+
+    def from_mb(self, mb: int) -> int:
+        return mb * MiB // self.unit
+
+
+KEY_MB = WiredKey("iogpu.wired_limit_mb", MiB)  # macOS 14+
+KEY_BYTES = WiredKey("debug.iogpu.wired_limit", 1)  # macOS 13
+
+
+def find_key(platform: Platform) -> WiredKey | None:
+    """The wired-limit sysctl this Mac has (probed, the version only orders the tries)."""
+    version = platform.macos_version()
+    if version is None:
+        return None
+    order = [KEY_BYTES, KEY_MB] if version[0] == 13 else [KEY_MB, KEY_BYTES]
+    for key in order:
+        if platform.sysctl_read(key.name) is not None:
+            return key
+    return None
+
+
+def read_limit(platform: Platform, key: WiredKey) -> int | None:
+    """Current raw value of the key (0 = system default), None if unreadable."""
+    text = platform.sysctl_read(key.name)
+    return parse_sysctl_int(text) if text is not None else None
+
+
+def default_reserve_bytes(total_ram: int) -> int:
+    """RAM left to macOS and apps: max(4 GB, 15% of RAM)."""
+    return max(MIN_RESERVE_BYTES, int(total_ram * RESERVE_FRACTION))
+
+
+def recommended_limit_mb(total_ram: int, reserve_bytes: int | None = None) -> int:
+    """Total RAM minus the reserve, in MB, never above total RAM minus 2 GB."""
+    reserve = default_reserve_bytes(total_ram) if reserve_bytes is None else reserve_bytes
+    mb = min((total_ram - reserve) // MiB, max_limit_mb(total_ram))
+    if mb <= 0:
+        raise PocketError(
+            f"a reserve of {gb(reserve)} leaves nothing of {gb(total_ram)} RAM for the GPU"
+        )
+    return mb
+
+
+def max_limit_mb(total_ram: int) -> int:
+    return (total_ram - HEADROOM_BYTES) // MiB
+
+
+def parse_limit_arg(text: str) -> int | None:
+    """`--set` value: a positive whole number of MB, or "auto" (returned as None)."""
+    text = text.strip()
+    if text.lower() == "auto":
+        return None
+    try:
+        mb = int(text)
+    except ValueError:
+        raise PocketError(f"--set expects a whole number of MB or 'auto', not {text!r}") from None
+    if mb < 0:
+        raise PocketError(f"--set {mb}: the limit must be positive")
+    if mb == 0:
+        raise PocketError("--set 0 means the system default: use --reset")
+    return mb
+
+
+def check_limit_mb(mb: int, total_ram: int) -> None:
+    """Refuse limits that would starve macOS itself."""
+    top = max_limit_mb(total_ram)
+    if mb > top:
+        raise PocketError(
+            f"--set {mb}: above total RAM ({gb(total_ram)}) minus 2 GB = {top} MB; refused"
+        )
+
+
+def sysctl_argv(key: WiredKey, mb: int) -> list[str]:
+    """The exact command that sets the limit to `mb` MB (0 = system default)."""
+    return ["sudo", "sysctl", f"{key.name}={key.from_mb(mb)}"]
+
+
+def sysctl_command(key: WiredKey, mb: int) -> str:
+    return shlex.join(sysctl_argv(key, mb))
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    ok: bool
+    expected: int  # raw value written
+    actual: int | None  # raw value read back
+    output: str  # what sysctl printed
+
+
+def apply_limit(platform: Platform, key: WiredKey, mb: int) -> ApplyResult:
+    """Run `sudo sysctl`, then read the value back to confirm it stuck."""
+    expected = key.from_mb(mb)
+    res = platform.sysctl_write(key.name, expected)
+    if not res.ok:
+        detail = (res.stderr or res.stdout).strip().splitlines()
+        reason = detail[-1] if detail else f"exit status {res.returncode}"
+        raise PocketError(f"{sysctl_command(key, mb)} failed: {reason}")
+    actual = read_limit(platform, key)
+    return ApplyResult(actual == expected, expected, actual, res.stdout.strip())
+
+
+def describe_limit(key: WiredKey, raw: int | None) -> str:
+    """'system default (iogpu.wired_limit_mb = 0)' or '24576 MB = 24.0 GB (...)'."""
+    if raw is None:
+        return f"unreadable ({key.name})"
+    if raw == 0:
+        return f"system default ({key.name} = 0)"
+    mb = key.to_mb(raw)
+    unit = "" if key.unit == MiB else " bytes"
+    return f"{mb} MB = {mb / 1024:.1f} GB ({key.name} = {raw}{unit})"
+
+
+def launchd_plist(key: WiredKey, mb: int) -> str:
+    """A LaunchDaemon that re-applies the limit at every boot (printed, never installed)."""
+    return f"""<?xml version="1.0" encoding="UTF-8"?>
+<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
+<plist version="1.0">
+<dict>
+    <key>Label</key>
+    <string>{LAUNCHD_LABEL}</string>
+    <key>ProgramArguments</key>
+    <array>
+        <string>/usr/sbin/sysctl</string>
+        <string>{key.name}={key.from_mb(mb)}</string>
+    </array>
+    <key>RunAtLoad</key>
+    <true/>
+</dict>
+</plist>
+"""
+
+
+def launchd_instructions(plist_file: str = "wired-limit.plist") -> str:
+    return f"""To install (re-applies the limit at every boot):
+  pocket-mlx wired --print-launchd > {plist_file}
+  sudo cp {plist_file} {LAUNCHD_PATH}
+  sudo chown root:wheel {LAUNCHD_PATH}
+  sudo chmod 644 {LAUNCHD_PATH}
+  sudo launchctl bootstrap system {LAUNCHD_PATH}
+To remove:
+  sudo launchctl bootout system/{LAUNCHD_LABEL}
+  sudo rm {LAUNCHD_PATH}"""
+
+
+# -- model footprint -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVEstimate:
+    context: int
+    full_layers: int
+    linear_layers: int
+    full_bytes: int  # K and V of all full-attention layers at `context` tokens
+    linear_bytes: int  # recurrent + conv state of all linear-attention layers
+
+    @property
+    def total(self) -> int:
+        return self.full_bytes + self.linear_bytes
+
+
+def text_config(config: dict) -> dict:
+    """The language-model part of a config (VL checkpoints nest it under `text_config`)."""
+    inner = config.get("text_config")
+    return {**config, **inner} if isinstance(inner, dict) else config
+
+
+def kv_cache_bytes(config: dict, context: int | None = None) -> KVEstimate:
+    """KV cache at `context` tokens (default max_position_embeddings), bf16 K/V, f32 state."""
+    cfg = text_config(config)
+    try:
+        n_layers = int(cfg["num_hidden_layers"])
+        layer_types = cfg.get("layer_types")
+        if layer_types is None:
+            interval = cfg.get("full_attention_interval")
+            layer_types = [
+                "full_attention" if not interval or (i + 1) % interval == 0 else "linear_attention"
+                for i in range(n_layers)
+            ]
+        linear = sum(1 for t in layer_types if t == "linear_attention")
+        full = len(layer_types) - linear
+        ctx = int(context or cfg["max_position_embeddings"])
+        full_bytes = 0
+        if full:
+            kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+            head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+            full_bytes = full * 2 * kv_heads * head_dim * ctx * 2
+        linear_bytes = 0
+        if linear:
+            kh, kd = int(cfg["linear_num_key_heads"]), int(cfg["linear_key_head_dim"])
+            vh, vd = int(cfg["linear_num_value_heads"]), int(cfg["linear_value_head_dim"])
+            kernel = int(cfg["linear_conv_kernel_dim"])
+            conv_dim = 2 * kh * kd + vh * vd
+            linear_bytes = linear * (vh * vd * kd * 4 + (kernel - 1) * conv_dim * 2)
+    except KeyError as e:
+        raise PocketError(f"config.json lacks {e.args[0]!r}: cannot size the KV cache") from None
+    except (TypeError, ValueError) as e:
+        raise PocketError(f"config.json has an unexpected value: {e}") from None
+    return KVEstimate(ctx, full, linear, full_bytes, linear_bytes)
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    path: Path
+    weight_bytes: int
+    kv: KVEstimate | None
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + (self.kv.total if self.kv else 0)
+
+
+def model_footprint(model: str | Path, context: int | None = None) -> ModelFootprint:
+    """Weights (sum of *.safetensors sizes) plus KV cache, from a local model directory."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise PocketError(f"--model {model}: not a local model directory")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise PocketError(f"--model {model}: no *.safetensors files there")
+    weights = sum(f.stat().st_size for f in files)
+    kv = None
+    config_file = path / "config.json"
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text())
+        except (OSError, ValueError) as e:
+            raise PocketError(f"{config_file}: unreadable ({e})") from None
+        kv = kv_cache_bytes(config, context)
+    return ModelFootprint(path, weights, kv)
+
+
+def gb(n: int) -> str:
+    return f"{n / GiB:.1f} GB"
+
+
+def size(n: int) -> str:
+    """Bytes as GB from 1 GB up, else MB (model sizes span both)."""
+    return gb(n) if n >= GiB else f"{n / MiB:.1f} MB"
