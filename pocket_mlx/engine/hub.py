@@ -25,8 +25,8 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TextIO
 
@@ -255,43 +255,52 @@ class DownloadProgress:
                     f"in {secs:.1f} s\n")
 
     def bar_class(self, name: str, size: int | None) -> type:
-        """A stand-in for tqdm that huggingface_hub drives for one file (`tqdm_class`): it is
-        given the byte counts and forwards them here."""
-        progress = self
+        """The `tqdm_class` for one file: its byte counts come here."""
+        return _tqdm_like(lambda total: self.start(name, total or size), self.advance)
 
-        class _FileBar:
-            def __init__(self, *args, total: int | None = None, initial: int = 0, **kwargs):
-                self.total, self.n = total, 0
-                progress.start(name, total or size)
-                if initial:
-                    self.update(initial)
 
-            def update(self, n: float | None = 1) -> None:
-                n = int(n or 0)
-                self.n += n
-                progress.advance(n)
+def _tqdm_like(start: Callable[[int | None], None], advance: Callable[[int], None]) -> type:
+    """A stand-in for tqdm that huggingface_hub drives for one file (its `tqdm_class`): what it
+    is told goes to `start(total)` and `advance(bytes)`, and it draws nothing itself."""
 
-            def update_transfer(self, n: float | None = 1) -> None:
-                """Network bytes (Xet): the written bytes of `update` already count them."""
+    class _FileBar:
+        def __init__(self, *args, total: int | None = None, initial: int = 0, **kwargs):
+            self.total, self.n = total, 0
+            start(total)
+            if initial:
+                self.update(initial)
 
-            def set_postfix_str(self, *args, **kwargs) -> None:
-                pass
+        def update(self, n: float | None = 1) -> None:
+            n = int(n or 0)
+            self.n += n
+            advance(n)
 
-            set_transfer_postfix_str = set_postfix_str
+        def update_transfer(self, n: float | None = 1) -> None:
+            """Network bytes (Xet): the written bytes of `update` already count them."""
 
-            def refresh(self, *args, **kwargs) -> None:
-                pass
+        def set_postfix_str(self, *args, **kwargs) -> None:
+            pass
 
-            def close(self) -> None:
-                pass
+        set_transfer_postfix_str = set_postfix_str
 
-            def __enter__(self):
-                return self
+        def refresh(self, *args, **kwargs) -> None:
+            pass
 
-            def __exit__(self, *exc) -> None:
-                self.close()
+        def close(self) -> None:
+            pass
 
-        return _FileBar
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.close()
+
+    return _FileBar
+
+
+# huggingface_hub's own bars stay off: the index is fetched before the total is known, and
+# HF_HUB_DISABLE_PROGRESS_BARS=1 turns ours off.
+_SILENT = _tqdm_like(lambda total: None, lambda n: None)
 
 
 # -- the cache ------------------------------------------------------------------------------
@@ -322,10 +331,14 @@ def _write_ref(snapshot: Path, revision: str, commit: str) -> None:
     if revision == commit:
         return
     ref = snapshot.parents[1] / "refs" / revision
-    ref.parent.mkdir(parents=True, exist_ok=True)
     tmp = ref.with_name(f".{ref.name}.tmp-{os.getpid()}")
-    tmp.write_text(commit)
-    tmp.replace(ref)
+    try:
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(commit)
+        tmp.replace(ref)
+    except OSError:  # best effort, as huggingface_hub's own: the next run asks the Hub again
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 # -- fetching -------------------------------------------------------------------------------
@@ -370,9 +383,9 @@ def _download(repo: str, revision: str | None, stream: TextIO | None) -> Path:
         raise PocketError(f"{repo} has no tokenizer.json or tokenizer.model on the Hub")
 
     def get(name: str, progress: DownloadProgress | None = None) -> Path:
-        kw = {"tqdm_class": progress.bar_class(name, sizes.get(name))} if progress else {}
+        bar = progress.bar_class(name, sizes.get(name)) if progress else _SILENT
         try:
-            return Path(hf_hub_download(repo, name, revision=commit, **kw))
+            return Path(hf_hub_download(repo, name, revision=commit, tqdm_class=bar))
         except network as e:
             raise _hub_error(e, repo, revision, name) from None
 
