@@ -21,7 +21,7 @@ from conftest import ASSET, ROOT
 from hub_standin import StandInHub
 
 from pocket_mlx.engine.hub import DownloadProgress, pick_weights, weight_files
-from pocket_mlx.engine.loader import load
+from pocket_mlx.engine.loader import load, resolve_model_path
 from pocket_mlx.errors import PocketError
 
 REPO = "pocket/tiny"
@@ -151,6 +151,14 @@ def test_unreachable_hub_is_one_line(tmp_path):
     assert line.startswith(f"pocket-mlx info: error: cannot get the file list of pocket/tiny "
                            f"from {hub.url} (")
     assert "HF_HUB_OFFLINE=1" in line
+
+
+def test_names_the_hub_refuses_are_one_line():
+    for name in ("a/b..c", "a/b--c"):
+        with pytest.raises(PocketError, match=f"no such model folder: {name}; nor is it a valid"):
+            resolve_model_path(name)
+    with pytest.raises(PocketError, match="no such model folder: ./nope"):
+        resolve_model_path("./nope")
 
 
 # -- local folders: the same choice of weight files -----------------------------------------

@@ -353,10 +353,16 @@ def fetch(repo: str, revision: str | None = None, stream: TextIO | None = None) 
     """The local snapshot folder of a Hub model, downloading what is missing. Silent (and
     without any request) when the cache already holds everything."""
     from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError
 
-    if (snap := cached_snapshot(repo, revision)) is not None:
-        return snap
     at = f"@{revision}" if revision else ""
+    try:
+        snap = cached_snapshot(repo, revision)
+    except HFValidationError as e:  # the Hub's own rules on names ("--", "..", length)
+        raise PocketError(f"no such model folder: {repo}{at}; nor is it a valid Hugging Face "
+                          f"repo id ({_reason(e)})") from None
+    if snap is not None:
+        return snap
     if _offline():
         partly = os.path.isdir(Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}")
         state = "only partly in the cache" if partly else "not in the cache"
