@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.convert.recipes import family as recipe_family
+from pocket_mlx.engine.hub import weight_files
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models.layers import QuantizedSwitchLinear, SwitchLinear
 
@@ -140,7 +141,7 @@ def describe(model: str | None = None, context: int | None = None,
     usable = total_ram - default_reserve_bytes(total_ram) if total_ram else None
     disk = None
     if src.path is not None:
-        disk = sum(f.stat().st_size for f in src.path.glob("*.safetensors"))
+        disk = sum(f.stat().st_size for f in weight_files(src.path))
     bw_source = "--bandwidth" if bandwidth_gbps else None
     if not bandwidth_gbps:
         chip = chips.detect(platform)

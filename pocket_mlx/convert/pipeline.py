@@ -29,6 +29,7 @@ from pocket_mlx.convert.prune import (
 )
 from pocket_mlx.convert.recipes import Recipe, Spec, family
 from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config
+from pocket_mlx.engine.hub import weight_files
 from pocket_mlx.engine.loader import (
     load_model,
     load_weights,
@@ -349,7 +350,7 @@ def convert(src: str, out: Path, opts: ConvertOptions,
 
 
 def disk_size(folder: Path) -> int:
-    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+    return sum(f.stat().st_size for f in weight_files(Path(folder)))
 
 
 def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_info,

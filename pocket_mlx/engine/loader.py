@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 from pathlib import Path
 
@@ -16,14 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from pocket_mlx.engine.hub import fetch, parse_repo_id, weight_files
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
-
-# What a snapshot download needs; never the original PyTorch or GGUF files.
-HUB_PATTERNS = [
-    "*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt", "*.md",
-]
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def default_model_path() -> Path:
@@ -35,7 +29,8 @@ def default_model_path() -> Path:
 
 
 def resolve_model_path(path_or_repo: str | os.PathLike | None) -> Path:
-    """A local folder as is; a repo id through the Hugging Face cache (HF_HUB_OFFLINE honoured)."""
+    """A local folder as is; a repo id (`user/repo[@revision]`) through the Hugging Face cache,
+    downloading only what is missing (see `pocket_mlx.engine.hub`)."""
     if path_or_repo is None:
         path = default_model_path()
         if not path.is_dir():
@@ -47,16 +42,9 @@ def resolve_model_path(path_or_repo: str | os.PathLike | None) -> Path:
             raise PocketError(f"{path} is a file; --model wants a model folder")
         return path
     text = str(path_or_repo)
-    if not REPO_ID.match(text) or text.startswith((".", "/")):
+    if (repo := parse_repo_id(text)) is None:
         raise PocketError(f"no such model folder: {text}")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(text, allow_patterns=HUB_PATTERNS))
-    except Exception as e:  # offline, unknown repo, network: all one line for the user
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PocketError(f"{text} is not a local folder and could not be fetched "
-                          f"from the Hugging Face Hub: {first}") from None
+    return fetch(*repo)
 
 
 def read_config(path: Path) -> dict:
@@ -87,7 +75,9 @@ def check_safetensors(file: Path) -> None:
 
 
 def load_weights(path: Path) -> dict[str, mx.array]:
-    files = sorted(path.glob("*.safetensors"))
+    """The checkpoint's tensors, mapped lazily, from the files of `weight_files` only (an index's
+    shards: a stray copy such as consolidated.safetensors beside them is not read)."""
+    files = weight_files(path)
     if not files:
         raise PocketError(f"{path} has no *.safetensors weights")
     weights: dict[str, mx.array] = {}

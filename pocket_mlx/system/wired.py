@@ -14,6 +14,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from pocket_mlx.engine.hub import weight_files
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system.host import Platform, parse_sysctl_int
 
@@ -250,7 +251,7 @@ def model_footprint(model: str | Path, context: int | None = None) -> ModelFootp
     path = Path(model).expanduser()
     if not path.is_dir():
         raise PocketError(f"--model {model}: not a local model directory")
-    files = sorted(path.glob("*.safetensors"))
+    files = weight_files(path)  # the index's shards, not every *.safetensors there
     if not files:
         raise PocketError(f"--model {model}: no *.safetensors files there")
     weights = sum(f.stat().st_size for f in files)

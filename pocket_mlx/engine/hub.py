@@ -1,0 +1,429 @@
+"""Models from the Hugging Face Hub: which files a checkpoint needs, fetched into the HF cache.
+
+A repo id (`user/repo`, or `user/repo@REVISION`) resolves to a snapshot folder of the standard
+Hugging Face cache (HF_HOME / HF_HUB_CACHE, HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE honoured).
+Only what loading reads is fetched: config.json, the tokenizer files, generation_config.json,
+pocket.json, and the weights named by `model.safetensors.index.json` (or a single
+`model.safetensors`); a stray `consolidated.safetensors` or `.bin`/`.gguf` copy is never
+downloaded. The local loader picks the same files (`weight_files`), so what is fetched is what
+is loaded.
+
+The cache is looked at first and a complete snapshot is used without any request or output;
+otherwise the missing files are downloaded with byte progress on stderr. Every Hub failure
+becomes one `PocketError` line that says what to do.
+
+huggingface_hub is imported inside the functions that need it: its import costs ~0.2 s, which
+the start-up of a local model should not pay.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import TextIO
+
+from pocket_mlx.errors import PocketError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Everything but the weights that loading or converting reads (convert/writer.py's
+# TOKENIZER_FILES, which also lists generation_config.json, plus config and pocket.json).
+METADATA_FILES = (
+    "config.json", "generation_config.json", "pocket.json",
+    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json",
+)
+TOKENIZERS = ("tokenizer.json", "tokenizer.model")
+REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w.][\w./-]*))?$")
+LOGIN = "log in with `hf auth login` or set HF_TOKEN"
+
+
+# -- which weight files a checkpoint is -------------------------------------------------------
+def shards_of_index(index: dict, where: str) -> list[str]:
+    """The shard names of a safetensors index, each once, in order; they must be plain names in
+    the same folder (an index is data from the network: no paths out of the snapshot)."""
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict) or not wmap:
+        raise PocketError(f"{where} has no weight_map; the checkpoint's index is broken")
+    shards = sorted({str(v) for v in wmap.values()})
+    for s in shards:
+        if "/" in s or "\\" in s or s in (".", "..") or not s.endswith(".safetensors"):
+            raise PocketError(f"{where} names a shard {s!r} that is not a safetensors file "
+                              "beside it")
+    return shards
+
+
+def pick_weights(names: Iterable[str], index: dict | None, where: str) -> list[str]:
+    """The weight files of a checkpoint among `names` (a folder's or a repo's top-level files):
+    the index's shards when there is an index, else `model.safetensors`, else every top-level
+    `*.safetensors` (old single-folder layouts without an index)."""
+    names = set(names)
+    if index is not None:
+        return shards_of_index(index, where)
+    if SINGLE in names:
+        return [SINGLE]
+    return sorted(n for n in names if n.endswith(".safetensors") and "/" not in n)
+
+
+def read_index(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PocketError(f"{file} is not a readable index ({e})") from None
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files the loader reads from a local folder (see `pick_weights`); an index that
+    names a missing shard fails here, by name."""
+    index = read_index(path / INDEX) if (path / INDEX).is_file() else None
+    names = [p.name for p in path.glob("*.safetensors")]
+    files = [path / n for n in pick_weights(names, index, str(path / INDEX))]
+    for f in files:
+        if not f.is_file():
+            raise PocketError(f"{path / INDEX} names {f.name}, which is not in {path}")
+    return files
+
+
+# -- repo ids -------------------------------------------------------------------------------
+def parse_repo_id(text: str) -> tuple[str, str | None] | None:
+    """(repo, revision) of `user/repo[@revision]`, or None when `text` is not a repo id."""
+    m = REPO_ID.match(text)
+    if m is None or text.startswith((".", "/")):
+        return None
+    return m["repo"], m["rev"]
+
+
+# -- errors ---------------------------------------------------------------------------------
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What a broken connection raises: OSError covers requests (huggingface_hub < 1) and the
+    Hub's own HTTP errors; httpx (1.x) and httpx2 (2.x) transport errors are not OSErrors."""
+    errors: list[type[BaseException]] = [OSError]
+    for name in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(name).HTTPError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def _reason(e: BaseException) -> str:
+    """The innermost cause's first line ("[Errno 111] Connection refused"), not the wrapper's
+    paragraph."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _hub_error(e: BaseException, repo: str, revision: str | None,
+               what: str | None) -> PocketError:
+    """One line for a failure while fetching file `what` (None: the repo's file list)."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        DisabledRepoError,
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if isinstance(e, GatedRepoError):
+        return PocketError(f"{repo} is gated on the Hub: accept its terms at "
+                           f"{constants.ENDPOINT}/{repo} with your account, then {LOGIN}")
+    if isinstance(e, RepositoryNotFoundError):
+        return PocketError(f"repository {repo} not found on the Hub (or it is private/gated: "
+                           f"{LOGIN})")
+    if isinstance(e, RevisionNotFoundError):
+        return PocketError(f"revision {revision!r} not found in {repo} on the Hub; pass an "
+                           f"existing branch, tag or commit as {repo}@REVISION")
+    if isinstance(e, DisabledRepoError):
+        return PocketError(f"repository {repo} is disabled on the Hub")
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if isinstance(e, HfHubHTTPError) and status in (401, 403):
+        return PocketError(f"the Hub refused access to {what or 'the files'} of {repo} "
+                           f"(HTTP {status}); "
+                           f"check your token: {LOGIN}")
+    how = f"HTTP {status}" if isinstance(e, HfHubHTTPError) and status else _reason(e)
+    if what is None:
+        return PocketError(f"cannot get the file list of {repo} from {constants.ENDPOINT} "
+                           f"({how}); check the connection and rerun, or set HF_HUB_OFFLINE=1 "
+                           "to use only the cache")
+    return PocketError(f"downloading {what} of {repo} failed ({how}); rerun the same command "
+                       "to continue: finished files are kept")
+
+
+@contextmanager
+def _quiet_hub_logs():
+    """huggingface_hub logs a warning per retry of a broken download; the outcome is reported
+    as one line by `_hub_error`, so hold its logs at ERROR while fetching."""
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# -- progress -------------------------------------------------------------------------------
+def _size(n: float, total: float | None = None) -> str:
+    """`n/total MB` ("120/480 MB"), or `n MB` alone; GB from 10 GB on, decimals under 100."""
+    top = n if total is None else total
+    unit, scale = ("GB", 1e9) if top >= 10e9 else ("MB", 1e6)
+    digits = 0 if top / scale >= 100 else 1
+    of = "" if total is None else f"/{total / scale:.{digits}f}"
+    return f"{n / scale:.{digits}f}{of} {unit}"
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class DownloadProgress:
+    """Bytes downloaded over all files of one fetch: a bar redrawn in place on a terminal, plain
+    lines every `interval` seconds when stderr is a pipe or a file (logs stay readable)."""
+
+    def __init__(self, repo: str, total: int, n_files: int, stream: TextIO | None = None,
+                 interval: float = 5.0, tty: bool | None = None):
+        self.repo, self.total, self.n_files = repo, max(total, 1), n_files
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.interval = interval if not self.tty else 0.1
+        self.done = 0
+        self.file, self.file_done, self.file_total = "", 0, 0
+        self.t0 = self.last = time.monotonic()  # the first line after `interval`, not at once
+        self.drawn = False  # a bar is on the terminal's current line
+        self._write(f"downloading {repo}: {n_files} file{'s' * (n_files != 1)}, "
+                    f"{_size(self.total)}\n")
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+    def start(self, name: str, size: int | None) -> None:
+        self.file, self.file_done, self.file_total = name, 0, size or 0
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        self.file_done += n
+        now = time.monotonic()
+        if now - self.last >= self.interval:
+            self.last = now
+            self.show(now)
+
+    def _eta(self, now: float) -> str:
+        elapsed = now - self.t0
+        if self.done <= 0 or elapsed < 0.5:
+            return ""
+        rate = self.done / elapsed
+        left = max(self.total - self.done, 0) / rate
+        return f", {rate / 1e6:.1f} MB/s, {_clock(left)} left"
+
+    def show(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        eta = self._eta(now)
+        if self.tty:
+            width = 24
+            filled = int(width * min(self.done / self.total, 1.0))
+            bar = "#" * filled + "-" * (width - filled)
+            self._write(f"\r\033[K[{bar}] {_size(self.done, self.total)}{eta}  {self.file}")
+            self.drawn = True
+        else:
+            part = (f"{self.file}: {_size(self.file_done, self.file_total)}"
+                    if self.file_total else self.file)
+            self._write(f"downloading {part} (all files {_size(self.done, self.total)}{eta})\n")
+
+    def close(self, complete: bool) -> None:
+        """The closing line: the total when every file came, else just end the bar's line (the
+        error that stopped the download follows on its own line)."""
+        if not complete:
+            if self.drawn:
+                self._write("\n")
+            return
+        secs = time.monotonic() - self.t0
+        end = "\r\033[K" if self.tty else ""
+        self._write(f"{end}downloaded {self.repo}: {_size(self.done)} "
+                    f"in {secs:.1f} s\n")
+
+    def bar_class(self, name: str, size: int | None) -> type:
+        """The `tqdm_class` for one file: its byte counts come here."""
+        return _tqdm_like(lambda total: self.start(name, total or size), self.advance)
+
+
+def _tqdm_like(start: Callable[[int | None], None], advance: Callable[[int], None]) -> type:
+    """A stand-in for tqdm that huggingface_hub drives for one file (its `tqdm_class`): what it
+    is told goes to `start(total)` and `advance(bytes)`, and it draws nothing itself."""
+
+    class _FileBar:
+        def __init__(self, *args, total: int | None = None, initial: int = 0, **kwargs):
+            self.total, self.n = total, 0
+            start(total)
+            if initial:
+                self.update(initial)
+
+        def update(self, n: float | None = 1) -> None:
+            n = int(n or 0)
+            self.n += n
+            advance(n)
+
+        def update_transfer(self, n: float | None = 1) -> None:
+            """Network bytes (Xet): the written bytes of `update` already count them."""
+
+        def set_postfix_str(self, *args, **kwargs) -> None:
+            pass
+
+        set_transfer_postfix_str = set_postfix_str
+
+        def refresh(self, *args, **kwargs) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.close()
+
+    return _FileBar
+
+
+# huggingface_hub's own bars stay off: the index is fetched before the total is known, and
+# HF_HUB_DISABLE_PROGRESS_BARS=1 turns ours off.
+_SILENT = _tqdm_like(lambda total: None, lambda n: None)
+
+
+# -- the cache ------------------------------------------------------------------------------
+def cached_snapshot(repo: str, revision: str | None) -> Path | None:
+    """The snapshot folder of `repo` at `revision` when everything loading needs is in the
+    cache (config, a tokenizer, every weight file), else None. No network.
+
+    Downloads fetch the weights last, so a snapshot with all its weights also has the small
+    files that exist in the repo."""
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(repo, "config.json", revision=revision)
+    if not isinstance(config, str):
+        return None
+    snap = Path(config).parent
+    if not any((snap / t).is_file() for t in TOKENIZERS):
+        return None
+    try:
+        files = weight_files(snap)
+    except PocketError:  # an index whose shards are not all here yet
+        return None
+    return snap if files else None
+
+
+def _write_ref(snapshot: Path, revision: str, commit: str) -> None:
+    """Record `revision -> commit` in the cache's refs/ (its documented layout), so the next run
+    finds the snapshot by branch or tag name without asking the Hub. Written then renamed."""
+    if revision == commit:
+        return
+    ref = snapshot.parents[1] / "refs" / revision
+    tmp = ref.with_name(f".{ref.name}.tmp-{os.getpid()}")
+    try:
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(commit)
+        tmp.replace(ref)
+    except OSError:  # best effort, as huggingface_hub's own: the next run asks the Hub again
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+# -- fetching -------------------------------------------------------------------------------
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    is_offline = getattr(constants, "is_offline_mode", None)  # huggingface_hub >= 1.0
+    return bool(is_offline() if is_offline else constants.HF_HUB_OFFLINE)
+
+
+def fetch(repo: str, revision: str | None = None, stream: TextIO | None = None) -> Path:
+    """The local snapshot folder of a Hub model, downloading what is missing. Silent (and
+    without any request) when the cache already holds everything."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError
+
+    at = f"@{revision}" if revision else ""
+    try:
+        snap = cached_snapshot(repo, revision)
+    except HFValidationError as e:  # the Hub's own rules on names ("--", "..", length)
+        raise PocketError(f"no such model folder: {repo}{at}; nor is it a valid Hugging Face "
+                          f"repo id ({_reason(e)})") from None
+    if snap is not None:
+        return snap
+    if _offline():
+        partly = os.path.isdir(Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}")
+        state = "only partly in the cache" if partly else "not in the cache"
+        raise PocketError(f"offline (HF_HUB_OFFLINE=1) and {repo}{at} is {state} "
+                          f"({constants.HF_HUB_CACHE}); unset HF_HUB_OFFLINE to download it")
+    with _quiet_hub_logs():
+        return _download(repo, revision, stream)
+
+
+def _download(repo: str, revision: str | None, stream: TextIO | None) -> Path:
+    from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
+
+    wanted_rev = revision or constants.DEFAULT_REVISION
+    network = _network_errors()
+    try:
+        info = HfApi().model_info(repo, revision=wanted_rev, files_metadata=True)
+    except network as e:
+        raise _hub_error(e, repo, revision, None) from None
+    commit = info.sha or wanted_rev
+    sizes = {s.rfilename: s.size for s in (info.siblings or [])}
+    if "config.json" not in sizes:
+        raise PocketError(f"{repo} has no config.json on the Hub; is it a model repository?")
+    if not any(t in sizes for t in TOKENIZERS):
+        raise PocketError(f"{repo} has no tokenizer.json or tokenizer.model on the Hub")
+
+    def get(name: str, progress: DownloadProgress | None = None) -> Path:
+        bar = progress.bar_class(name, sizes.get(name)) if progress else _SILENT
+        try:
+            return Path(hf_hub_download(repo, name, revision=commit, tqdm_class=bar))
+        except network as e:
+            raise _hub_error(e, repo, revision, name) from None
+
+    def cached(name: str) -> bool:
+        return isinstance(try_to_load_from_cache(repo, name, revision=commit), str)
+
+    # The index first (small, and it names the rest), then the small files, weights last:
+    # `cached_snapshot` relies on that order.
+    index = None
+    if INDEX in sizes:
+        index = read_index(get(INDEX))
+    weights = pick_weights(sizes, index, f"{repo}/{INDEX}")
+    if not weights:
+        raise PocketError(f"{repo} has no safetensors weights on the Hub (pocket-mlx reads "
+                          "model.safetensors or the shards of model.safetensors.index.json)")
+    if missing := [w for w in weights if w not in sizes]:
+        raise PocketError(f"{repo}/{INDEX} names {missing[0]}, which the repository does not "
+                          "have")
+    todo = [n for n in METADATA_FILES if n in sizes] + weights
+    todo = [n for n in todo if not cached(n)]
+    progress = None
+    if todo and not constants.HF_HUB_DISABLE_PROGRESS_BARS:
+        total = sum(sizes.get(n) or 0 for n in todo)
+        progress = DownloadProgress(repo, total, len(todo), stream)
+    complete = False
+    try:
+        for name in todo:
+            get(name, progress)
+        complete = True
+    finally:
+        if progress is not None:
+            progress.close(complete)
+    snapshot = get("config.json").parent  # cached by now: no request
+    _write_ref(snapshot, wanted_rev, snapshot.name)
+    return snapshot
