@@ -27,12 +27,12 @@ from pocket_mlx.convert.prune import (
     select_experts,
     slice_layer,
 )
+from pocket_mlx.config import module_quantization, quantization, text_config
 from pocket_mlx.convert.recipes import Recipe, Spec, family
 from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config
 from pocket_mlx.engine.loader import (
     load_model,
     load_weights,
-    quantization_of,
     read_config,
     resolve_model_path,
 )
@@ -139,10 +139,10 @@ def _unit(key: str, num_layers: int) -> int:
 def _source_spec(path: str, quant: dict | None, weights: dict) -> Spec | None:
     if not quant or f"{path}.scales" not in weights:
         return None
-    entry = quant.get(path)
-    if isinstance(entry, dict):
-        return Spec(int(entry["bits"]), int(entry["group_size"]))
-    return Spec(int(quant["bits"]), int(quant["group_size"]))
+    spec = module_quantization(quant, path)
+    if spec is None:  # listed as float, yet its scales exist: read it as the default
+        spec = module_quantization({**quant, path: True}, path)
+    return Spec(*spec)
 
 
 def _keep_float32(name: str, v: mx.array) -> bool:
@@ -322,7 +322,7 @@ def convert(src: str, out: Path, opts: ConvertOptions,
                                           opts.calib_tokens, opts.progress)
         kept = select_experts(stats, opts.prune_to, opts.criterion, args.num_hidden_layers,
                               args.num_experts, opts.seed)
-    text_cfg = dict(config.get("text_config") or config)
+    text_cfg = text_config(config)
     if kept is not None:
         text_cfg["num_experts"] = opts.prune_to
     target = build_model(mlx_config(text_cfg))
@@ -331,7 +331,7 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         log(f"note: {n}")
     quant = quantization_dict(specs, opts.recipe)
     weights = source.sanitize(load_weights(path))
-    src_quant = quantization_of(config)
+    src_quant = quantization(config, where=str(path / "config.json"))
     with atomic_dir(out, force=opts.force) as tmp:
         write_weights(tmp, weights, specs, src_quant, args.num_hidden_layers, kept, dtype,
                       opts.shard_bytes, opts.progress)
