@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from pocket_mlx import __version__
+from pocket_mlx.config import module_quantization, quantization, text_config
 from pocket_mlx.convert.prune import (
     CRITERIA,
     ExpertStats,
@@ -27,7 +28,6 @@ from pocket_mlx.convert.prune import (
     select_experts,
     slice_layer,
 )
-from pocket_mlx.config import module_quantization, quantization, text_config
 from pocket_mlx.convert.recipes import Recipe, Spec, family
 from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config
 from pocket_mlx.engine.loader import (

@@ -208,3 +208,17 @@ def info() -> dict:
         "threads": _ext.get_threads(),
         "mode": get_mode(),
     }
+
+
+def label(status: dict | None = None) -> str:
+    """`info()` in a few words, as `info`, `bench` and the chat show it: "pocket (avx2 ×4, fast)"
+    when the extension computes the quantized matmuls, else "mlx" (MLX's own kernels)."""
+    status = info() if status is None else status
+    if not status.get("active"):
+        return "mlx"
+    detail = str(status.get("isa") or "?")
+    if status.get("threads"):
+        detail += f" ×{status['threads']}"
+    if status.get("mode"):
+        detail += f", {status['mode']}"
+    return f"pocket ({detail})"
