@@ -38,6 +38,7 @@ from pocket_mlx.engine.loader import (
 )
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
+from pocket_mlx.units import size
 
 _LAYER = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
 _ST_DTYPES = {
@@ -399,8 +400,8 @@ def summary(info: dict, out: Path) -> str:
     if info.get("pruning"):
         pr = f", experts {info['original_num_experts']} -> {info['num_experts']} per layer"
     return (f"wrote {out}: recipe {info['recipe']['name']}{pr}; "
-            f"{s['bits_per_weight']:.2f} bits/weight, {s['bytes_per_token'] / 1e6:.2f} MB read "
-            f"per token, {s['size_on_disk'] / 1e6:.1f} MB on disk ({info['seconds']:.0f} s)")
+            f"{s['bits_per_weight']:.2f} bits/weight, {size(s['bytes_per_token'])} read per "
+            f"token, {size(s['bytes_total'])} of weights ({info['seconds']:.0f} s)")
 
 
 def shard_bytes(gb: float | None) -> int:
