@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten, tree_map
 from pocket_mlx.config import module_quantization, quantization
 from pocket_mlx.convert import recipes
 from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config
+from pocket_mlx.engine.loader import apply_quantization
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
 
@@ -114,13 +115,7 @@ def quantize_skeleton(model: nn.Module, quant: dict, dtype: mx.Dtype = mx.bfloat
     shapes and dtypes of the result are read afterwards. Float arrays are cast to `dtype`.
     """
 
-    def predicate(path: str, module: nn.Module):
-        if path in quant:
-            return quant[path]
-        return _quantizable(module)
-
-    nn.quantize(model, group_size=quant.get("group_size", GROUP_SIZE),
-                bits=quant.get("bits", 4), class_predicate=predicate)
+    apply_quantization(model, quant, lambda _, m: _quantizable(m))
     model.update(tree_map(
         lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a,
         model.parameters()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -91,16 +92,15 @@ def load_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
-def apply_quantization(model: nn.Module, quant: dict, weights: dict) -> None:
-    """Quantize exactly the modules the checkpoint stores quantized (mlx-lm's convention):
-    a per-module entry in the dict wins, else a module is quantized when its scales exist."""
+def apply_quantization(model: nn.Module, quant: dict,
+                       quantizable: Callable[[str, nn.Module], bool]) -> None:
+    """Quantize a model as mlx-lm's dict says: a module's own entry wins (its bits/group size,
+    or false), else `quantizable(path, module)` decides, at the dict's default bits/group size."""
 
     def predicate(path: str, module: nn.Module):
         if path in quant:
             return quant[path]
-        if not hasattr(module, "to_quantized"):
-            return False
-        return f"{path}.scales" in weights
+        return hasattr(module, "to_quantized") and quantizable(path, module)
 
     nn.quantize(model, group_size=quant.get("group_size", DEFAULT_GROUP_SIZE),
                 bits=quant.get("bits", DEFAULT_BITS), class_predicate=predicate)
@@ -143,10 +143,13 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
     same input as one matmul (`Model.fuse_projections`); the parameters are then no longer
     the checkpoint's, so converting, calibrating and saving load without it."""
     config = config or read_config(path)
+    quant = quantization(config, where=str(path / "config.json"))
     model = build_model(config)
     weights = model.sanitize(load_weights(path))
-    if (quant := quantization(config, where=str(path / "config.json"))) is not None:
-        apply_quantization(model, quant, weights)
+    if quant is not None:
+        # Exactly the modules the checkpoint stores quantized: those whose scales exist.
+        stored = {k.removesuffix(".scales") for k in weights if k.endswith(".scales")}
+        apply_quantization(model, quant, lambda p, _: p in stored)
     check_shapes(model, weights)
     if dtype is not None:
         weights = _cast(weights, getattr(mx, dtype))
