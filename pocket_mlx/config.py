@@ -46,7 +46,7 @@ def resolve_layer_types(num_layers: int, layer_types: list[str] | None = None,
     every `interval`-th layer (default 4), Gated DeltaNet (linear attention) elsewhere."""
     if not layer_types:
         n = FULL_ATTENTION_INTERVAL if interval is None else interval
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not _is_int(n) or n < 1:
             raise PocketError(f"config: full_attention_interval must be a whole number >= 1, "
                               f"got {n!r}")
         layer_types = ["full_attention" if (i + 1) % n == 0 else "linear_attention"
@@ -89,7 +89,7 @@ def _allowed(values: tuple[int, ...]) -> str:
 
 def _check_int(value, key: str, allowed: tuple[int, ...], where: str) -> int:
     # bool is an int in Python; `true` in a JSON file is never a bit width.
-    if isinstance(value, bool) or not isinstance(value, int) or value not in allowed:
+    if not _is_int(value) or value not in allowed:
         raise PocketError(f"{where}: {key} is {json.dumps(value)}; MLX affine quantization "
                           f"takes {key.rsplit('.', 1)[-1]} {_allowed(allowed)}")
     return value
@@ -220,8 +220,8 @@ def recipe_name(config: dict, pocket: dict | None = None) -> str:
         if len(bits) == 1 and not any(e is False for e in q.values()):
             return f"uniform-{bits[0]}"
         return "mixed-" + "/".join(map(str, bits))
-    dtype = str(text_config(config).get("torch_dtype") or text_config(config).get("dtype")
-                or "bfloat16").replace("torch.", "")
+    text = text_config(config)
+    dtype = str(text.get("torch_dtype") or text.get("dtype") or "bfloat16").replace("torch.", "")
     return _DTYPE_NAMES.get(dtype, dtype)
 
 
@@ -232,7 +232,10 @@ def recipe_label(config: dict, pocket: dict | None = None) -> str:
     name = recipe_name(config, pocket)
     orig = (pocket or {}).get("original_num_experts")
     kept = text_config(config).get("num_experts")
-    if (isinstance(orig, int) and isinstance(kept, int) and not isinstance(orig, bool)
-            and orig != kept):
+    if _is_int(orig) and _is_int(kept) and orig != kept:
         return f"{name} ({kept}/{orig} experts)"
     return name
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
