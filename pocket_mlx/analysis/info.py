@@ -87,11 +87,11 @@ def quant_summary(model: nn.Module) -> dict[str, dict]:
         entry = out.setdefault(family(c.path), {"bits": set(), "group_sizes": set(), "params": 0,
                                                 "bytes": 0, "bytes_per_token": 0})
         bits = getattr(c.module, "bits", None)
-        w = c.module.get("weight") if isinstance(c.module.get("weight"), mx.array) else None
+        w = c.module.get("weight")
         if bits:
             entry["bits"].add(str(bits))
             entry["group_sizes"].add(c.module.group_size)
-        elif w is not None and w.ndim >= 2:
+        elif isinstance(w, mx.array) and w.ndim >= 2:
             entry["bits"].add(str(w.dtype).split(".")[-1])
         entry["params"] += c.params
         entry["bytes"] += c.bytes
