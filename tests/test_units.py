@@ -1,5 +1,5 @@
-"""pocket_mlx.units, and one size figure and one recipe label for the bundled model in
-`pocket-mlx info`, `pocket-mlx bench`'s table and the chat header."""
+"""pocket_mlx.units and kernels.label, and one size figure, recipe label and kernels label for
+the bundled model in `pocket-mlx info`, `pocket-mlx bench`'s table and the chat header."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from pocket_mlx import units
+from pocket_mlx import kernels, units
 from pocket_mlx.config import weights_bytes
 from pocket_mlx.engine.session import Settings
 from pocket_mlx.tui.app import ChatApp
@@ -38,6 +38,15 @@ def test_counts_and_bandwidth_are_decimal():
     assert units.gbps(2 * units.GB, 0.5) == 4.0
     assert units.bandwidth(0.2249) == "0.22 GB/s" and units.bandwidth(546.0) == "546.0 GB/s"
     assert units.bandwidth(None) == "n/a"
+
+
+def test_kernel_label_is_one_function_of_kernels_info():
+    assert kernels.label({"active": False, "reason": "disabled by POCKET_MLX_KERNELS=0"}) == "mlx"
+    assert kernels.label({"active": True, "isa": "avx2", "threads": 4, "mode": "fast"}) == (
+        "avx2 ×4, fast")
+    assert kernels.label({"active": True, "isa": "neon"}) == "neon"
+    assert kernels.label() == kernels.label(kernels.info())
+    assert len(kernels.label({"active": True, "isa": "avx512", "threads": 16, "mode": "exact"})) <= 16
 
 
 def _run(*argv: str) -> str:
@@ -78,6 +87,7 @@ def test_info_bench_and_chat_header_agree_on_the_bundled_model():
     head = [c.strip() for c in table[0].strip("|").split("|")]
     row = dict(zip(head, (c.strip() for c in table[2].strip("|").split("|"))))
     assert (row["model"], row["size"], row["recipe"]) == ("pocket-tiny", size, label)
+    assert row["kernels"] == re.search(r"^kernels +(.+)$", info, re.M).group(1) == kernels.label()
 
     header = _header_text()
     assert f"·  {label}  ·  {size}" in header

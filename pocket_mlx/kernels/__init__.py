@@ -211,14 +211,15 @@ def info() -> dict:
 
 
 def label(status: dict | None = None) -> str:
-    """`info()` in a few words, as `info`, `bench` and the chat show it: "pocket (avx2 ×4, fast)"
-    when the extension computes the quantized matmuls, else "mlx" (MLX's own kernels)."""
+    """`info()` in a few words, as `info`, `bench` and the chat panel show it: the extension's
+    instruction set, threads and mode ("avx2 ×4, fast") when it computes the quantized matmuls,
+    else "mlx" (MLX's own kernels). Short enough for the chat's 16-character value column."""
     status = info() if status is None else status
     if not status.get("active"):
         return "mlx"
-    detail = str(status.get("isa") or "?")
+    text = str(status.get("isa") or "?")
     if status.get("threads"):
-        detail += f" ×{status['threads']}"
+        text += f" ×{status['threads']}"
     if status.get("mode"):
-        detail += f", {status['mode']}"
-    return f"pocket ({detail})"
+        text += f", {status['mode']}"
+    return text
