@@ -213,7 +213,7 @@ def info() -> dict:
 def label(status: dict | None = None) -> str:
     """`info()` in a few words, as `info`, `bench` and the chat panel show it: the extension's
     instruction set, threads and mode ("avx2 ×4, fast") when it computes the quantized matmuls,
-    else "mlx" (MLX's own kernels). Short enough for the chat's 16-character value column."""
+    else "mlx" (MLX's own kernels). Short: it fits the chat panel's 16-character value column."""
     status = info() if status is None else status
     if not status.get("active"):
         return "mlx"
