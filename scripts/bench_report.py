@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pocket_mlx import kernels, units  # noqa: E402
 from pocket_mlx.analysis import bench  # noqa: E402
 from pocket_mlx.engine import devices  # noqa: E402
 
@@ -58,7 +59,7 @@ def main() -> int:
 
     plan: list[tuple[list[str], dict[str, str]]] = [
         (["--synthetic", "tiny", *a.tiny.split(), "--device", "cpu"], {})]
-    if bench.kernels_info()["active"]:
+    if kernels.info()["active"]:
         # Our engine on MLX's own kernels too: separates engine from kernel effects.
         plan.append((plan[0][0], {"POCKET_MLX_KERNELS": "0"}))
     if not a.skip_big:
@@ -81,7 +82,7 @@ def main() -> int:
         loads.append(load_avg())
 
     m = machine
-    ram = f"{m['ram_bytes'] / 2**30:.1f} GiB" if m.get("ram_bytes") else "n/a"
+    ram = units.size(m.get("ram_bytes"))
     doc = f"""# Benchmarks
 
 Measured {started} with `scripts/bench_report.py`. Regenerate: `python scripts/bench_report.py`.

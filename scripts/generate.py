@@ -6,6 +6,7 @@
 import sys
 
 import pocket_mlx
+from pocket_mlx.units import size
 
 prompt = sys.argv[1] if len(sys.argv) > 1 else "Write a short poem about the sea."
 # The bundled model (or a folder / Hugging Face repo id); fuse: fewer matmuls per token.
@@ -15,4 +16,4 @@ for response in pocket_mlx.stream_generate(model, tokenizer, prompt, max_tokens=
 stats = response.stats
 print(f"\n[{stats.prompt_tokens} prompt tokens at {stats.prompt_tps:.0f} tok/s, "
       f"{stats.generation_tokens} tokens at {stats.generation_tps:.1f} tok/s, "
-      f"{stats.bytes_per_token / 1e6:.1f} MB of weights per token]")
+      f"{size(stats.bytes_per_token)} of weights per token]")

@@ -47,7 +47,7 @@ def test_markdown_table():
     assert "mlx-lm t/s" in lines[0] and "vs mlx-lm" in lines[0]
     assert len(lines) == 4 and all(l.count("|") == lines[0].count("|") for l in lines)
     assert "| pp512 | 100.00 ± 2.50 |" in lines[2]
-    assert "4.11M / 2.93M" in lines[2] and "pocket-2bit (float32)" in lines[2]
+    assert "| tiny | 3.00 MiB | 4.11M / 2.93M | pocket-2bit | float32 | cpu |" in lines[2]
     # pp rows have no bandwidth figures; tg rows do.
     assert "| 0.02 | 0.1% | 10.00 ± 0.10 | 2.00x |" in lines[3]
     plain = bench.format_markdown([_row("tg8")])

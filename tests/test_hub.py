@@ -20,7 +20,8 @@ import pytest
 from conftest import ASSET, ROOT
 from hub_standin import StandInHub
 
-from pocket_mlx.engine.hub import DownloadProgress, pick_weights, weight_files
+from pocket_mlx.config import pick_weights, weight_files
+from pocket_mlx.engine.hub import DownloadProgress
 from pocket_mlx.engine.loader import load, resolve_model_path
 from pocket_mlx.errors import PocketError
 

@@ -66,7 +66,7 @@ def test_warns_once_per_process():
             pass
     assert len(warnings) == 1
     assert "pocket-mlx wired --set auto" in warnings[0]
-    assert "19.0 GB" in warnings[0] and "20.0 GB" in warnings[0]
+    assert "19.0 GiB" in warnings[0] and "20.0 GiB" in warnings[0]
 
 
 def test_no_warning_at_ninety_percent():
@@ -121,10 +121,10 @@ def fake(name: str) -> FakePlatform:
 
 def test_wired_limit_status():
     assert wired_limit_status(fake("macos14-32gb")) == "wired default (iogpu.wired_limit_mb)"
-    assert wired_limit_status(fake("macos15-64gb")) == "wired 56.0 GB (iogpu.wired_limit_mb)"
+    assert wired_limit_status(fake("macos15-64gb")) == "wired 56.0 GiB (iogpu.wired_limit_mb)"
     mac13 = fake("macos13-16gb")
     mac13.sysctl_write("debug.iogpu.wired_limit", 12 * GiB)
-    assert wired_limit_status(mac13) == "wired 12.0 GB (debug.iogpu.wired_limit)"
+    assert wired_limit_status(mac13) == "wired 12.0 GiB (debug.iogpu.wired_limit)"
     assert wired_limit_status(fake("macos12-16gb")) is None
     assert wired_limit_status(fake("linux-64gb")) is None
 

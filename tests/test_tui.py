@@ -431,7 +431,7 @@ def test_stats_panel_shows_everything_without_moving():
             panel = app.query_one(StatsPanel)
             panel.context_max, panel.bytes_per_token = 2048, 4_000_000
             panel.device_label = "GPU (a label far too long for the panel)"
-            panel.wired = "12.0 GB of 48 GB"
+            panel.wired = "12.0 GiB"
             panel.set_phase("idle")
             panel.redraw()
             await pilot.pause(0.05)
@@ -455,8 +455,8 @@ def test_stats_panel_shows_everything_without_moving():
     assert "━" in prefill[2] and "50%" in prefill[2] and not idle[2].strip("│ ")
     text = "\n".join(decoding)
     for field in ("TTFT      0.05 s", "prefill   240 tok/s", "decode    55.0 tok/s",
-                  "tokens    50", "context   62 / 2,048", "weights   4.0 MB/tok",
-                  "bandwidth 0.22 GB/s", "active", "peak", "wired     12.0 GB of 48 GB",
+                  "tokens    50", "context   62 / 2,048", "weights   3.81 MiB/tok",
+                  "bandwidth 0.22 GB/s", "active", "peak", "wired     12.0 GiB",
                   "kernels"):
         assert field in text, field
     assert "device    GPU (a label fa… │" in text  # cut to the panel, not wrapped

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from pocket_mlx.cli.wired import register, run
@@ -146,10 +147,10 @@ def test_show_macos14():
     p = fake("macos14-32gb")
     rc, out, err = wired([], p)
     assert rc == 0 and err == ""
-    assert "macOS 14.5" in out and "32.0 GB" in out
+    assert "macOS 14.5" in out and "32.0 GiB" in out
     assert "system default (iogpu.wired_limit_mb = 0)" in out
-    assert "21.3 GB recommended by the GPU (Apple M2 Pro)" in out
-    assert "Recommended limit:  27852 MB" in out
+    assert "21.3 GiB recommended by the GPU (Apple M2 Pro)" in out
+    assert "Recommended limit:  27852 MiB = 27.2 GiB (32.0 GiB RAM - 4.80 GiB reserve)" in out
     assert "sudo sysctl iogpu.wired_limit_mb=27852" in out
     assert p.writes == []
 
@@ -164,7 +165,7 @@ def test_show_macos13_uses_bytes():
 def test_show_macos15_current_limit_and_reserve():
     rc, out, _ = wired(["--reserve-gb", "8"], fake("macos15-64gb"))
     assert rc == 0
-    assert "57344 MB = 56.0 GB (iogpu.wired_limit_mb = 57344)" in out
+    assert "57344 MiB = 56.0 GiB (iogpu.wired_limit_mb = 57344)" in out
     assert "sudo sysctl iogpu.wired_limit_mb=57344" not in out
     assert "already applied" in out  # 64 GB - 8 GB = 57344 MB
 
@@ -219,7 +220,10 @@ def test_kv_cache_without_layer_types():
     cfg = {k: v for k, v in QWEN35_35B_TEXT.items() if k != "layer_types"}
     kv = kv_cache_bytes({**cfg, "full_attention_interval": 4})
     assert (kv.full_layers, kv.linear_layers) == (10, 30)
-    dense = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}
+    # Neither given: Qwen3.5's rule, every 4th layer full attention (as the model builds it).
+    assert (kv_cache_bytes(cfg).full_layers, kv_cache_bytes(cfg).linear_layers) == (10, 30)
+    dense = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256,
+             "full_attention_interval": 1}
     kv = kv_cache_bytes({**dense, "max_position_embeddings": 100})
     assert (kv.full_layers, kv.full_bytes) == (2, 2 * 2 * 4 * 64 * 100 * 2)
 
@@ -230,22 +234,25 @@ def test_kv_cache_missing_key():
 
 
 def test_model_footprint_and_show(tmp_path):
-    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)
-    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"\0" * 24)
+    # Real shards: the weights are the tensor bytes their headers declare (250 + 6 float32).
+    mx.save_safetensors(str(tmp_path / "model-00001-of-00002.safetensors"),
+                        {"a": mx.zeros((250,), mx.float32)})
+    mx.save_safetensors(str(tmp_path / "model-00002-of-00002.safetensors"),
+                        {"b": mx.zeros((6,), mx.float32)})
     (tmp_path / "config.json").write_text(json.dumps({"text_config": QWEN35_35B_TEXT}))
     fp = model_footprint(tmp_path)
     assert fp.weight_bytes == 1024
     assert fp.total == 1024 + fp.kv.total
     rc, out, _ = wired(["--model", str(tmp_path), "--context", "8192"], fake("macos14-32gb"))
     assert rc == 0
-    assert "Model weights:      0.0 MB" in out
-    assert "KV cache:           221.4 MB at 8192 tokens" in out
+    assert "Model weights:      1.00 KiB" in out
+    assert "KV cache:           221 MiB at 8192 tokens" in out
 
 
 def test_model_that_does_not_fit(tmp_path):
-    (tmp_path / "model.safetensors").write_bytes(b"")
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"a": mx.zeros((1,))})
     (tmp_path / "config.json").write_text(json.dumps({"text_config": QWEN35_35B_TEXT}))
-    rc, out, _ = wired(["--model", str(tmp_path)], fake("macos13-16gb"))  # 5 GB KV fits
+    rc, out, _ = wired(["--model", str(tmp_path)], fake("macos13-16gb"))  # 5 GiB KV fits
     assert rc == 0 and "does not fit" not in out
     big = {**QWEN35_35B_TEXT, "max_position_embeddings": 262144 * 4}
     (tmp_path / "config.json").write_text(json.dumps(big))
@@ -259,6 +266,9 @@ def test_model_errors(tmp_path):
     )
     assert "no *.safetensors" in refused(["--model", str(tmp_path)], fake("macos14-32gb"))
     (tmp_path / "model.safetensors").write_bytes(b"x")
+    assert "model.safetensors is not a valid safetensors file" in refused(
+        ["--model", str(tmp_path)], fake("linux-64gb"))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"a": mx.zeros((1,))})
     rc, out, _ = wired(["--model", str(tmp_path)], fake("linux-64gb"))
     assert rc == 0 and "unknown (no config.json)" in out
 
@@ -266,7 +276,10 @@ def test_model_errors(tmp_path):
 @pytest.mark.skipif(not REFERENCE.is_dir(), reason="bundled bf16 model not present")
 def test_reference_model_footprint():
     fp = model_footprint(REFERENCE)
-    assert fp.weight_bytes == sum(f.stat().st_size for f in REFERENCE.glob("*.safetensors"))
+    # The tensors' bytes (as loaded), not the files' (those add the JSON headers).
+    loaded = sum(v.nbytes for f in REFERENCE.glob("*.safetensors") for v in mx.load(str(f)).values())
+    assert fp.weight_bytes == loaded
+    assert loaded < sum(f.stat().st_size for f in REFERENCE.glob("*.safetensors"))
     assert fp.kv.full_bytes == 2 * 2 * 2 * 64 * 2048 * 2
     assert fp.kv.linear_bytes == 6 * (8 * 32 * 32 * 4 + 3 * (2 * 4 * 32 + 8 * 32) * 2)
 
@@ -278,7 +291,7 @@ def test_set_yes_macos14():
     assert rc == 0, err
     assert p.writes == ["iogpu.wired_limit_mb=20000"]
     assert "iogpu.wired_limit_mb: 0 -> 20000" in out
-    assert "now 20000 MB = 19.5 GB" in out
+    assert "now 20000 MiB = 19.5 GiB" in out
     assert read_limit(p, KEY_MB) == 20000
 
 
@@ -296,7 +309,7 @@ def test_set_macos13_converts_to_bytes():
     rc, out, _ = wired(["--set", "12288", "-y"], p)
     assert rc == 0
     assert p.writes == [f"debug.iogpu.wired_limit={12288 * 2**20}"]
-    assert "now 12288 MB = 12.0 GB" in out
+    assert "now 12288 MiB = 12.0 GiB" in out
 
 
 def test_set_read_back_mismatch():

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, finish_notice
 from pocket_mlx.tui.events import EngineNotice, ModelFailed, ModelReady, PrefillProgress, ReplyDone
 from pocket_mlx.tui.header import ModelHeader
-from pocket_mlx.tui.model_info import ModelInfo, kernels_label, model_info
+from pocket_mlx.tui.model_info import ModelInfo, model_info
 from pocket_mlx.tui.prompt import PromptInput
 from pocket_mlx.tui.screens import HelpScreen, OpenScreen, SettingsScreen
 from pocket_mlx.tui.stats_panel import REFRESH_S, StatsPanel
@@ -32,6 +32,7 @@ from textual.screen import Screen
 from textual.widgets import Footer
 from textual.worker import Worker, get_current_worker
 
+from pocket_mlx import kernels
 from pocket_mlx.engine.conversations import Conversation, ConversationStore, new_id
 from pocket_mlx.engine.devices import describe, gpu_available
 from pocket_mlx.engine.generation import GenerationStats
@@ -159,7 +160,7 @@ class ChatApp(App[None]):
         self.prompt.disabled = True
         panel = self.stats_panel
         panel.device_label = describe(self.device)
-        panel.kernels = kernels_label()
+        panel.kernels = kernels.label()
         try:
             from pocket_mlx.system.memory import wired_limit_status
 

@@ -1,10 +1,12 @@
-"""One-line model header: name, parameters, experts, quantization recipe, size on disk."""
+"""One-line model header: name, parameters, quantization recipe, size as stored."""
 
 from __future__ import annotations
 
-from pocket_mlx.tui.model_info import ModelInfo, human_bytes, human_count
+from pocket_mlx.tui.model_info import ModelInfo
 from rich.text import Text
 from textual.widgets import Static
+
+SEPARATOR = ("  ·  ", "dim")
 
 
 class ModelHeader(Static):
@@ -12,11 +14,7 @@ class ModelHeader(Static):
         self.update(Text.assemble(("pocket-mlx ", "bold"), f"loading {name}…"))
 
     def show_model(self, info: ModelInfo) -> None:
-        self.update(Text.assemble(
-            ("pocket-mlx ", "bold"), (info.name, "bold cyan"),
-            ("  ·  ", "dim"), f"{human_count(info.params_total)} params, "
-            f"{human_count(info.params_active)} active",
-            ("  ·  ", "dim"), info.experts_label,
-            ("  ·  ", "dim"), info.recipe,
-            ("  ·  ", "dim"), human_bytes(info.disk_bytes),
-        ))
+        parts: list = [("pocket-mlx ", "bold"), (info.name, "bold cyan")]
+        for part in info.header_parts():
+            parts += [SEPARATOR, part]
+        self.update(Text.assemble(*parts))

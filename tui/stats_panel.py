@@ -19,13 +19,13 @@ import time
 from collections import deque
 
 import mlx.core as mx
-from pocket_mlx.tui.model_info import human_bytes
 from rich.segment import Segment
 from rich.style import Style
 from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
 
+from pocket_mlx import units
 from pocket_mlx.engine.generation import GenerationStats
 
 REFRESH_S = 0.25
@@ -104,10 +104,10 @@ class StatsPanel(Widget):
             ("decode", f"{s.generation_tps:.1f} tok/s" if s and s.generation_tps else "–"),
             ("tokens", str(s.generation_tokens) if s else "–"),
             ("context", f"{self.context_used:,} / {self.context_max:,}"),
-            ("weights", f"{human_bytes(bpt)}/tok" if bpt else "–"),
-            ("bandwidth", f"{s.gbps:.2f} GB/s" if s and s.generation_tps else "–"),
-            ("memory", f"{human_bytes(mx.get_active_memory())} active"),
-            ("peak", human_bytes(mx.get_peak_memory())),
+            ("weights", f"{units.size(bpt)}/tok" if bpt else "–"),
+            ("bandwidth", units.bandwidth(s.gbps) if s and s.generation_tps else "–"),
+            ("memory", f"{units.size(mx.get_active_memory())} active"),
+            ("peak", units.size(mx.get_peak_memory())),
             ("device", self.device_label),
         ]
         if self.wired:

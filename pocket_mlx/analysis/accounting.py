@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
@@ -43,37 +44,51 @@ def _nparams(module: nn.Module) -> int:
     return n
 
 
-def weight_stats(model: nn.Module) -> WeightStats:
+@dataclass
+class ModuleCost:
+    """What one module holds and reads: the unit `weight_stats` sums and `info` groups."""
+
+    path: str
+    module: nn.Module
+    params: int  # logical parameters
+    params_active: int
+    bytes: int  # as stored
+    bytes_per_token: int  # read per decoded token
+
+
+def module_costs(model: nn.Module) -> list[ModuleCost]:
+    """Every module that holds arrays, with its parameters and bytes, total and per token."""
     args = model.args
-    top_k, n_experts = args.num_experts_per_tok, args.num_experts
-    total_p = active_p = total_b = token_b = 0
+    top_k = args.num_experts_per_tok
+    out = []
     for path, m in model.named_modules():
         if m.children() and not isinstance(m, (SwitchLinear, QuantizedSwitchLinear)):
             # Only leaf modules carry weights here (plus GatedDeltaNet's own small arrays).
-            own = {k: v for k, v in m.items() if not isinstance(v, (nn.Module, list, dict))}
-            for v in own.values():
-                total_p += v.size
-                active_p += v.size
-                total_b += v.nbytes
-                token_b += v.nbytes
+            own = [v for v in m.values() if isinstance(v, mx.array)]
+            if own:
+                p, b = sum(v.size for v in own), sum(v.nbytes for v in own)
+                out.append(ModuleCost(path, m, p, p, b, b))
             continue
         p, b = _nparams(m), _nbytes(m)
-        total_p += p
-        total_b += b
+        if not b:
+            continue
         if isinstance(m, (SwitchLinear, QuantizedSwitchLinear)):
             frac = top_k / m.num_experts
-            active_p += int(p * frac)
-            token_b += int(b * frac)
+            out.append(ModuleCost(path, m, p, int(p * frac), b, int(b * frac)))
         elif path.endswith("embed_tokens") and not args.tie_word_embeddings:
             # By convention the whole table counts as active parameters, but decoding a token
             # reads only its row.
-            active_p += p
-            token_b += b // m.weight.shape[0]
+            out.append(ModuleCost(path, m, p, p, b, b // m.weight.shape[0]))
         else:
-            active_p += p
-            token_b += b
-    return WeightStats(total_p, active_p, total_b, token_b, n_experts, top_k)
+            out.append(ModuleCost(path, m, p, p, b, b))
+    return out
 
 
-def bytes_per_token(model: nn.Module) -> int:
-    return weight_stats(model).bytes_per_token
+def weight_stats(model: nn.Module) -> WeightStats:
+    costs = module_costs(model)
+    return WeightStats(
+        params_total=sum(c.params for c in costs),
+        params_active=sum(c.params_active for c in costs),
+        bytes_total=sum(c.bytes for c in costs),
+        bytes_per_token=sum(c.bytes_per_token for c in costs),
+        experts_per_layer=model.args.num_experts, top_k=model.args.num_experts_per_tok)

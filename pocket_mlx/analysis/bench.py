@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from pocket_mlx import kernels, units
 from pocket_mlx.engine import devices
 
 TG_PROMPT = 4  # tokens before a tg test, as llama-bench's short prompt
@@ -35,31 +36,13 @@ WARMUP_TG = 2
 
 
 # -- kernels and machine -----------------------------------------------------------------------
-def kernels_info() -> dict:
-    """What computes the quantized matmuls: the project's C++ kernels when built and active."""
-    try:
-        from pocket_mlx import kernels  # type: ignore[attr-defined]
-    except ImportError:
-        return {"active": False, "name": "mlx"}
-    try:
-        info = dict(kernels.info())
-    except Exception as e:  # a broken extension must not break the benchmark
-        return {"active": False, "name": "mlx", "error": str(e)}
-    info.setdefault("active", False)
-    info["name"] = f"pocket ({info.get('isa', '?')})" if info["active"] else "mlx"
-    return info
-
-
 def set_threads(n: int | None) -> int:
     """Apply a thread count to what the project controls; return the effective count.
 
     Without the kernels module, MLX runs CPU ops on a single worker thread: the count is 1.
     """
-    info = kernels_info()
-    if not info["active"]:
+    if not kernels.info()["active"]:
         return 1
-    from pocket_mlx import kernels  # type: ignore[attr-defined]
-
     if n:
         kernels.set_threads(n)
     return int(kernels.info().get("threads", n or 1))
@@ -98,7 +81,7 @@ def machine_info(bandwidth_gbps: float | None) -> dict:
         "gpu": devices.gpu_backend_name(),
         "mlx": getattr(mx, "__version__", None) or version("mlx"),
         "mlx_lm": version("mlx-lm"),
-        "kernels": kernels_info()["name"],
+        "kernels": kernels.label(),
         "bandwidth_gbps": round(bandwidth_gbps, 2) if bandwidth_gbps else None,
     }
 
@@ -121,7 +104,7 @@ def probe_bandwidth(device: str = "cpu", threads: int = 1, quick: bool = True) -
                 t = time.perf_counter()
                 mx.eval(a.sum())
                 best = min(best, time.perf_counter() - t)
-        return nbytes / best / 1e9
+        return units.gbps(nbytes, best)
     a = np.ones(nbytes // 8, np.int64)
     parts = np.array_split(a, max(1, threads))
     best = float("inf")
@@ -130,7 +113,7 @@ def probe_bandwidth(device: str = "cpu", threads: int = 1, quick: bool = True) -
             t = time.perf_counter()
             list(ex.map(np.max, parts))
             best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
+    return units.gbps(nbytes, best)
 
 
 # -- runners -----------------------------------------------------------------------------------
@@ -331,9 +314,9 @@ def make_rows(results: dict, meta: dict, bandwidth_gbps: float | None) -> list[R
         gbps = frac = None
         around = by_runner.get(BANDWIDTH_KEY)
         if test.startswith("tg"):
-            gbps = meta["bytes_per_token"] * m / 1e9
+            gbps = meta["bytes_per_token"] * m / units.GB
             if around:
-                frac = statistics.fmean(meta["bytes_per_token"] * t / 1e9 / bw
+                frac = statistics.fmean(meta["bytes_per_token"] * t / units.GB / bw
                                         for t, bw in zip(ours, around))
             elif bandwidth_gbps:
                 frac = gbps / bandwidth_gbps
@@ -349,17 +332,6 @@ def make_rows(results: dict, meta: dict, bandwidth_gbps: float | None) -> list[R
 
 
 # -- formatting --------------------------------------------------------------------------------
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-
-def _params(n: int) -> str:
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(n)
-
-
 def _tps(m: float | None, sd: float | None) -> str:
     if m is None:
         return ""
@@ -369,7 +341,7 @@ def _tps(m: float | None, sd: float | None) -> str:
 
 def format_markdown(rows: list[Row]) -> str:
     compare = any(r.mlx_lm_tps_mean is not None for r in rows)
-    head = ["model", "size", "params (total / active)", "recipe", "device", "threads",
+    head = ["model", "size", "params (total / active)", "recipe", "dtype", "device", "threads",
             "kernels", "test", "t/s", "bytes/token", "GB/s", "roofline"]
     if compare:
         head += ["mlx-lm t/s", "vs mlx-lm"]
@@ -378,10 +350,10 @@ def format_markdown(rows: list[Row]) -> str:
                                              "bytes/token", "vs mlx-lm", "threads", "size")
                               else "---" for h in head) + " |"]
     for r in rows:
-        cells = [r.model, _size(r.size_bytes),
-                 f"{_params(r.params_total)} / {_params(r.params_active)}",
-                 f"{r.recipe} ({r.dtype})", r.device, str(r.threads), r.kernels, r.test,
-                 _tps(r.tps_mean, r.tps_sd), _size(r.bytes_per_token),
+        cells = [r.model, units.size(r.size_bytes),
+                 f"{units.count(r.params_total)} / {units.count(r.params_active)}",
+                 r.recipe, r.dtype, r.device, str(r.threads), r.kernels, r.test,
+                 _tps(r.tps_mean, r.tps_sd), units.size(r.bytes_per_token),
                  f"{r.gbps:.2f}" if r.gbps is not None else "",
                  f"{100 * r.roofline_fraction:.1f}%" if r.roofline_fraction is not None else ""]
         if compare:

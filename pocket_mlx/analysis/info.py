@@ -14,11 +14,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from pocket_mlx.analysis.accounting import weight_stats
+from pocket_mlx import kernels
+from pocket_mlx.analysis.accounting import module_costs, weight_stats
+from pocket_mlx.config import read_pocket_json, recipe_label, weight_files, weights_bytes
 from pocket_mlx.convert.recipes import family as recipe_family
-from pocket_mlx.engine.hub import weight_files
 from pocket_mlx.errors import PocketError
-from pocket_mlx.models.layers import QuantizedSwitchLinear, SwitchLinear
+from pocket_mlx.units import GB, bandwidth, count, size
 
 FAMILIES = ("experts", "router", "attention", "linear_attention", "shared_expert", "embeddings",
             "lm_head", "other")
@@ -64,19 +65,11 @@ def open_source(model: str | None) -> Source:
         except (OSError, ValueError) as e:
             raise PocketError(f"{file} is not valid JSON: {e}") from None
         skel = synthetic.skeleton(config, dtype=_dtype_of(config))
-        return Source(str(file), config, skel, None, _pocket_json(file.parent))
+        return Source(str(file), config, skel, None, read_pocket_json(file.parent))
     path = resolve_model_path(model)
     config = read_config(path)
     return Source(str(path), config, load_model(path, config, lazy=True), path,
-                  _pocket_json(path))
-
-
-def _pocket_json(folder: Path) -> dict:
-    f = folder / "pocket.json"
-    try:
-        return json.loads(f.read_text()) if f.is_file() else {}
-    except (OSError, ValueError):
-        return {}
+                  read_pocket_json(path))
 
 
 def family(path: str) -> str:
@@ -87,34 +80,22 @@ def family(path: str) -> str:
 
 def quant_summary(model: nn.Module) -> dict[str, dict]:
     """Per family: bits used by its matrices ("float" for unquantized ones), group sizes,
-    parameters (logical), bytes stored and bytes read per decoded token."""
-    args = model.args
+    parameters (logical), bytes stored and bytes read per decoded token (accounting's figures,
+    grouped)."""
     out: dict[str, dict] = {}
-    for path, m in model.named_modules():
-        arrays = {k: v for k, v in m.items() if isinstance(v, mx.array)}
-        if not arrays:
-            continue
-        fam = family(path)
-        entry = out.setdefault(fam, {"bits": set(), "group_sizes": set(), "params": 0,
-                                     "bytes": 0, "bytes_per_token": 0})
-        bits = getattr(m, "bits", None)
-        nbytes = sum(v.nbytes for v in arrays.values())
-        w = arrays.get("weight")
+    for c in module_costs(model):
+        entry = out.setdefault(family(c.path), {"bits": set(), "group_sizes": set(), "params": 0,
+                                                "bytes": 0, "bytes_per_token": 0})
+        bits = getattr(c.module, "bits", None)
+        w = c.module.get("weight")
         if bits:
             entry["bits"].add(str(bits))
-            entry["group_sizes"].add(m.group_size)
-            entry["params"] += w.size * 32 // bits
-        else:
-            if w is not None and w.ndim >= 2:
-                entry["bits"].add(str(w.dtype).split(".")[-1])
-            entry["params"] += sum(v.size for v in arrays.values())
-        entry["bytes"] += nbytes
-        if isinstance(m, (SwitchLinear, QuantizedSwitchLinear)):
-            entry["bytes_per_token"] += int(nbytes * args.num_experts_per_tok / m.num_experts)
-        elif fam == "embeddings" and not args.tie_word_embeddings:
-            entry["bytes_per_token"] += nbytes // w.shape[0]
-        else:
-            entry["bytes_per_token"] += nbytes
+            entry["group_sizes"].add(c.module.group_size)
+        elif isinstance(w, mx.array) and w.ndim >= 2:
+            entry["bits"].add(str(w.dtype).split(".")[-1])
+        entry["params"] += c.params
+        entry["bytes"] += c.bytes
+        entry["bytes_per_token"] += c.bytes_per_token
     for entry in out.values():
         entry["bits"] = "/".join(sorted(entry["bits"], key=lambda b: (not b.isdigit(), b)))
         entry["group_sizes"] = sorted(entry["group_sizes"])
@@ -124,7 +105,6 @@ def quant_summary(model: nn.Module) -> dict[str, dict]:
 def describe(model: str | None = None, context: int | None = None,
              bandwidth_gbps: float | None = None, platform=None) -> dict:
     """Everything `pocket-mlx info` prints, as one JSON-ready dict."""
-    from pocket_mlx.analysis.bench import kernels_info
     from pocket_mlx.system import chips
     from pocket_mlx.system.host import get_platform
     from pocket_mlx.system.wired import default_reserve_bytes, kv_cache_bytes
@@ -142,6 +122,9 @@ def describe(model: str | None = None, context: int | None = None,
     disk = None
     if src.path is not None:
         disk = sum(f.stat().st_size for f in weight_files(src.path))
+    # The model's size as stored (tensor bytes): what `bench` and the chat show. A lazy load at
+    # the checkpoint's dtypes holds exactly these, so a bare config's skeleton gives the same.
+    size_bytes = weights_bytes(src.path) if src.path is not None else stats.bytes_total
     bw_source = "--bandwidth" if bandwidth_gbps else None
     if not bandwidth_gbps:
         chip = chips.detect(platform)
@@ -168,8 +151,9 @@ def describe(model: str | None = None, context: int | None = None,
         "experts_per_layer": stats.experts_per_layer,
         "experts_original": int(src.meta.get("original_num_experts") or stats.experts_per_layer),
         "top_k": stats.top_k,
-        "recipe": src.meta.get("recipe"),
+        "recipe": recipe_label(src.config, src.meta),
         "quantization": quant_summary(src.model),
+        "size_bytes": size_bytes,
         "weights_bytes": stats.bytes_total,
         "disk_bytes": disk,
         "bytes_per_token": stats.bytes_per_token,
@@ -182,20 +166,10 @@ def describe(model: str | None = None, context: int | None = None,
         "fits": bool(usable is not None and ram_needed <= usable),
         "bandwidth_gbps": bandwidth_gbps,
         "bandwidth_source": bw_source,
-        "decode_ceiling_tps": (bandwidth_gbps * 1e9 / stats.bytes_per_token
+        "decode_ceiling_tps": (bandwidth_gbps * GB / stats.bytes_per_token
                                if bandwidth_gbps else None),
-        "kernels": kernels_info()["name"],
+        "kernels": kernels.label(),
     }
-
-
-def _size(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def format_text(d: dict) -> str:
@@ -209,29 +183,28 @@ def format_text(d: dict) -> str:
         f"{a['head_dim']}; linear {a['linear_key_heads']} key / {a['linear_value_heads']} "
         f"value heads; experts {a['moe_intermediate_size']} wide, shared "
         f"{a['shared_expert_intermediate_size']}",
-        f"parameters       {_count(d['params_total'])} total, {_count(d['params_active'])} "
+        f"parameters       {count(d['params_total'])} total, {count(d['params_active'])} "
         f"active per token",
         f"experts          {d['experts_per_layer']} per layer (of {d['experts_original']} "
         f"originally), top-{d['top_k']}",
-        f"recipe           {d['recipe'] or 'n/a'}",
+        f"recipe           {d['recipe']}",
         "quantization     family            bits     params     stored  read/token",
     ]
     for fam, q in d["quantization"].items():
-        lines.append(f"                 {fam:<17} {q['bits']:<8} {_count(q['params']):>7} "
-                     f"{_size(q['bytes']):>10} {_size(q['bytes_per_token']):>10}")
+        lines.append(f"                 {fam:<17} {q['bits']:<8} {count(q['params']):>7} "
+                     f"{size(q['bytes']):>10} {size(q['bytes_per_token']):>10}")
     fit = "yes" if d["fits"] else "no"
     lines += [
-        f"weights          {_size(d['weights_bytes'])} in memory, {_size(d['disk_bytes'])} "
-        f"on disk",
-        f"per token        {_size(d['bytes_per_token'])} of weights read per decoded token",
-        f"RAM needed       {_size(d['ram_needed_bytes'])} at {d['context']} tokens (weights + "
-        f"KV {_size(d['kv_cache_bytes'])} + linear state {_size(d['linear_state_bytes'])})",
-        f"fits this host   {fit} ({_size(d['ram_total_bytes'])} RAM, "
-        f"{_size(d['ram_usable_bytes'])} usable)",
+        f"size             {size(d['size_bytes'])} of weights (the tensors as stored)",
+        f"per token        {size(d['bytes_per_token'])} of weights read per decoded token",
+        f"RAM needed       {size(d['ram_needed_bytes'])} at {d['context']} tokens (weights + "
+        f"KV {size(d['kv_cache_bytes'])} + linear state {size(d['linear_state_bytes'])})",
+        f"fits this host   {fit} ({size(d['ram_total_bytes'])} RAM, "
+        f"{size(d['ram_usable_bytes'])} usable)",
     ]
     if d["decode_ceiling_tps"]:
         lines.append(f"decode ceiling   {d['decode_ceiling_tps']:.1f} tok/s at "
-                     f"{d['bandwidth_gbps']:g} GB/s ({d['bandwidth_source']})")
+                     f"{bandwidth(d['bandwidth_gbps'])} ({d['bandwidth_source']})")
     else:
         lines.append("decode ceiling   unknown: pass --bandwidth GBPS (measure it with "
                      "`pocket-mlx bench --bandwidth`)")

@@ -7,10 +7,10 @@ tg row has one; `--bandwidth` runs the longer probe (1 GB, best of 7) and prints
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
+from pocket_mlx import units
+from pocket_mlx.config import read_pocket_json, recipe_label, weights_bytes
 from pocket_mlx.errors import PocketError
 
 
@@ -45,26 +45,6 @@ def register(sub) -> argparse.ArgumentParser:
     return p
 
 
-def recipe_of(path: Path, config: dict) -> str:
-    """The recipe name from pocket.json, else a summary of the quantization dict."""
-    meta = path / "pocket.json"
-    if meta.is_file():
-        try:
-            recipe = json.loads(meta.read_text()).get("recipe")
-            if recipe:
-                return str(recipe)
-        except (OSError, ValueError):
-            pass
-    from pocket_mlx.engine.loader import quantization_of
-
-    q = quantization_of(config)
-    if not q:
-        return "float"
-    bits = {q.get("bits", 4)} | {v["bits"] for v in q.values() if isinstance(v, dict)}
-    return f"uniform-{bits.pop()}" if len(bits) == 1 else "mixed-" + "/".join(
-        str(b) for b in sorted(bits))
-
-
 def run(args) -> int:
     for flag, v in (("-r", args.repetitions), ("-p", args.n_prompt), ("-n", args.n_gen)):
         if v < (1 if flag == "-r" else 0):
@@ -75,6 +55,7 @@ def run(args) -> int:
         raise PocketError("--synthetic-recipe needs --synthetic")
     import mlx.core as mx
 
+    from pocket_mlx import kernels
     from pocket_mlx.analysis import bench
     from pocket_mlx.engine import devices
 
@@ -99,10 +80,11 @@ def run(args) -> int:
         path = resolve_model_path(args.model)
         name = path.name
     config = read_config(path)
-    recipe = recipe_of(path, config)
+    recipe = recipe_label(config, read_pocket_json(path))
+    size = weights_bytes(path)  # as stored: the model's size whatever --dtype loads it as
 
     threads = bench.set_threads(args.threads)
-    kinfo = bench.kernels_info()
+    kinfo = kernels.info()
     if args.threads and not kinfo["active"]:
         log(f"note: --threads {args.threads} has no effect: MLX runs CPU ops on one thread "
             "and the pocket kernels are not active")
@@ -117,7 +99,7 @@ def run(args) -> int:
 
     bw = bench.probe_bandwidth(device, threads, quick=not args.bandwidth)
     if args.bandwidth:
-        print(f"memory read bandwidth ({device}, {threads} thread(s)): {bw:.1f} GB/s",
+        print(f"memory read bandwidth ({device}, {threads} thread(s)): {units.bandwidth(bw)}",
               file=sys.stderr if args.output != "md" else sys.stdout, flush=True)
 
     runners = [bench.pocket_runner(model, device)]
@@ -126,9 +108,9 @@ def run(args) -> int:
     results = bench.run_tests(runners, vocab=model.args.vocab_size, p=args.n_prompt,
                               n=args.n_gen, repeats=args.repetitions, log=log,
                               probe=lambda: bench.probe_bandwidth(device, threads))
-    meta = dict(model=name, size_bytes=stats.bytes_total, params_total=stats.params_total,
+    meta = dict(model=name, size_bytes=size, params_total=stats.params_total,
                 params_active=stats.params_active, recipe=recipe, dtype=shown_dtype,
-                device=device, threads=threads, kernels=kinfo["name"],
+                device=device, threads=threads, kernels=kernels.label(kinfo),
                 bytes_per_token=stats.bytes_per_token)
     rows = bench.make_rows(results, meta, bw)
     if args.output == "json":

@@ -7,6 +7,7 @@ import json
 import sys
 
 from pocket_mlx.errors import PocketError
+from pocket_mlx.units import GB, size
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -91,6 +92,6 @@ def run(args) -> int:
         sys.stdout.flush()  # the reply's last line before the stats line on stderr
         print(f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s | "
               f"generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s | "
-              f"ttft {stats.ttft_s:.3f} s | peak memory {stats.peak_memory_gb:.3f} GB | "
+              f"ttft {stats.ttft_s:.3f} s | peak memory {size(stats.peak_memory_gb * GB)} | "
               f"{stats.device} | {stats.finish_reason}", file=sys.stderr)
     return 0

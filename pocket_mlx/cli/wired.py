@@ -16,24 +16,21 @@ from pocket_mlx.system.wired import (
     FIX_COMMAND,
     KEY_BYTES,
     KEY_MB,
-    GiB,
-    MiB,
     WiredKey,
     apply_limit,
     check_limit_mb,
     default_reserve_bytes,
     describe_limit,
     find_key,
-    gb,
     launchd_instructions,
     launchd_plist,
     model_footprint,
     parse_limit_arg,
     read_limit,
     recommended_limit_mb,
-    size,
     sysctl_command,
 )
+from pocket_mlx.units import GiB, MiB, size
 
 NOT_ON_THIS_OS = "the GPU wired-memory limit is a macOS setting; it does not exist on {os}"
 
@@ -45,7 +42,7 @@ def register(subparsers) -> argparse.ArgumentParser:
         description=(
             "Show the macOS GPU wired-memory limit and the value recommended for this Mac; "
             "--set applies it with sudo (resets at reboot; --print-launchd makes it stick). "
-            "Sizes are binary: 1 MB = 2^20 bytes, 1 GB = 2^30 bytes."
+            "Sizes are binary: 1 MiB = 2^20 bytes, 1 GiB = 2^30 bytes."
         ),
     )
     p.add_argument("--model", metavar="DIR", help="local model directory to size (weights + KV)")
@@ -55,12 +52,12 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--reserve-gb",
         type=float,
-        metavar="G",
-        help="RAM to leave to macOS and apps (default: max(4 GB, 15%% of RAM))",
+        metavar="GIB",
+        help="RAM in GiB to leave to macOS and apps (default: max(4 GiB, 15%% of RAM))",
     )
     action = p.add_mutually_exclusive_group()
     action.add_argument(
-        "--set", dest="set_limit", metavar="MB|auto", help="set the limit (sudo sysctl)"
+        "--set", dest="set_limit", metavar="MIB|auto", help="set the limit in MiB (sudo sysctl)"
     )
     action.add_argument("--reset", action="store_true", help="back to the system default (0)")
     p.add_argument(
@@ -194,7 +191,7 @@ def _show(args: argparse.Namespace, platform: Platform, io: _IO) -> int:
     macos = platform.is_macos()
     total = platform.total_ram_bytes()
     io.out(f"OS:                 {platform.os_label()}")
-    io.out(f"Total RAM:          {gb(total) if total else 'unknown'}")
+    io.out(f"Total RAM:          {size(total) if total else 'unknown'}")
     footprint = model_footprint(args.model, args.context) if args.model else None
     if not macos:
         io.out(f"Wired limit:        none: {NOT_ON_THIS_OS.format(os=platform.system())}")
@@ -217,15 +214,15 @@ def _show(args: argparse.Namespace, platform: Platform, io: _IO) -> int:
     max_rec = info.get("max_recommended_working_set_size")
     if max_rec:
         name = info.get("device_name", "GPU")
-        io.out(f"MLX working set:    {gb(int(max_rec))} recommended by the GPU ({name})")
+        io.out(f"MLX working set:    {size(int(max_rec))} recommended by the GPU ({name})")
     else:
         io.out("MLX working set:    not reported (MLX sees no GPU in this process)")
     _show_model(io, footprint)
     reserve = _reserve(args, total)
     mb = recommended_limit_mb(total, reserve)
     io.out(
-        f"Recommended limit:  {mb} MB = {mb / 1024:.1f} GB "
-        f"({gb(total)} RAM - {gb(reserve)} reserve)"
+        f"Recommended limit:  {mb} MiB = {size(mb * MiB)} "
+        f"({size(total)} RAM - {size(reserve)} reserve)"
     )
     if footprint is not None and footprint.total > mb * MiB:
         io.out(

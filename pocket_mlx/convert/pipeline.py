@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from pocket_mlx import __version__
+from pocket_mlx.config import module_quantization, quantization, text_config, weight_files
 from pocket_mlx.convert.prune import (
     CRITERIA,
     ExpertStats,
@@ -29,16 +30,15 @@ from pocket_mlx.convert.prune import (
 )
 from pocket_mlx.convert.recipes import Recipe, Spec, family
 from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config
-from pocket_mlx.engine.hub import weight_files
 from pocket_mlx.engine.loader import (
     load_model,
     load_weights,
-    quantization_of,
     read_config,
     resolve_model_path,
 )
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
+from pocket_mlx.units import size
 
 _LAYER = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
 _ST_DTYPES = {
@@ -140,10 +140,10 @@ def _unit(key: str, num_layers: int) -> int:
 def _source_spec(path: str, quant: dict | None, weights: dict) -> Spec | None:
     if not quant or f"{path}.scales" not in weights:
         return None
-    entry = quant.get(path)
-    if isinstance(entry, dict):
-        return Spec(int(entry["bits"]), int(entry["group_size"]))
-    return Spec(int(quant["bits"]), int(quant["group_size"]))
+    spec = module_quantization(quant, path)
+    if spec is None:  # listed as float, yet its scales exist: read it as the default
+        spec = module_quantization({**quant, path: True}, path)
+    return Spec(*spec)
 
 
 def _keep_float32(name: str, v: mx.array) -> bool:
@@ -323,7 +323,7 @@ def convert(src: str, out: Path, opts: ConvertOptions,
                                           opts.calib_tokens, opts.progress)
         kept = select_experts(stats, opts.prune_to, opts.criterion, args.num_hidden_layers,
                               args.num_experts, opts.seed)
-    text_cfg = dict(config.get("text_config") or config)
+    text_cfg = text_config(config)
     if kept is not None:
         text_cfg["num_experts"] = opts.prune_to
     target = build_model(mlx_config(text_cfg))
@@ -332,7 +332,7 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         log(f"note: {n}")
     quant = quantization_dict(specs, opts.recipe)
     weights = source.sanitize(load_weights(path))
-    src_quant = quantization_of(config)
+    src_quant = quantization(config, where=str(path / "config.json"))
     with atomic_dir(out, force=opts.force) as tmp:
         write_weights(tmp, weights, specs, src_quant, args.num_hidden_layers, kept, dtype,
                       opts.shard_bytes, opts.progress)
@@ -400,8 +400,8 @@ def summary(info: dict, out: Path) -> str:
     if info.get("pruning"):
         pr = f", experts {info['original_num_experts']} -> {info['num_experts']} per layer"
     return (f"wrote {out}: recipe {info['recipe']['name']}{pr}; "
-            f"{s['bits_per_weight']:.2f} bits/weight, {s['bytes_per_token'] / 1e6:.2f} MB read "
-            f"per token, {s['size_on_disk'] / 1e6:.1f} MB on disk ({info['seconds']:.0f} s)")
+            f"{s['bits_per_weight']:.2f} bits/weight, {size(s['bytes_per_token'])} read per "
+            f"token, {size(s['bytes_total'])} of weights ({info['seconds']:.0f} s)")
 
 
 def shard_bytes(gb: float | None) -> int:

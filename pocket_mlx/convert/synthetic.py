@@ -22,8 +22,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+from pocket_mlx.config import module_quantization, quantization
 from pocket_mlx.convert import recipes
 from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config
+from pocket_mlx.engine.loader import apply_quantization
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
 
@@ -113,13 +115,7 @@ def quantize_skeleton(model: nn.Module, quant: dict, dtype: mx.Dtype = mx.bfloat
     shapes and dtypes of the result are read afterwards. Float arrays are cast to `dtype`.
     """
 
-    def predicate(path: str, module: nn.Module):
-        if path in quant:
-            return quant[path]
-        return _quantizable(module)
-
-    nn.quantize(model, group_size=quant.get("group_size", GROUP_SIZE),
-                bits=quant.get("bits", 4), class_predicate=predicate)
+    apply_quantization(model, quant, lambda _, m: _quantizable(m))
     model.update(tree_map(
         lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a,
         model.parameters()))
@@ -128,7 +124,7 @@ def quantize_skeleton(model: nn.Module, quant: dict, dtype: mx.Dtype = mx.bfloat
 def skeleton(config: dict, quant: dict | None = None, dtype: mx.Dtype = mx.bfloat16):
     """Lazy model of `config` quantized as `quant` (or as its own config says)."""
     model = build_model(config)
-    q = quant or config.get("quantization")
+    q = quant or quantization(config)
     if q:
         quantize_skeleton(model, q, dtype)
     else:
@@ -136,11 +132,6 @@ def skeleton(config: dict, quant: dict | None = None, dtype: mx.Dtype = mx.bfloa
             lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a,
             model.parameters()))
     return model
-
-
-def _bits_of(quant: dict, module_path: str) -> int:
-    entry = quant.get(module_path)
-    return entry["bits"] if isinstance(entry, dict) else quant["bits"]
 
 
 def _values(name: str, shape: tuple[int, ...], dtype: mx.Dtype, quant: dict,
@@ -151,10 +142,8 @@ def _values(name: str, shape: tuple[int, ...], dtype: mx.Dtype, quant: dict,
         words = rng.integers(0, 2**32, size=shape, dtype=np.uint32)
         return mx.array(words)
     if leaf in ("scales", "biases"):
-        bits = _bits_of(quant, module)
+        bits, gs = module_quantization(quant, module)
         levels = 2**bits - 1
-        entry = quant.get(module)
-        gs = entry["group_size"] if isinstance(entry, dict) else quant["group_size"]
         fan_in = shape[-1] * gs
         # Uniform codes in [0, levels] have variance levels*(levels+2)/12; aim at var(w)*fan_in=1
         # (embeddings: rows of unit-ish RMS as well).

@@ -19,21 +19,19 @@ the start-up of a local model should not pay.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TextIO
 
+from pocket_mlx.config import INDEX, pick_weights, read_index, weight_files
 from pocket_mlx.errors import PocketError
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 # Everything but the weights that loading or converting reads (convert/writer.py's
 # TOKENIZER_FILES, which also lists generation_config.json, plus config and pocket.json).
 METADATA_FILES = (
@@ -44,52 +42,6 @@ METADATA_FILES = (
 TOKENIZERS = ("tokenizer.json", "tokenizer.model")
 REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w.][\w./-]*))?$")
 LOGIN = "log in with `hf auth login` or set HF_TOKEN"
-
-
-# -- which weight files a checkpoint is -------------------------------------------------------
-def shards_of_index(index: dict, where: str) -> list[str]:
-    """The shard names of a safetensors index, each once, in order; they must be plain names in
-    the same folder (an index is data from the network: no paths out of the snapshot)."""
-    wmap = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(wmap, dict) or not wmap:
-        raise PocketError(f"{where} has no weight_map; the checkpoint's index is broken")
-    shards = sorted({str(v) for v in wmap.values()})
-    for s in shards:
-        if "/" in s or "\\" in s or s in (".", "..") or not s.endswith(".safetensors"):
-            raise PocketError(f"{where} names a shard {s!r} that is not a safetensors file "
-                              "beside it")
-    return shards
-
-
-def pick_weights(names: Iterable[str], index: dict | None, where: str) -> list[str]:
-    """The weight files of a checkpoint among `names` (a folder's or a repo's top-level files):
-    the index's shards when there is an index, else `model.safetensors`, else every top-level
-    `*.safetensors` (old single-folder layouts without an index)."""
-    names = set(names)
-    if index is not None:
-        return shards_of_index(index, where)
-    if SINGLE in names:
-        return [SINGLE]
-    return sorted(n for n in names if n.endswith(".safetensors") and "/" not in n)
-
-
-def read_index(file: Path) -> dict:
-    try:
-        return json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PocketError(f"{file} is not a readable index ({e})") from None
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The weight files the loader reads from a local folder (see `pick_weights`); an index that
-    names a missing shard fails here, by name."""
-    index = read_index(path / INDEX) if (path / INDEX).is_file() else None
-    names = [p.name for p in path.glob("*.safetensors")]
-    files = [path / n for n in pick_weights(names, index, str(path / INDEX))]
-    for f in files:
-        if not f.is_file():
-            raise PocketError(f"{path / INDEX} names {f.name}, which is not in {path}")
-    return files
 
 
 # -- repo ids -------------------------------------------------------------------------------

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import json
 import os
-import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from pocket_mlx.engine.hub import fetch, parse_repo_id, weight_files
+from pocket_mlx.config import (
+    DEFAULT_BITS,
+    DEFAULT_GROUP_SIZE,
+    quantization,
+    safetensors_header,
+    weight_files,
+)
+from pocket_mlx.engine.hub import fetch, parse_repo_id
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
 
@@ -52,26 +59,12 @@ def read_config(path: Path) -> dict:
     if not cfg.is_file():
         raise PocketError(f"{path} has no config.json; is it a model folder?")
     try:
-        return json.loads(cfg.read_text())
+        config = json.loads(cfg.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PocketError(f"{cfg} is not valid JSON: {e}") from None
-
-
-def check_safetensors(file: Path) -> None:
-    """Header and size of a shard; a truncated download fails here, by name, before any math."""
-    size = file.stat().st_size
-    try:
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n <= 0 or 8 + n > size:
-                raise ValueError("header longer than the file")
-            header = json.loads(f.read(n))
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
-        raise PocketError(f"{file.name} is not a valid safetensors file ({e})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-              default=0)
-    if 8 + n + end > size:
-        raise PocketError(f"{file.name} is truncated: {size} bytes, header says {8 + n + end}")
+    if not isinstance(config, dict):
+        raise PocketError(f"{cfg} is not a JSON object")
+    return config
 
 
 def load_weights(path: Path) -> dict[str, mx.array]:
@@ -82,7 +75,7 @@ def load_weights(path: Path) -> dict[str, mx.array]:
         raise PocketError(f"{path} has no *.safetensors weights")
     weights: dict[str, mx.array] = {}
     for f in files:
-        check_safetensors(f)
+        safetensors_header(f)  # a truncated download fails here, by name, before any math
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:
@@ -90,28 +83,18 @@ def load_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
-def quantization_of(config: dict) -> dict | None:
-    q = config.get("quantization") or config.get("quantization_config")
-    if q is None and isinstance(config.get("text_config"), dict):
-        q = config["text_config"].get("quantization")
-    if q and q.get("mode", "affine") != "affine":
-        raise PocketError(f"unsupported quantization mode {q.get('mode')!r} (affine only)")
-    return q
-
-
-def apply_quantization(model: nn.Module, quant: dict, weights: dict) -> None:
-    """Quantize exactly the modules the checkpoint stores quantized (mlx-lm's convention):
-    a per-module entry in the dict wins, else a module is quantized when its scales exist."""
+def apply_quantization(model: nn.Module, quant: dict,
+                       quantizable: Callable[[str, nn.Module], bool]) -> None:
+    """Quantize a model as mlx-lm's dict says: a module's own entry wins (its bits/group size,
+    or false), else `quantizable(path, module)` decides, at the dict's default bits/group size."""
 
     def predicate(path: str, module: nn.Module):
         if path in quant:
             return quant[path]
-        if not hasattr(module, "to_quantized"):
-            return False
-        return f"{path}.scales" in weights
+        return hasattr(module, "to_quantized") and quantizable(path, module)
 
-    nn.quantize(model, group_size=quant.get("group_size", 64), bits=quant.get("bits", 4),
-                class_predicate=predicate)
+    nn.quantize(model, group_size=quant.get("group_size", DEFAULT_GROUP_SIZE),
+                bits=quant.get("bits", DEFAULT_BITS), class_predicate=predicate)
 
 
 def check_shapes(model: nn.Module, weights: dict[str, mx.array]) -> None:
@@ -151,10 +134,13 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
     same input as one matmul (`Model.fuse_projections`); the parameters are then no longer
     the checkpoint's, so converting, calibrating and saving load without it."""
     config = config or read_config(path)
+    quant = quantization(config, where=str(path / "config.json"))
     model = build_model(config)
     weights = model.sanitize(load_weights(path))
-    if (quant := quantization_of(config)) is not None:
-        apply_quantization(model, quant, weights)
+    if quant is not None:
+        # Exactly the modules the checkpoint stores quantized: those whose scales exist.
+        stored = {k.removesuffix(".scales") for k in weights if k.endswith(".scales")}
+        apply_quantization(model, quant, lambda p, _: p in stored)
     check_shapes(model, weights)
     if dtype is not None:
         weights = _cast(weights, getattr(mx, dtype))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pocket_mlx.config import text_config
 from pocket_mlx.errors import PocketError
 
 
@@ -116,7 +117,7 @@ class Tokenizer:
                     ids.append(x)
 
         add(config.get("eos_token_id"))
-        add((config.get("text_config") or {}).get("eos_token_id"))
+        add(text_config(config).get("eos_token_id"))
         add(_read_json(self.path / "generation_config.json").get("eos_token_id"))
         if self.eos_token:
             add(self.token_to_id(self.eos_token))

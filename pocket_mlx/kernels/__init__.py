@@ -208,3 +208,18 @@ def info() -> dict:
         "threads": _ext.get_threads(),
         "mode": get_mode(),
     }
+
+
+def label(status: dict | None = None) -> str:
+    """`info()` in a few words, as `info`, `bench` and the chat panel show it: the extension's
+    instruction set, threads and mode ("avx2 ×4, fast") when it computes the quantized matmuls,
+    else "mlx" (MLX's own kernels). Short: it fits the chat panel's 16-character value column."""
+    status = info() if status is None else status
+    if not status.get("active"):
+        return "mlx"
+    text = str(status.get("isa") or "?")
+    if status.get("threads"):
+        text += f" ×{status['threads']}"
+    if status.get("mode"):
+        text += f", {status['mode']}"
+    return text

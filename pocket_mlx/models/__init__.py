@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pocket_mlx.config import model_type
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import qwen3_5_moe
 
@@ -9,13 +10,11 @@ ARCHITECTURES = {t: qwen3_5_moe for t in qwen3_5_moe.MODEL_TYPES}
 
 
 def get_architecture(config: dict):
-    model_type = config.get("model_type")
-    if model_type is None and isinstance(config.get("text_config"), dict):
-        model_type = config["text_config"].get("model_type")
-    if model_type not in ARCHITECTURES:
+    kind = model_type(config)
+    if kind not in ARCHITECTURES:
         known = ", ".join(sorted(ARCHITECTURES))
-        raise PocketError(f"unsupported model_type {model_type!r} (supported: {known})")
-    return ARCHITECTURES[model_type]
+        raise PocketError(f"unsupported model_type {kind!r} (supported: {known})")
+    return ARCHITECTURES[kind]
 
 
 def build_model(config: dict):

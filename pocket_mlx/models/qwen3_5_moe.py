@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from pocket_mlx.config import model_type, resolve_layer_types, text_config
 from pocket_mlx.errors import PocketError
 from pocket_mlx.kernels import ops
 from pocket_mlx.models.fusion import fuse, project
@@ -62,20 +63,8 @@ class ModelArgs:
     partial_rotary_factor: float = 0.25
 
     def __post_init__(self):
-        if not self.layer_types:
-            n = self.full_attention_interval
-            self.layer_types = [
-                "full_attention" if (i + 1) % n == 0 else "linear_attention"
-                for i in range(self.num_hidden_layers)
-            ]
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise PocketError(
-                f"config: layer_types has {len(self.layer_types)} entries "
-                f"for {self.num_hidden_layers} layers"
-            )
-        unknown = set(self.layer_types) - {"linear_attention", "full_attention"}
-        if unknown:
-            raise PocketError(f"config: unknown layer type(s) {sorted(unknown)}")
+        self.layer_types = resolve_layer_types(self.num_hidden_layers, self.layer_types,
+                                               self.full_attention_interval)
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise PocketError("config: linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.num_experts_per_tok > self.num_experts:
@@ -84,11 +73,10 @@ class ModelArgs:
     @classmethod
     def from_config(cls, config: dict) -> ModelArgs:
         """Read a Hugging Face or MLX config.json (flat or with a nested `text_config`)."""
-        model_type = config.get("model_type", "")
-        text = dict(config.get("text_config") or config)
+        text = text_config(config)
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         values = {k: text[k] for k in cls.__dataclass_fields__ if k in text}
-        values["model_type"] = model_type
+        values["model_type"] = model_type(config) or ""
         if text.get("head_dim") is None and "hidden_size" in text:
             values["head_dim"] = text["hidden_size"] // text.get("num_attention_heads", 16)
         if "rope_theta" in rope:
@@ -97,8 +85,6 @@ class ModelArgs:
             values["partial_rotary_factor"] = float(rope["partial_rotary_factor"])
         if values.get("norm_topk_prob") is None:
             values["norm_topk_prob"] = True  # absent in some configs; Qwen3.5 means True
-        if config.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in text:
-            values["tie_word_embeddings"] = config["tie_word_embeddings"]
         return cls(**values)
 
 

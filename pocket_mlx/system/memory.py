@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from pocket_mlx.system.wired import FIX_COMMAND, GiB, find_key, read_limit
+from pocket_mlx.system.wired import FIX_COMMAND, find_key, read_limit
+from pocket_mlx.units import MiB, size
 
 _warned = False
 
@@ -61,8 +62,8 @@ def wired_limit(
     if model_bytes > 0.9 * max_rec and not _warned:
         _warned = True
         warn(
-            f"[pocket-mlx] warning: the model needs {model_bytes / GiB:.1f} GB, close to the GPU's "
-            f"recommended working set of {max_rec / GiB:.1f} GB: generation may be slow. "
+            f"[pocket-mlx] warning: the model needs {size(model_bytes)}, close to the GPU's "
+            f"recommended working set of {size(max_rec)}: generation may be slow. "
             f"On macOS raise the wired limit: {FIX_COMMAND}"
         )
     real = setter is None
@@ -97,7 +98,7 @@ def reset_warning() -> None:
 
 
 def wired_limit_status(platform=None) -> str | None:
-    """Short label for the TUI: "wired 24.0 GB (iogpu.wired_limit_mb)", "wired default (...)",
+    """Short label for the TUI: "wired 24.0 GiB (iogpu.wired_limit_mb)", "wired default (...)",
     or None where the platform has no such setting. Runs `sysctl`: call once, not per frame."""
     from pocket_mlx.system.host import get_platform
 
@@ -110,4 +111,4 @@ def wired_limit_status(platform=None) -> str | None:
         return None
     if raw == 0:
         return f"wired default ({key.name})"
-    return f"wired {key.to_mb(raw) / 1024:.1f} GB ({key.name})"
+    return f"wired {size(key.to_mb(raw) * MiB)} ({key.name})"

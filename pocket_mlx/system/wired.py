@@ -3,8 +3,8 @@
 Why: Apple-silicon Macs let the GPU wire only ~65-75% of RAM by default. A model near that size
 runs far slower (pages are evicted and re-wired) until the limit is raised with
 `sudo sysctl iogpu.wired_limit_mb=N` (macOS 14+) or `debug.iogpu.wired_limit=<bytes>` (macOS 13).
-The value resets at reboot; a LaunchDaemon can re-apply it. Sizes here are binary: 1 MB = 2**20
-bytes (what the `_mb` sysctl means), 1 GB = 2**30 bytes.
+The value resets at reboot; a LaunchDaemon can re-apply it. Sizes here are binary and labelled so
+(pocket_mlx.units): the `_mb` sysctl counts MiB (2**20 bytes).
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from pocket_mlx.engine.hub import weight_files
+from pocket_mlx.config import layer_types, text_config, weight_files, weights_bytes
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system.host import Platform, parse_sysctl_int
+from pocket_mlx.units import GiB, MiB, size
 
-MiB = 1 << 20
-GiB = 1 << 30
 MIN_RESERVE_BYTES = 4 * GiB
 RESERVE_FRACTION = 0.15
 HEADROOM_BYTES = 2 * GiB  # a limit above total RAM minus this is refused
@@ -65,17 +64,17 @@ def read_limit(platform: Platform, key: WiredKey) -> int | None:
 
 
 def default_reserve_bytes(total_ram: int) -> int:
-    """RAM left to macOS and apps: max(4 GB, 15% of RAM)."""
+    """RAM left to macOS and apps: max(4 GiB, 15% of RAM)."""
     return max(MIN_RESERVE_BYTES, int(total_ram * RESERVE_FRACTION))
 
 
 def recommended_limit_mb(total_ram: int, reserve_bytes: int | None = None) -> int:
-    """Total RAM minus the reserve, in MB, never above total RAM minus 2 GB."""
+    """Total RAM minus the reserve, in MiB, never above total RAM minus 2 GiB."""
     reserve = default_reserve_bytes(total_ram) if reserve_bytes is None else reserve_bytes
     mb = min((total_ram - reserve) // MiB, max_limit_mb(total_ram))
     if mb <= 0:
         raise PocketError(
-            f"a reserve of {gb(reserve)} leaves nothing of {gb(total_ram)} RAM for the GPU"
+            f"a reserve of {size(reserve)} leaves nothing of {size(total_ram)} RAM for the GPU"
         )
     return mb
 
@@ -85,14 +84,14 @@ def max_limit_mb(total_ram: int) -> int:
 
 
 def parse_limit_arg(text: str) -> int | None:
-    """`--set` value: a positive whole number of MB, or "auto" (returned as None)."""
+    """`--set` value: a positive whole number of MiB, or "auto" (returned as None)."""
     text = text.strip()
     if text.lower() == "auto":
         return None
     try:
         mb = int(text)
     except ValueError:
-        raise PocketError(f"--set expects a whole number of MB or 'auto', not {text!r}") from None
+        raise PocketError(f"--set expects a whole number of MiB or 'auto', not {text!r}") from None
     if mb < 0:
         raise PocketError(f"--set {mb}: the limit must be positive")
     if mb == 0:
@@ -105,12 +104,12 @@ def check_limit_mb(mb: int, total_ram: int) -> None:
     top = max_limit_mb(total_ram)
     if mb > top:
         raise PocketError(
-            f"--set {mb}: above total RAM ({gb(total_ram)}) minus 2 GB = {top} MB; refused"
+            f"--set {mb}: above total RAM ({size(total_ram)}) minus 2 GiB = {top} MiB; refused"
         )
 
 
 def sysctl_argv(key: WiredKey, mb: int) -> list[str]:
-    """The exact command that sets the limit to `mb` MB (0 = system default)."""
+    """The exact command that sets the limit to `mb` MiB (0 = system default)."""
     return ["sudo", "sysctl", f"{key.name}={key.from_mb(mb)}"]
 
 
@@ -139,14 +138,14 @@ def apply_limit(platform: Platform, key: WiredKey, mb: int) -> ApplyResult:
 
 
 def describe_limit(key: WiredKey, raw: int | None) -> str:
-    """'system default (iogpu.wired_limit_mb = 0)' or '24576 MB = 24.0 GB (...)'."""
+    """'system default (iogpu.wired_limit_mb = 0)' or '24576 MiB = 24.0 GiB (...)'."""
     if raw is None:
         return f"unreadable ({key.name})"
     if raw == 0:
         return f"system default ({key.name} = 0)"
     mb = key.to_mb(raw)
     unit = "" if key.unit == MiB else " bytes"
-    return f"{mb} MB = {mb / 1024:.1f} GB ({key.name} = {raw}{unit})"
+    return f"{mb} MiB = {size(mb * MiB)} ({key.name} = {raw}{unit})"
 
 
 def launchd_plist(key: WiredKey, mb: int) -> str:
@@ -195,26 +194,13 @@ class KVEstimate:
         return self.full_bytes + self.linear_bytes
 
 
-def text_config(config: dict) -> dict:
-    """The language-model part of a config (VL checkpoints nest it under `text_config`)."""
-    inner = config.get("text_config")
-    return {**config, **inner} if isinstance(inner, dict) else config
-
-
 def kv_cache_bytes(config: dict, context: int | None = None) -> KVEstimate:
     """KV cache at `context` tokens (default max_position_embeddings), bf16 K/V, f32 state."""
     cfg = text_config(config)
+    types = layer_types(config)
+    linear = sum(1 for t in types if t == "linear_attention")
+    full = len(types) - linear
     try:
-        n_layers = int(cfg["num_hidden_layers"])
-        layer_types = cfg.get("layer_types")
-        if layer_types is None:
-            interval = cfg.get("full_attention_interval")
-            layer_types = [
-                "full_attention" if not interval or (i + 1) % interval == 0 else "linear_attention"
-                for i in range(n_layers)
-            ]
-        linear = sum(1 for t in layer_types if t == "linear_attention")
-        full = len(layer_types) - linear
         ctx = int(context or cfg["max_position_embeddings"])
         full_bytes = 0
         if full:
@@ -247,14 +233,14 @@ class ModelFootprint:
 
 
 def model_footprint(model: str | Path, context: int | None = None) -> ModelFootprint:
-    """Weights (sum of *.safetensors sizes) plus KV cache, from a local model directory."""
+    """Weights (tensor bytes of its *.safetensors) plus KV cache, from a local model directory."""
     path = Path(model).expanduser()
     if not path.is_dir():
         raise PocketError(f"--model {model}: not a local model directory")
     files = weight_files(path)  # the index's shards, not every *.safetensors there
     if not files:
         raise PocketError(f"--model {model}: no *.safetensors files there")
-    weights = sum(f.stat().st_size for f in files)
+    weights = weights_bytes(path)
     kv = None
     config_file = path / "config.json"
     if config_file.is_file():
@@ -264,12 +250,3 @@ def model_footprint(model: str | Path, context: int | None = None) -> ModelFootp
             raise PocketError(f"{config_file}: unreadable ({e})") from None
         kv = kv_cache_bytes(config, context)
     return ModelFootprint(path, weights, kv)
-
-
-def gb(n: int) -> str:
-    return f"{n / GiB:.1f} GB"
-
-
-def size(n: int) -> str:
-    """Bytes as GB from 1 GB up, else MB (model sizes span both)."""
-    return gb(n) if n >= GiB else f"{n / MiB:.1f} MB"
