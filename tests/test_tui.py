@@ -358,7 +358,7 @@ def test_session_stop_during_prefill_rolls_back(session, exact_kernels):
 def fake_generate(tokens: int, tps: float = 100.0):
     """A `ChatSession.generate` that sleeps instead of decoding: the UI's own work, alone."""
     def generate(self, messages, settings, device, *, progress=None, should_stop=None,
-                 warn=print):
+                 warn=print, trimmed=None):
         if progress:
             progress(0, 12, 0)
         time.sleep(0.05)
