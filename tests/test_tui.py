@@ -389,6 +389,8 @@ def test_one_turn_longer_than_the_context_is_refused_and_not_saved(small_ctx, ho
         assert len(refused) == 1 and "ctrl+n" in refused[0] and "\n" not in refused[0]
         assert "context" in refused[0] and f"{SMALL_CONTEXT:,}" in refused[0]
         assert app.prompt.text == too_long  # back in the prompt, to shorten
+        await pilot.pause(0.2)
+        assert "not sent" in screen_text(app)  # in view above the taller prompt box
         assert not (home / "conversations" / f"{app.conversation.id}.json").exists()
         # The chat goes on: a short message is answered, then a long one is refused again
         # without touching what was saved.

@@ -303,7 +303,7 @@ class ChatApp(App[None]):
         s = "s" if msg.dropped > 1 else ""
         await self.view.add_notice_before(
             f"■ dropped {msg.dropped} oldest message{s} from the model's context to fit "
-            f"({msg.left_out} left out in all; the saved conversation keeps every message)",
+            "(they stay saved)",
             self._reply)
 
     def on_context_measured(self, msg: ContextMeasured) -> None:
@@ -364,13 +364,14 @@ class ChatApp(App[None]):
         if msg.error or msg.stats is None:
             await reply.remove()  # a failed turn is undone, partial text included
             turn = await self._undo_turn()
-            back = self._undone(turn)
-            if msg.refused:
-                await self.view.add_notice(f"■ not sent: {msg.error}{back}", "error")
+            if msg.refused:  # the text back in the prompt says the rest
+                await self.view.add_notice(f"■ not sent: {msg.error}", "error")
             else:
-                await self.view.add_notice(f"■ error: {msg.error}{back}", "error")
+                await self.view.add_notice(f"■ error: {msg.error}{self._undone(turn)}", "error")
                 self.notify(msg.error or "generation failed", title="Generation failed",
                             severity="error")
+            # the prompt box may have grown with the text put back: keep the notice in view
+            self.call_after_refresh(self.view.scroll_end, animate=False)
             return
         panel.set_stats(msg.stats, msg.context)
         self.last_stats = msg.stats
@@ -379,6 +380,7 @@ class ChatApp(App[None]):
             await reply.remove()
             turn = await self._undo_turn()
             await self.view.add_notice(f"■ stopped before the reply began{self._undone(turn)}")
+            self.call_after_refresh(self.view.scroll_end, animate=False)
             return
         self._turn = None
         notice = finish_notice(reason, self._reply_settings.max_tokens)
@@ -430,7 +432,7 @@ class ChatApp(App[None]):
         if turn is None:
             return ""
         if turn.kind == "send":
-            return " (not saved; the message is back in the prompt)"
+            return " (not saved; back in the prompt)"
         return " (the previous reply is kept)"
 
     def _measure(self) -> None:

@@ -11,8 +11,7 @@ from textual.widgets.markdown import MarkdownBlock
 FINISH_NOTICES = {
     "cancelled": "■ stopped — the partial reply is kept",
     "length": "■ reached the max-tokens limit ({max_tokens} tokens)",
-    "context": "■ stopped: context full — the next message drops the oldest turns from the "
-               "model's context",
+    "context": "■ stopped: context full — the next message drops the oldest turns",
 }
 
 

@@ -144,10 +144,8 @@ class ChatSession:
         if len(ids_from(last)) + room > limit:
             n = len(ids_from(last))
             raise ContextOverflow(
-                f"this message is too long for the model's context: {n:,} tokens with the "
-                f"system prompt plus {room:,} for the reply, over {limit:,}; shorten it (or "
-                "max tokens / the system prompt, ctrl+s) — dropping older turns or a new "
-                "conversation (ctrl+n) cannot make it fit")
+                f"{n:,} tokens + {room:,} for the reply > the model's {limit:,}-token context, "
+                "even in a new chat (ctrl+n); shorten it")
         for budget in (limit - limit // HEADROOM_SHARE, limit):
             # Fewer messages never take more tokens: the first turn that fits, by bisection.
             j = bisect_left(turns, True, key=lambda k: len(ids_from(k)) + room <= budget)
