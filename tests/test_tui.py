@@ -356,6 +356,10 @@ def test_chat_keeps_answering_past_the_context_limit(small_ctx, tokenizer):
             seen["context"].append(app.stats_panel.context_used)
         seen["notices"] = notices(app)
         seen["shown"] = len(list(app.query(UserMessage)))
+        kids = list(app.view.children)
+        at = [i for i, w in enumerate(kids) if isinstance(w, Notice) and "oldest" in str(w.render())]
+        # each drop notice sits between the prompt and the reply of the turn that dropped
+        seen["around"] = {(type(kids[i - 1]).__name__, type(kids[i + 1]).__name__) for i in at}
         seen["text"] = screen_text(app)
 
     app = run(scenario, model=str(small_ctx), settings=Settings(max_tokens=8))
@@ -365,6 +369,7 @@ def test_chat_keeps_answering_past_the_context_limit(small_ctx, tokenizer):
     assert len(dropped) >= 2, seen["notices"]
     assert all("dropped" in n and "from the model's context to fit" in n for n in dropped)
     assert "from the model's context to fit" in seen["text"]
+    assert seen["around"] == {("UserMessage", "AssistantMessage")}
     assert all(0 < c <= SMALL_CONTEXT for c in seen["context"])
     # After a drop, the next turn continues from the rebuilt cache: only its own tokens are
     # prefilled (the drop leaves room for more than one turn), not the whole window again.
@@ -405,6 +410,30 @@ def test_one_turn_longer_than_the_context_is_refused_and_not_saved(small_ctx, ho
         app.prompt.text = ""
         await send(app, pilot, "And another one")
         assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"] * 2
+
+    run(scenario, model=str(small_ctx), settings=Settings(max_tokens=8))
+
+
+def test_refused_regenerate_keeps_the_previous_reply(small_ctx, home):
+    # Fits with 8 tokens kept for the reply, not with 64 (a quarter of the context).
+    long = " ".join([PARAGRAPH] * 11)
+
+    async def scenario(app, pilot):
+        await send(app, pilot, long)
+        reply = app.conversation.messages[-1]
+        assert reply["role"] == "assistant"
+        path = home / "conversations" / f"{app.conversation.id}.json"
+        before = path.read_bytes()
+        app.settings = Settings(max_tokens=1000)
+        done = app.replies_done
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: app.replies_done > done)
+        assert any("not sent" in n for n in notices(app))
+        assert app.conversation.messages[-1] is reply  # the previous reply is back...
+        assert [w.text for w in app.query(AssistantMessage)] == [reply["content"]]
+        assert app.prompt.text == ""  # ...and nothing was put in the prompt
+        saved = ConversationStore().load(app.conversation.id)
+        assert saved.messages == json.loads(before)["messages"]
 
     run(scenario, model=str(small_ctx), settings=Settings(max_tokens=8))
 
