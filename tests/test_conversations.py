@@ -120,7 +120,8 @@ def test_settings_roundtrip_and_validation():
     s = Settings(system="be brief", temperature=0.7, top_p=0.9, max_tokens=64)
     assert Settings.from_dict(s.to_dict()) == s
     assert Settings.from_dict({}) == Settings()
-    for bad in (Settings(temperature=-1), Settings(top_p=0), Settings(max_tokens=0)):
+    for bad in (Settings(temperature=-1), Settings(top_p=0), Settings(max_tokens=0),
+                Settings(temperature=float("nan")), Settings(temperature=float("inf"))):
         with pytest.raises(PocketError):
             bad.validate()
 

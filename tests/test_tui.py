@@ -382,6 +382,19 @@ def test_chat_keeps_answering_past_the_context_limit(small_ctx, tokenizer):
     assert all("stats" in m for m in saved.messages[1::2])
     assert seen["shown"] == turns
 
+    async def resumed(app, pilot):  # the panel shows what the model will hold of it, not 0
+        await until(pilot, lambda: app.stats_panel.context_used > 0)
+        seen["resumed"] = app.stats_panel.context_used
+
+    run(resumed, model=str(small_ctx), conversation=saved, settings=Settings(max_tokens=8))
+    whole = template_tokens(tokenizer, saved.messages)
+    target = SMALL_CONTEXT - SMALL_CONTEXT // 4 - 8  # where a drop leaves the window
+    turn = template_tokens(tokenizer, saved.messages[-2:])
+    assert target - turn < seen["resumed"] <= target < whole
+    tail = next(saved.messages[i:] for i in range(0, len(saved.messages), 2)
+                if template_tokens(tokenizer, saved.messages[i:]) == seen["resumed"])
+    assert tail[0]["role"] == "user"  # the count of whole turns from the newest back
+
 
 def test_one_turn_longer_than_the_context_is_refused_and_not_saved(small_ctx, home):
     too_long = " ".join([PARAGRAPH] * 20)  # ~400 tokens: far over 256

@@ -17,6 +17,7 @@ not fit even alone is refused (`ContextOverflow`) before the cache is touched.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -43,6 +44,8 @@ class Settings:
     max_tokens: int = 256
 
     def validate(self) -> None:
+        if not math.isfinite(self.temperature):  # nan passes `< 0` checks; inf breaks sampling
+            raise PocketError(f"temperature must be a finite number >= 0, got {self.temperature}")
         SamplingParams(temperature=self.temperature, top_p=self.top_p).validate()
         if self.max_tokens < 1:
             raise PocketError(f"max tokens must be >= 1, got {self.max_tokens}")
