@@ -120,6 +120,66 @@ def test_settings_roundtrip_and_validation():
     s = Settings(system="be brief", temperature=0.7, top_p=0.9, max_tokens=64)
     assert Settings.from_dict(s.to_dict()) == s
     assert Settings.from_dict({}) == Settings()
-    for bad in (Settings(temperature=-1), Settings(top_p=0), Settings(max_tokens=0)):
+    for bad in (Settings(temperature=-1), Settings(top_p=0), Settings(max_tokens=0),
+                Settings(temperature=float("nan")), Settings(temperature=float("inf"))):
         with pytest.raises(PocketError):
             bad.validate()
+
+
+@pytest.mark.parametrize("name, value, shown", [
+    ("temperature", "hot", "invalid setting temperature='hot'"),
+    ("temperature", float("nan"), "invalid setting temperature=nan"),
+    ("temperature", -0.5, "invalid setting temperature=-0.5"),
+    ("top_p", 0, "invalid setting top_p=0"),
+    ("max_tokens", -3, "invalid setting max_tokens=-3"),
+    ("max_tokens", 2.5, "invalid setting max_tokens=2.5"),
+    ("max_tokens", True, "invalid setting max_tokens=True"),
+    ("system", ["a"] * 50, "invalid setting system=['a', 'a', "),
+    ("seed", 1, "unknown setting seed=1"),
+])
+def test_bad_setting_refuses_the_file_in_one_line(store, name, value, shown):
+    c = conv(id="x")
+    c.settings[name] = value
+    store.save(c)
+    before = (store.root / "x.json").read_bytes()
+    with pytest.raises(CorruptConversation) as e:
+        store.load("x")
+    line = str(e.value)
+    assert "\n" not in line and len(line) < 200 + len(str(store.root))
+    assert line.startswith(f"conversation x has an {shown}")
+    assert line.endswith(f"; fix or delete {store.root / 'x.json'}")
+    assert (store.root / "x.json").read_bytes() == before
+    assert store.list() == ([], [line])  # the open dialog reports it the same way
+
+
+def test_bad_reply_stats_are_dropped_with_a_warning(store):
+    c = conv(id="y", messages=[
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b", "stats": "fast"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d", "stats": {
+            "generation_tokens": "many", "device": 5, "finish_reason": ["eos"],
+            "ttft_s": -1.0, "prompt_tps": 12.5, "future_field": {"x": 1}}},
+        {"role": "user", "content": "e"},
+        {"role": "assistant", "content": "f", "stats": None},
+    ])
+    store.save(c)
+    back = store.load("y")
+    assert "stats" not in back.messages[1] and "stats" not in back.messages[5]  # null: no stats
+    assert back.messages[3]["stats"] == {"prompt_tps": 12.5, "future_field": {"x": 1}}
+    assert len(back.warnings) == 2
+    assert back.warnings[0].startswith("message 2: stats is not an object")
+    assert back.warnings[1] == ("message 4: bad stats fields generation_tokens, device, "
+                                "finish_reason, ttft_s; dropped")
+    assert [m["content"] for m in back.messages] == list("abcdef")
+    store.save(back)  # saving the fixed conversation writes no warnings
+    assert "warnings" not in json.loads((store.root / "y.json").read_text())
+    assert store.load("y").warnings == []
+
+
+def test_remove(store):
+    c = conv(id="z")
+    store.save(c)
+    store.remove("z")
+    store.remove("z")  # already gone: fine
+    assert not (store.root / "z.json").exists()

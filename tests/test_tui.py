@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import html
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -23,10 +25,14 @@ from textual.screen import Screen
 from pocket_mlx.engine.conversations import ConversationStore
 from pocket_mlx.engine.devices import gpu_available
 from pocket_mlx.engine.generation import GenerationStats, Response
-from pocket_mlx.engine.loader import load
-from pocket_mlx.engine.session import ChatSession, Settings
+from pocket_mlx.engine.loader import default_model_path, load
+from pocket_mlx.engine.session import ChatSession, ContextOverflow, Settings
+from pocket_mlx.engine.tokenizer import load_tokenizer
 
 LONG_PROMPT = "def main():"  # the bundled model writes code here without stopping
+SMALL_CONTEXT = 256  # the bundled model's context in `small_ctx`: full after a few turns
+# ~35 tokens as a user turn: six fill the small context
+PARAGRAPH = "Tell me about the weather in a small town by the sea, with boats."
 CHAT_TCSS = str(Path(app_module.__file__).with_name("chat.tcss"))
 
 
@@ -73,6 +79,35 @@ def screen_text(app: ChatApp) -> str:
 
 def notes(app: ChatApp) -> list[str]:
     return [n.message for n in app._notifications]
+
+
+def notices(app: ChatApp) -> list[str]:
+    """The one-line notices in the conversation pane."""
+    return [str(n.render()) for n in app.query(Notice)]
+
+
+@pytest.fixture(scope="module")
+def small_ctx(tmp_path_factory) -> Path:
+    """The bundled model with a 256-token context (a real model folder; only config.json says
+    so): the context fills in a few turns."""
+    dst = tmp_path_factory.mktemp("pocket-tiny-256")
+    for f in default_model_path().iterdir():
+        shutil.copy(f, dst / f.name)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["max_position_embeddings"] = SMALL_CONTEXT
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(default_model_path())
+
+
+def template_tokens(tok, messages: list[dict], system: str = "") -> int:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": m["role"], "content": m["content"]} for m in messages]
+    return len(tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False))
 
 
 def test_send_shows_reply_and_stats(home):
@@ -304,6 +339,272 @@ def test_resume_corrupt_id_exits_2_and_keeps_file(home):
     assert json.loads((root / "broken.json").read_text())["messages"] == "oops"
 
 
+# ---- at the context limit -------------------------------------------------------------------
+
+def test_chat_keeps_answering_past_the_context_limit(small_ctx, tokenizer):
+    turns = 14
+    seen: dict = {"prompt_tokens": [], "context": []}
+
+    async def scenario(app, pilot):
+        assert app.info.context_max == SMALL_CONTEXT
+        for i in range(turns):
+            await send(app, pilot, f"{i}. {PARAGRAPH}")
+            msgs = app.conversation.messages
+            assert msgs[-1]["role"] == "assistant", notices(app)  # every turn is answered
+            assert app.last_stats.finish_reason in ("eos", "length")
+            seen["prompt_tokens"].append(app.last_stats.prompt_tokens)
+            seen["context"].append(app.stats_panel.context_used)
+        seen["notices"] = notices(app)
+        seen["shown"] = len(list(app.query(UserMessage)))
+        kids = list(app.view.children)
+        at = [i for i, w in enumerate(kids) if isinstance(w, Notice) and "oldest" in str(w.render())]
+        # each drop notice sits between the prompt and the reply of the turn that dropped
+        seen["around"] = {(type(kids[i - 1]).__name__, type(kids[i + 1]).__name__) for i in at}
+        seen["text"] = screen_text(app)
+
+    app = run(scenario, model=str(small_ctx), settings=Settings(max_tokens=8))
+    # Fourteen turns take more than twice the context...
+    assert template_tokens(tokenizer, app.conversation.messages) > 2 * SMALL_CONTEXT
+    dropped = [n for n in seen["notices"] if "oldest message" in n]
+    assert len(dropped) >= 2, seen["notices"]
+    assert all("dropped" in n and "from the model's context to fit" in n for n in dropped)
+    assert "from the model's context to fit" in seen["text"]
+    assert seen["around"] == {("UserMessage", "AssistantMessage")}
+    assert all(0 < c <= SMALL_CONTEXT for c in seen["context"])
+    # After a drop, the next turn continues from the rebuilt cache: only its own tokens are
+    # prefilled (the drop leaves room for more than one turn), not the whole window again.
+    full = [i for i, n in enumerate(seen["prompt_tokens"]) if i and n > 60]
+    assert full and any(i + 1 < turns and seen["prompt_tokens"][i + 1] < 50 for i in full)
+    # ...and the saved conversation keeps every message, all on screen too.
+    saved = ConversationStore().load(app.conversation.id)
+    assert [m["role"] for m in saved.messages] == ["user", "assistant"] * turns
+    assert [m["content"] for m in saved.messages[::2]] == [f"{i}. {PARAGRAPH}" for i in range(turns)]
+    assert all("stats" in m for m in saved.messages[1::2])
+    assert seen["shown"] == turns
+
+    async def resumed(app, pilot):  # the panel shows what the model will hold of it, not 0
+        await until(pilot, lambda: app.stats_panel.context_used > 0)
+        seen["resumed"] = app.stats_panel.context_used
+
+    run(resumed, model=str(small_ctx), conversation=saved, settings=Settings(max_tokens=8))
+    whole = template_tokens(tokenizer, saved.messages)
+    target = SMALL_CONTEXT - SMALL_CONTEXT // 4 - 8  # where a drop leaves the window
+    turn = template_tokens(tokenizer, saved.messages[-2:])
+    assert target - turn < seen["resumed"] <= target < whole
+    tail = next(saved.messages[i:] for i in range(0, len(saved.messages), 2)
+                if template_tokens(tokenizer, saved.messages[i:]) == seen["resumed"])
+    assert tail[0]["role"] == "user"  # the count of whole turns from the newest back
+
+
+def test_one_turn_longer_than_the_context_is_refused_and_not_saved(small_ctx, home):
+    too_long = " ".join([PARAGRAPH] * 20)  # ~400 tokens: far over 256
+
+    async def scenario(app, pilot):
+        await send(app, pilot, too_long)
+        assert app.conversation.messages == []
+        assert not list(app.query(UserMessage)) and not list(app.query(AssistantMessage))
+        refused = [n for n in notices(app) if "not sent" in n]
+        assert len(refused) == 1 and "ctrl+n" in refused[0] and "\n" not in refused[0]
+        assert "context" in refused[0] and f"{SMALL_CONTEXT:,}" in refused[0]
+        assert app.prompt.text == too_long  # back in the prompt, to shorten
+        await pilot.pause(0.2)
+        assert "not sent" in screen_text(app)  # in view above the taller prompt box
+        assert not (home / "conversations" / f"{app.conversation.id}.json").exists()
+        # The chat goes on: a short message is answered, then a long one is refused again
+        # without touching what was saved.
+        app.prompt.text = ""
+        await send(app, pilot, "Tell me a fortune")
+        assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"]
+        before = ConversationStore().load(app.conversation.id).messages
+        await send(app, pilot, too_long)
+        assert len([n for n in notices(app) if "not sent" in n]) == 2
+        assert ConversationStore().load(app.conversation.id).messages == before
+        assert len(list(app.query(UserMessage))) == 1
+        app.prompt.text = ""
+        await send(app, pilot, "And another one")
+        assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"] * 2
+
+    run(scenario, model=str(small_ctx), settings=Settings(max_tokens=8))
+
+
+def test_refused_regenerate_keeps_the_previous_reply(small_ctx, home):
+    # Fits with 8 tokens kept for the reply, not with 64 (a quarter of the context).
+    long = " ".join([PARAGRAPH] * 11)
+
+    async def scenario(app, pilot):
+        await send(app, pilot, long)
+        reply = app.conversation.messages[-1]
+        assert reply["role"] == "assistant"
+        path = home / "conversations" / f"{app.conversation.id}.json"
+        before = path.read_bytes()
+        app.settings = Settings(max_tokens=1000)
+        done = app.replies_done
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: app.replies_done > done)
+        assert any("not sent" in n for n in notices(app))
+        assert app.conversation.messages[-1] is reply  # the previous reply is back...
+        assert [w.text for w in app.query(AssistantMessage)] == [reply["content"]]
+        assert app.prompt.text == ""  # ...and nothing was put in the prompt
+        saved = ConversationStore().load(app.conversation.id)
+        assert saved.messages == json.loads(before)["messages"]
+
+    run(scenario, model=str(small_ctx), settings=Settings(max_tokens=8))
+
+
+def test_reply_cut_by_the_context_is_labelled(small_ctx):
+    async def scenario(app, pilot):
+        await send(app, pilot, LONG_PROMPT)
+        s = app.last_stats
+        assert s.finish_reason == "context", s
+        assert s.prompt_tokens + s.generation_tokens >= SMALL_CONTEXT - 1
+        assert any("stopped: context full" in n for n in notices(app))
+        # The next turn drops the first to make room and is answered.
+        await send(app, pilot, "Tell me a fortune")
+        assert app.conversation.messages[-1]["role"] == "assistant"
+        assert any("dropped 2 oldest messages" in n for n in notices(app))
+
+    # max tokens over the context: the reply's room is a quarter of it, so it runs into the end.
+    app = run(scenario, model=str(small_ctx), settings=Settings(max_tokens=1000))
+    saved = ConversationStore().load(app.conversation.id)
+    assert saved.messages[1]["stats"]["finish_reason"] == "context"
+
+    async def resumed(app, pilot):  # the label comes back with the conversation
+        assert any("stopped: context full" in n for n in notices(app))
+
+    run(resumed, model=str(small_ctx), conversation=saved)
+
+
+def test_panel_context_follows_the_conversation_on_screen(tokenizer):
+    first = run(_two_turns)
+    conv = ConversationStore().load(first.conversation.id)
+    expected = template_tokens(tokenizer, conv.messages)
+    seen = {}
+
+    async def resumed(app, pilot):  # as `chat --resume ID`: counted before any turn
+        await until(pilot, lambda: app.stats_panel.context_used > 0)
+        seen["resumed"] = app.stats_panel.context_used
+        await pilot.press("ctrl+n")
+        await pilot.pause(0.1)
+        seen["new"] = app.stats_panel.context_used
+        await pilot.pause(0.3)
+        seen["new_text"] = screen_text(app)
+        await pilot.press("ctrl+o")  # and opened from the dialog
+        await until(pilot, lambda: app.screen.__class__.__name__ == "OpenScreen")
+        await pilot.press("enter")
+        await until(pilot, lambda: app.conversation.id == conv.id
+                    and app.stats_panel.context_used > 0)
+        seen["opened"] = app.stats_panel.context_used
+
+    run(resumed, conversation=conv, settings=Settings.from_dict(conv.settings))
+    assert seen["resumed"] == expected == seen["opened"]
+    assert seen["new"] == 0 and re.search(r"context\s+0 / 2,048", seen["new_text"])
+
+
+# ---- conversation files with bad contents ----------------------------------------------------
+
+def _write_conversation(home: Path, conv_id: str, **over) -> Path:
+    data = {"version": 1, "id": conv_id, "model": "", "created": 0.0, "updated": 0.0,
+            "settings": {"system": "", "temperature": 0.0, "top_p": 1.0, "max_tokens": 8},
+            "messages": [{"role": "user", "content": "Tell me a fortune"},
+                         {"role": "assistant", "content": "You will win.",
+                          "stats": {"generation_tokens": 4, "device": "cpu",
+                                    "finish_reason": "length"}}]}
+    data.update(over)
+    root = home / "conversations"
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"{conv_id}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("name, value, shown", [
+    ("temperature", "hot", "invalid setting temperature='hot'"),
+    ("max_tokens", -5, "invalid setting max_tokens=-5"),
+    ("top_p", 2.0, "invalid setting top_p=2.0"),
+    ("colour", "blue", "unknown setting colour='blue'"),
+])
+def test_resume_with_bad_setting_exits_2_one_line_file_untouched(home, name, value, shown):
+    settings = {"system": "", "temperature": 0.0, "top_p": 1.0, "max_tokens": 8, name: value}
+    path = _write_conversation(home, "bad-settings", settings=settings)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "chat", "--resume", "bad-settings"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr and r.stdout == ""
+    assert f"conversation bad-settings has an {shown}; fix or delete {path}" in lines[0]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+
+
+def test_bad_reply_stats_are_dropped_not_a_crash(home):
+    odd = _write_conversation(home, "20260101-000000-0dd5")
+    data = json.loads(odd.read_text())
+    data["messages"][1]["stats"] = "fast"
+    data["messages"] += [{"role": "user", "content": "Again"},
+                         {"role": "assistant", "content": "Still winning.",
+                          "stats": {"device": 5, "finish_reason": ["length"],
+                                    "generation_tokens": "many", "ttft_s": 0.1}}]
+    odd.write_text(json.dumps(data))
+    digest = hashlib.sha256(odd.read_bytes()).hexdigest()
+
+    async def opened(app, pilot):
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: app.screen.__class__.__name__ == "OpenScreen")
+        await pilot.press("enter")
+        await until(pilot, lambda: app.conversation.id == "20260101-000000-0dd5")
+        assert [w.text for w in app.query(AssistantMessage)] == ["You will win.",
+                                                                 "Still winning."]
+        warned = [n for n in notes(app) if "stats" in n]
+        assert any("not an object" in n for n in warned), notes(app)
+        assert any("device" in n and "finish_reason" in n and "generation_tokens" in n
+                   for n in warned)
+        await send(app, pilot, "Once more")  # and the conversation goes on
+        assert app.conversation.messages[-1]["role"] == "assistant"
+
+    run(opened)
+    saved = ConversationStore().load("20260101-000000-0dd5")
+    assert saved.warnings == [] and len(saved.messages) == 6
+    assert saved.messages[3]["stats"] == {"ttft_s": 0.1}
+
+    _write_conversation(home, "20260101-000000-0dd6", messages=data["messages"])
+
+    async def resumed(app, pilot):  # `chat --resume`: the same, shown at start
+        assert len(list(app.query(AssistantMessage))) == 2
+        assert any("not an object" in n for n in notes(app))
+
+    conv = ConversationStore().load("20260101-000000-0dd6")
+    run(resumed, conversation=conv)
+    assert hashlib.sha256(odd.read_bytes()).hexdigest() != digest  # written by the new turn
+
+
+def test_crash_report_does_not_dump_the_conversation(capsys):
+    secret = "my very private message"
+
+    async def scenario(app, pilot):
+        await send(app, pilot, secret)
+
+        def boom() -> None:
+            messages = app.conversation.messages  # noqa: F841 - a local the report must not show
+            raise RuntimeError("a bug")
+
+        app.call_later(boom)
+        await pilot.pause(0.2)
+
+    app = ChatApp(device="cpu", settings=Settings(max_tokens=4))
+
+    async def main() -> None:
+        async with app.run_test(size=(100, 32)) as pilot:
+            await until(pilot, lambda: app.ready)
+            await scenario(app, pilot)
+
+    capsys.readouterr()
+    with pytest.raises(RuntimeError):
+        asyncio.run(main())
+    err = capsys.readouterr().err  # Textual's crash report goes to stderr
+    assert "a bug" in err and "RuntimeError" in err and "boom" in err
+    assert secret not in err  # Textual's own report shows every frame's locals: this one
+
+
 # ---- the engine's session, without the UI ----------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -358,7 +659,7 @@ def test_session_stop_during_prefill_rolls_back(session, exact_kernels):
 def fake_generate(tokens: int, tps: float = 100.0):
     """A `ChatSession.generate` that sleeps instead of decoding: the UI's own work, alone."""
     def generate(self, messages, settings, device, *, progress=None, should_stop=None,
-                 warn=print):
+                 warn=print, trimmed=None):
         if progress:
             progress(0, 12, 0)
         time.sleep(0.05)
@@ -519,3 +820,45 @@ def test_single_newlines_in_a_reply_stay_line_breaks():
     shown = asyncio.run(lines())
     assert any("roses are red" in line and "violets" not in line for line in shown)
     assert any("violets are blue" in line for line in shown)
+
+
+def test_session_window_drops_oldest_turns_and_rebuilds_the_cache(small_ctx, exact_kernels):
+    small = ChatSession(*load(small_ctx))
+    settings = Settings(max_tokens=8)
+    msgs: list[dict] = []
+    drops = []
+    for i in range(8):
+        msgs.append({"role": "user", "content": f"{i}. {PARAGRAPH}"})
+        text, last = "", None
+        for r, used in small.generate(msgs, settings, "cpu",
+                                      trimmed=lambda n, out: drops.append((n, out))):
+            text += r.text
+            last = r
+            assert used <= SMALL_CONTEXT
+        msgs.append({"role": "assistant", "content": text})
+    assert drops and all(n % 2 == 0 and out % 2 == 0 for n, out in drops)
+    start = drops[-1][1]
+    assert msgs[start]["role"] == "user"
+    # What the model saw is the kept turns only: a fresh session given just them writes the same
+    # last reply (the cache was rebuilt from them, nothing of the dropped turns left in it).
+    kept = msgs[start:-1]
+    assert [m["content"] for m in small.dropped] == [m["content"] for m in msgs[:start]]
+    fresh = ChatSession(small.model, small.tokenizer)
+    again = "".join(r.text for r, _ in fresh.generate(kept, settings, "cpu"))
+    assert again == msgs[-1]["content"]
+    assert last.stats.prompt_tokens <= SMALL_CONTEXT
+
+
+def test_session_refuses_a_turn_that_cannot_fit(small_ctx):
+    small = ChatSession(*load(small_ctx))
+    msgs = [{"role": "user", "content": " ".join([PARAGRAPH] * 20)}]
+    with pytest.raises(ContextOverflow, match="ctrl\\+n"):
+        next(small.generate(msgs, Settings(max_tokens=8), "cpu"))
+    assert small.cache is None and small.cache_tokens == []  # nothing touched
+    # room for the reply counts: a message that fits only without it is refused too
+    short = [{"role": "user", "content": " ".join([PARAGRAPH] * 11)}]
+    n = template_tokens(small.tokenizer, short)
+    assert n + 8 <= SMALL_CONTEXT < n + 64
+    assert len(small.window(short, Settings(max_tokens=8)).ids) == n
+    with pytest.raises(ContextOverflow):  # 64: a quarter of the context, the most kept free
+        small.window(short, Settings(max_tokens=1000))

@@ -3,6 +3,9 @@
 All MLX work (loading, generating, the KV cache) happens on one long-lived engine worker thread:
 MLX streams belong to the thread that made them, so the model and its cache stay with one thread.
 The UI sends it jobs through a queue and hears back only through messages (`events`).
+
+A turn that gets no reply (refused because it cannot fit the model's context, failed, or stopped
+before the first token) is undone: the saved conversation never keeps a prompt as if answered.
 """
 
 from __future__ import annotations
@@ -17,12 +20,21 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, finish_notice
-from pocket_mlx.tui.events import EngineNotice, ModelFailed, ModelReady, PrefillProgress, ReplyDone
+from pocket_mlx.tui.events import (
+    ContextMeasured,
+    ContextTrimmed,
+    EngineNotice,
+    ModelFailed,
+    ModelReady,
+    PrefillProgress,
+    ReplyDone,
+)
 from pocket_mlx.tui.header import ModelHeader
 from pocket_mlx.tui.model_info import ModelInfo, model_info
 from pocket_mlx.tui.prompt import PromptInput
 from pocket_mlx.tui.screens import HelpScreen, OpenScreen, SettingsScreen
 from pocket_mlx.tui.stats_panel import REFRESH_S, StatsPanel
+from rich.segment import Segments
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
@@ -36,7 +48,7 @@ from pocket_mlx import kernels
 from pocket_mlx.engine.conversations import Conversation, ConversationStore, new_id
 from pocket_mlx.engine.devices import describe, gpu_available
 from pocket_mlx.engine.generation import GenerationStats
-from pocket_mlx.engine.session import ChatSession, Settings
+from pocket_mlx.engine.session import ChatSession, ContextOverflow, Settings
 from pocket_mlx.errors import PocketError
 
 CHUNK_S = 0.2  # the engine publishes reply text and a stats copy at most this often (5 Hz)
@@ -84,6 +96,16 @@ class Job(NamedTuple):
     messages: list[dict]
     settings: Settings
     device: str
+    kind: str = "reply"  # "reply" | "measure" (count the tokens of conversation `conv_id`)
+    conv_id: str = ""
+
+
+class Turn(NamedTuple):
+    """The turn being answered, to undo it if no reply comes."""
+
+    kind: str  # "send" | "regenerate"
+    message: dict  # the user message
+    previous: dict | None = None  # regenerate: the reply it replaces
 
 
 class ChatApp(App[None]):
@@ -112,7 +134,6 @@ class ChatApp(App[None]):
         self.device = device
         self.settings = settings or Settings()
         self.store = store or ConversationStore()
-        self.conversation = conversation or self._new_conversation()
         self.info: ModelInfo | None = None
         self.ready = False
         self.busy = False
@@ -125,10 +146,15 @@ class ChatApp(App[None]):
         self._ticks = 0
         self._reply_settings = self.settings
         self._engine: Worker | None = None
+        self._turn: Turn | None = None
+        self._made: set[str] = set()  # ids of the conversations this app created
+        self.conversation = conversation or self._new_conversation()
 
     def _new_conversation(self) -> Conversation:
-        return Conversation(id=new_id(), model=str(self.model_ref or ""),
+        conv = Conversation(id=new_id(), model=str(self.model_ref or ""),
                             settings=self.settings.to_dict())
+        self._made.add(conv.id)
+        return conv
 
     # ---- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -168,8 +194,24 @@ class ChatApp(App[None]):
         except Exception:  # noqa: BLE001 - a missing sysctl must not stop the chat
             panel.wired = None
         await self._show_conversation()
+        self._report_warnings(self.conversation)
         self.set_interval(TICK_S, self._tick)
         self._engine = self.engine()
+        self._measure()  # served once the model is loaded
+
+    def _fatal_error(self) -> None:
+        """An unexpected exception: Textual's crash report, without its local variables.
+
+        Textual prints a traceback with every frame's locals, which for this app is the whole
+        conversation (messages, replies) dumped on the terminal. Overrides a private Textual
+        method; the code and the error are still shown."""
+        from rich.traceback import Traceback
+
+        self.bell()
+        traceback = Traceback(show_locals=False, width=None)
+        self._exit_renderables.append(
+            Segments(self.console.render(traceback, self.console.options)))
+        self._close_messages_no_wait()
 
     def on_unmount(self) -> None:
         sys.setswitchinterval(self._switch_interval)
@@ -200,6 +242,14 @@ class ChatApp(App[None]):
             self._run_job(session, job, worker)
 
     def _run_job(self, session: ChatSession, job: Job, worker: Worker) -> None:
+        if job.kind == "measure":
+            try:
+                tokens = session.context_tokens(job.messages, job.settings)
+            except Exception as e:  # noqa: BLE001 - a template error shows at the next turn
+                self.post_message(EngineNotice(f"could not count the conversation's tokens: {e}"))
+                return
+            self.post_message(ContextMeasured(job.conv_id, tokens))
+            return
         pending, last, used, last_post = "", None, 0, 0.0
 
         def should_stop() -> bool:
@@ -212,6 +262,7 @@ class ChatApp(App[None]):
             for r, used in session.generate(
                 job.messages, job.settings, job.device, progress=progress,
                 should_stop=should_stop, warn=lambda m: self.post_message(EngineNotice(m)),
+                trimmed=lambda n, out: self.post_message(ContextTrimmed(n, out)),
             ):
                 last = r
                 pending += r.text
@@ -221,6 +272,8 @@ class ChatApp(App[None]):
                     pending, last_post = "", now
             stats = replace(last.stats) if last is not None else None
             self.post_message(ReplyDone(pending, stats, used))
+        except ContextOverflow as e:
+            self.post_message(ReplyDone(pending, None, used, error=str(e), refused=True))
         except PocketError as e:
             self.post_message(ReplyDone(pending, None, used, error=str(e)))
         except Exception as e:  # noqa: BLE001 - keep the app alive, show what broke
@@ -246,6 +299,17 @@ class ChatApp(App[None]):
 
     def on_prefill_progress(self, msg: PrefillProgress) -> None:
         self.stats_panel.set_prefill(msg.done, msg.total, msg.context)
+
+    async def on_context_trimmed(self, msg: ContextTrimmed) -> None:
+        s = "s" if msg.dropped > 1 else ""
+        await self.view.add_notice_before(
+            f"■ dropped {msg.dropped} oldest message{s} from the model's context to fit "
+            "(they stay saved)",
+            self._reply)
+
+    def on_context_measured(self, msg: ContextMeasured) -> None:
+        if msg.conv_id == self.conversation.id and not self.busy:
+            self.stats_panel.set_context(msg.tokens)
 
     @contextmanager
     def _one_frame(self) -> Iterator[None]:
@@ -299,19 +363,27 @@ class ChatApp(App[None]):
         await reply.finish()
         panel.set_phase("idle")
         if msg.error or msg.stats is None:
-            await self.view.add_notice(f"■ error: {msg.error}", "error")
-            self.notify(msg.error or "generation failed", title="Generation failed",
-                        severity="error")
-            if not reply.text:
-                await reply.remove()
+            await reply.remove()  # a failed turn is undone, partial text included
+            turn = await self._undo_turn()
+            if msg.refused:  # the text back in the prompt says the rest
+                await self.view.add_notice(f"■ not sent: {msg.error}", "error")
+            else:
+                await self.view.add_notice(f"■ error: {msg.error}{self._undone(turn)}", "error")
+                self.notify(msg.error or "generation failed", title="Generation failed",
+                            severity="error")
+            # the prompt box may have grown with the text put back: keep the notice in view
+            self.call_after_refresh(self.view.scroll_end, animate=False)
             return
         panel.set_stats(msg.stats, msg.context)
         self.last_stats = msg.stats
         reason = msg.stats.finish_reason
         if reason == "cancelled" and not reply.text:
             await reply.remove()
-            await self.view.add_notice("■ stopped before the reply began")
+            turn = await self._undo_turn()
+            await self.view.add_notice(f"■ stopped before the reply began{self._undone(turn)}")
+            self.call_after_refresh(self.view.scroll_end, animate=False)
             return
+        self._turn = None
         notice = finish_notice(reason, self._reply_settings.max_tokens)
         if notice:
             await self.view.add_notice(notice)
@@ -329,22 +401,75 @@ class ChatApp(App[None]):
         except (OSError, PocketError) as e:
             self.notify(f"could not save the conversation: {e}", severity="error")
 
+    async def _undo_turn(self) -> Turn | None:
+        """Take back the turn that got no reply: the prompt leaves the conversation (and the
+        saved file) and goes back into the prompt box; a regenerated reply's predecessor
+        returns. The panel then shows the conversation's context again."""
+        turn, self._turn = self._turn, None
+        if turn is None:
+            return None
+        msgs = self.conversation.messages
+        if turn.kind == "send" and msgs and msgs[-1] is turn.message:
+            msgs.pop()
+            await self.view.remove_last_user()
+            if not self.prompt.text.strip():
+                self.prompt.text = turn.message["content"]
+                self.prompt.move_cursor(self.prompt.document.end)
+        elif turn.kind == "regenerate" and turn.previous is not None:
+            msgs.append(turn.previous)
+            await self._show_message(turn.previous)
+        if msgs:
+            self._save()
+        elif self.conversation.id in self._made:
+            try:  # its only message was taken back: no empty conversation left behind
+                self.store.remove(self.conversation.id)
+            except (OSError, PocketError) as e:
+                self.notify(f"could not remove the empty conversation: {e}", severity="error")
+        self._measure()
+        return turn
+
+    @staticmethod
+    def _undone(turn: Turn | None) -> str:
+        if turn is None:
+            return ""
+        if turn.kind == "send":
+            return " (not saved; back in the prompt)"
+        return " (the previous reply is kept)"
+
+    def _measure(self) -> None:
+        """Ask the engine how many tokens the conversation on screen takes in the model's
+        context (after resume, open or an undone turn), for the panel."""
+        conv = self.conversation
+        if conv.messages:
+            self._jobs.put(Job(conv.chat_messages(), replace(self.settings), self.device,
+                               kind="measure", conv_id=conv.id))
+        else:
+            self.stats_panel.set_context(0)
+
+    def _report_warnings(self, conv: Conversation) -> None:
+        for w in conv.warnings:
+            self.notify(w, title=f"Conversation {conv.id}: fixed on load", severity="warning",
+                        timeout=10)
+
     async def _show_conversation(self) -> None:
         """Render the whole conversation (after resume or open)."""
-        view = self.view
-        await view.clear()
+        await self.view.clear()
         for m in self.conversation.messages:
-            if m["role"] == "user":
-                await view.add_user(m["content"])
-                self.prompt.remember(m["content"])
-            elif m["role"] == "assistant":
-                stats = m.get("stats") or {}
-                device = describe(stats["device"]) if stats.get("device") else ""
-                title = " · ".join(x for x in (self.model_name, device) if x)
-                await view.add_assistant(m["content"], title)
-                notice = finish_notice(stats.get("finish_reason"), stats.get("generation_tokens"))
-                if notice:
-                    await view.add_notice(notice)
+            await self._show_message(m)
+
+    async def _show_message(self, m: dict) -> None:
+        view = self.view
+        if m["role"] == "user":
+            await view.add_user(m["content"])
+            self.prompt.remember(m["content"])
+        elif m["role"] == "assistant":
+            stats = m.get("stats") or {}  # checked at load (engine.conversations)
+            device = describe(stats["device"]) if stats.get("device") else ""
+            title = " · ".join(x for x in (self.model_name, device) if x)
+            await view.add_assistant(m["content"], title)
+            notice = finish_notice(stats.get("finish_reason"), stats.get("generation_tokens"))
+            if notice:
+                await view.add_notice(notice)
 
     async def on_prompt_input_submitted(self, msg: PromptInput.Submitted) -> None:
         if not self.ready:
@@ -357,7 +482,9 @@ class ChatApp(App[None]):
         self.prompt.remember(msg.text)
         with self._one_frame():  # prompt cleared, two messages mounted: one layout
             self.prompt.text = ""
-            self.conversation.messages.append({"role": "user", "content": msg.text})
+            message = {"role": "user", "content": msg.text}
+            self.conversation.messages.append(message)
+            self._turn = Turn("send", message)
             self._save()
             await self.view.add_user(msg.text)
             await self._start_reply()
@@ -409,18 +536,21 @@ class ChatApp(App[None]):
         self.conversation = self._new_conversation()
         await self.view.clear()
         self.stats_panel.set_phase("idle")
+        self.stats_panel.set_context(0)
         self.notify("New conversation.")
 
     async def action_regenerate(self) -> None:
         if not self._idle_or_warn():
             return
         msgs = self.conversation.messages
-        if msgs and msgs[-1]["role"] == "assistant":
-            msgs.pop()
+        previous = None
+        if len(msgs) >= 2 and msgs[-1]["role"] == "assistant" and msgs[-2]["role"] == "user":
+            previous = msgs.pop()
             await self.view.remove_last_reply()
         if not msgs or msgs[-1]["role"] != "user":
             self.notify("Nothing to regenerate yet.", severity="warning")
             return
+        self._turn = Turn("regenerate", msgs[-1], previous)
         self._save()
         await self._start_reply()
 
@@ -450,7 +580,10 @@ class ChatApp(App[None]):
             self.notify("The saved settings are invalid; keeping the current ones.",
                         severity="warning")
         await self._show_conversation()
+        self.stats_panel.set_context(0)  # until the engine has counted it
+        self._measure()
         self.notify(f"Opened conversation {conv.id}.")
+        self._report_warnings(conv)
 
     def action_settings(self) -> None:
         self.push_screen(SettingsScreen(self.settings), self._apply_settings)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from markdown_it import MarkdownIt
 from textual.containers import VerticalScroll
+from textual.widget import Widget
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownBlock
 
 FINISH_NOTICES = {
     "cancelled": "■ stopped — the partial reply is kept",
     "length": "■ reached the max-tokens limit ({max_tokens} tokens)",
-    "context": "■ reached the model's context limit",
+    "context": "■ stopped: context full — the next message drops the oldest turns",
 }
 
 
@@ -155,6 +156,24 @@ class ConversationView(VerticalScroll):
         widget = Notice(text, classes)
         await self.mount(widget)
         return widget
+
+    async def add_notice_before(self, text: str, before: Widget | None,
+                                classes: str = "") -> Notice:
+        """A notice above `before` (the reply being written), or at the end."""
+        widget = Notice(text, classes)
+        if before is not None and before.parent is self:
+            await self.mount(widget, before=before)
+        else:
+            await self.mount(widget)
+        return widget
+
+    async def remove_last_user(self) -> None:
+        """Drop the last prompt and everything after it (a turn that got no reply)."""
+        children = list(self.children)
+        for i in range(len(children) - 1, -1, -1):
+            if isinstance(children[i], UserMessage):
+                await self.remove_children(children[i:])
+                return
 
     async def remove_last_reply(self) -> None:
         """Drop the last assistant message and any notices after it (for regenerate)."""

@@ -35,12 +35,30 @@ class ReplyChunk(Message):
 
 
 class ReplyDone(Message):
-    """The reply ended (stats.finish_reason says how) or failed (`error`)."""
+    """The reply ended (stats.finish_reason says how) or failed (`error`); `refused`: the turn
+    was not even started (it cannot fit the model's context)."""
 
     def __init__(self, text: str, stats: GenerationStats | None, context: int,
-                 error: str | None = None) -> None:
+                 error: str | None = None, refused: bool = False) -> None:
         super().__init__()
         self.text, self.stats, self.context, self.error = text, stats, context, error
+        self.refused = refused
+
+
+class ContextTrimmed(Message):
+    """The oldest messages were dropped from the model's context for this turn."""
+
+    def __init__(self, dropped: int, left_out: int) -> None:
+        super().__init__()
+        self.dropped, self.left_out = dropped, left_out
+
+
+class ContextMeasured(Message):
+    """How many tokens the model holds for conversation `conv_id` (after it was opened)."""
+
+    def __init__(self, conv_id: str, tokens: int) -> None:
+        super().__init__()
+        self.conv_id, self.tokens = conv_id, tokens
 
 
 class EngineNotice(Message):

@@ -76,6 +76,10 @@ class StatsPanel(Widget):
         self.prefill = (done, total)
         self.context_used = context
 
+    def set_context(self, tokens: int) -> None:
+        """The tokens of the conversation on screen, between replies (new, opened, undone)."""
+        self.context_used = tokens
+
     def set_stats(self, stats: GenerationStats, context: int) -> None:
         self.stats = stats
         self.context_used = context

@@ -4,18 +4,26 @@ Why its own module, free of Textual: the CLI checks `--resume ID` before any UI 
 exercise saving and loading without a terminal. Writes go to a temp file then `os.replace`, so a
 kill at any moment leaves either the previous or the new version, never half a file. Corrupt
 files are reported and skipped; nothing here ever deletes or overwrites them.
+
+Files are hand-editable JSON, so everything read back is checked here, before any UI sees it:
+settings with a bad value refuse the file (one line naming the setting and the file); a reply's
+`stats` are only a record of how it was written, so bad ones are dropped with a warning
+(`Conversation.warnings`) rather than costing the user the conversation.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pocket_mlx.errors import PocketError
 
@@ -39,6 +47,72 @@ class CorruptConversation(PocketError):
     """A conversation file exists but cannot be read back; it is left untouched."""
 
 
+class InvalidSetting(ValueError):
+    """A saved setting of the wrong type or out of range (or unknown)."""
+
+    def __init__(self, name: str, value: Any, known: bool = True) -> None:
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else shown[:39] + "…"
+        super().__init__(f"{'invalid' if known else 'unknown'} setting {name}={shown}")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# The settings a conversation saves (engine.session.Settings) and what each may hold. Ranges match
+# Settings.validate, so a file that passes here resumes without another error.
+SETTING_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "system": lambda v: isinstance(v, str),
+    "temperature": lambda v: _number(v) and v >= 0,
+    "top_p": lambda v: _number(v) and 0 < v <= 1,
+    "max_tokens": lambda v: _integer(v) and v >= 1,
+}
+
+# A reply's stats (engine.generation.GenerationStats.to_dict) by type; unknown keys are kept.
+STATS_CHECKS: dict[str, Callable[[Any], bool]] = {
+    **{k: lambda v: _integer(v) and v >= 0 for k in (
+        "prompt_tokens", "generation_tokens", "bytes_per_token", "prefill_done")},
+    **{k: lambda v: _number(v) and v >= 0 for k in (
+        "prompt_tps", "ttft_s", "generation_tps", "peak_memory_gb")},
+    "device": lambda v: v in ("cpu", "gpu"),
+    "phase": lambda v: isinstance(v, str),
+    "finish_reason": lambda v: v is None or isinstance(v, str),
+}
+
+
+def check_settings(settings: Any) -> dict:
+    """The settings dict if every key is known and every value valid, else InvalidSetting."""
+    if not isinstance(settings, dict):
+        raise ValueError("malformed settings")
+    for name, value in settings.items():
+        check = SETTING_CHECKS.get(name)
+        if check is None:
+            raise InvalidSetting(name, value, known=False)
+        if not check(value):
+            raise InvalidSetting(name, value)
+    return settings
+
+
+def clean_stats(stats: Any, where: str, warnings: list[str]) -> dict | None:
+    """A reply's stats with wrong-typed fields dropped (each noted in `warnings`); None if it is
+    not an object at all."""
+    if stats is None:
+        return None
+    if not isinstance(stats, dict):
+        warnings.append(f"{where}: stats is not an object ({stats!r:.40}); dropped")
+        return None
+    bad = [k for k, v in stats.items() if k in STATS_CHECKS and not STATS_CHECKS[k](v)]
+    if bad:
+        warnings.append(f"{where}: bad stats field{'s' if len(bad) > 1 else ''} "
+                        f"{', '.join(bad)}; dropped")
+    return {k: v for k, v in stats.items() if k not in bad}
+
+
 @dataclass
 class Conversation:
     """What a chat needs to resume: model, settings, messages (assistant ones with stats)."""
@@ -49,6 +123,8 @@ class Conversation:
     messages: list[dict] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
+    # What loading fixed (bad stats dropped), for the app to show; never saved.
+    warnings: list[str] = field(default_factory=list, compare=False)
 
     @property
     def title(self) -> str:
@@ -76,12 +152,23 @@ class Conversation:
             and isinstance(m.get("content"), str) for m in msgs
         ):
             raise ValueError("malformed messages")
-        settings = data.get("settings") or {}
-        if not isinstance(settings, dict):
-            raise ValueError("malformed settings")
-        return cls(id=data["id"], model=str(data.get("model", "")), settings=settings,
-                   messages=msgs, created=float(data.get("created", 0.0)),
-                   updated=float(data.get("updated", 0.0)))
+        settings = check_settings(data.get("settings") or {})
+        warnings: list[str] = []
+        for i, m in enumerate(msgs):
+            if "stats" in m:
+                stats = clean_stats(m["stats"], f"message {i + 1}", warnings)
+                if stats is None:
+                    del m["stats"]
+                else:
+                    m["stats"] = stats
+        times = [data.get(k, 0.0) for k in ("created", "updated")]
+        if not all(_number(t) for t in times):
+            raise ValueError("malformed created/updated times")
+        if not isinstance(data.get("model", ""), str):
+            raise ValueError("malformed model")
+        return cls(id=data["id"], model=data.get("model", ""), settings=settings,
+                   messages=msgs, created=float(times[0]), updated=float(times[1]),
+                   warnings=warnings)
 
 
 def new_id() -> str:
@@ -127,11 +214,23 @@ class ConversationStore:
             raise PocketError(f"no saved conversation {conv_id!r} in {self.root}")
         return self._read(path)
 
+    def remove(self, conv_id: str) -> None:
+        """Delete a conversation's file: only for one this app made and emptied again (a first
+        message that was refused), never for a file it could not read."""
+        try:
+            self.path_for(conv_id).unlink()
+        except FileNotFoundError:
+            pass
+
     @staticmethod
     def _read(path: Path) -> Conversation:
         try:
             conv = Conversation.from_dict(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, TypeError) as e:
+        except InvalidSetting as e:
+            raise CorruptConversation(f"conversation {path.stem} has an {e}; fix or delete "
+                                      f"{path}") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, TypeError,
+                RecursionError) as e:
             raise CorruptConversation(f"conversation file {path} is corrupt ({e}); "
                                       "left as is") from None
         if conv.id != path.stem:

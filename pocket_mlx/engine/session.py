@@ -5,15 +5,33 @@ the chat template every turn; when the tokens the cache holds are a prefix of it
 fed. Regenerate rewinds to a snapshot taken before the last turn (KV caches trim; linear-attention
 caches cannot, but their arrays are immutable, so keeping references is a snapshot). Anything else
 (an edited system prompt, another conversation) gets a fresh cache and a full prefill.
+
+At the context limit: a turn is sent only with room for a reply (`reply_room`). When the
+conversation no longer fits, the oldest turns are dropped from what the model sees (the window;
+the saved conversation keeps them) down to about three quarters of the context, so the next few
+turns continue from the cache instead of each dropping one more turn and prefilling everything
+again. The window's start is kept from turn to turn. A new start means a fresh cache and a prefill
+of the kept turns: the linear-attention state cannot be trimmed from the front. A turn that does
+not fit even alone is refused (`ContextOverflow`) before the cache is touched.
 """
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from pocket_mlx.engine.generation import Response, SamplingParams, context_limit, stream_generate
 from pocket_mlx.errors import PocketError
+
+REPLY_SHARE = 4  # a reply's room is max_tokens, but at most a quarter of the context
+HEADROOM_SHARE = 4  # dropping leaves about a quarter of the context free for the next turns
+
+
+class ContextOverflow(PocketError):
+    """The last message (with the system prompt and room for a reply) is longer than the
+    model's context on its own: dropping older turns cannot help."""
 
 
 @dataclass
@@ -26,6 +44,8 @@ class Settings:
     max_tokens: int = 256
 
     def validate(self) -> None:
+        if not math.isfinite(self.temperature):  # nan passes `< 0` checks; inf breaks sampling
+            raise PocketError(f"temperature must be a finite number >= 0, got {self.temperature}")
         SamplingParams(temperature=self.temperature, top_p=self.top_p).validate()
         if self.max_tokens < 1:
             raise PocketError(f"max tokens must be >= 1, got {self.max_tokens}")
@@ -60,6 +80,19 @@ def _restore(cache: list, snap: list[tuple]) -> None:
 
 
 @dataclass
+class Window:
+    """The part of a conversation the model sees: messages[start:] after the system prompt."""
+
+    start: int
+    ids: list[int]
+    dropped: int  # messages this turn newly dropped (0: the window's start did not move)
+
+
+def _role_content(messages: list[dict]) -> list[dict]:
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+@dataclass
 class TurnPlan:
     feed: list[int]  # ids to pass to stream_generate
     base: int  # tokens already in the cache before this turn
@@ -76,6 +109,9 @@ class ChatSession:
         self.cache_tokens: list[int] = []
         self._snap: tuple[list[int], list[tuple]] | None = None
         self.plan_kind = ""  # how the last turn started: "cache" | "snapshot" | "fresh"
+        # The messages left out of the model's context, as role/content: the window starts
+        # after them as long as the conversation still begins with them.
+        self.dropped: list[dict] = []
 
     @property
     def context_max(self) -> int:
@@ -83,6 +119,54 @@ class ChatSession:
 
     def reset(self) -> None:
         self.cache, self.cache_tokens, self._snap = None, [], None
+        self.dropped = []
+
+    def reply_room(self, settings: Settings) -> int:
+        """Tokens kept free for the reply when a turn is sent."""
+        return max(1, min(settings.max_tokens, self.context_max // REPLY_SHARE))
+
+    def window(self, messages: list[dict], settings: Settings) -> Window:
+        """The messages the model sees for a reply to `messages`: from the current start if
+        they fit with room for the reply, else from the first later turn (a user message) that
+        fits in three quarters of the context, else the first that fits at all. Raises
+        ContextOverflow when the last turn alone does not fit. Does not change the session."""
+        limit, room = self.context_max, self.reply_room(settings)
+        held = len(self.dropped)
+        start = held if _role_content(messages[:held]) == self.dropped else 0
+        sizes: dict[int, list[int]] = {}
+
+        def ids_from(k: int) -> list[int]:
+            if k not in sizes:
+                sizes[k] = self.conversation_ids(messages[k:], settings.system)
+            return sizes[k]
+
+        if len(ids_from(start)) + room <= limit:
+            return Window(start, ids_from(start), 0)
+        turns = [i for i, m in enumerate(messages) if i > start and m["role"] == "user"]
+        last = turns[-1] if turns else start
+        if len(ids_from(last)) + room > limit:
+            n = len(ids_from(last))
+            raise ContextOverflow(
+                f"{n:,} tokens + {room:,} for the reply > the model's {limit:,}-token context, "
+                "even in a new chat (ctrl+n); shorten it")
+        for budget in (limit - limit // HEADROOM_SHARE, limit):
+            # Fewer messages never take more tokens: the first turn that fits, by bisection.
+            j = bisect_left(turns, True, key=lambda k: len(ids_from(k)) + room <= budget)
+            if j < len(turns):
+                k = turns[j]
+                return Window(k, ids_from(k), k - start)
+        raise AssertionError("unreachable: the last turn fits")  # pragma: no cover
+
+    def context_tokens(self, messages: list[dict], settings: Settings) -> int:
+        """Tokens the model would hold for this conversation now (its window), for the panel
+        after a conversation is opened; the whole conversation if even its last turn is too
+        long."""
+        if not messages:
+            return 0
+        try:
+            return len(self.window(messages, settings).ids)
+        except ContextOverflow:
+            return len(self.conversation_ids(messages, settings.system))
 
     def conversation_ids(self, messages: list[dict], system: str = "") -> list[int]:
         msgs = ([{"role": "system", "content": system}] if system else []) + [
@@ -117,10 +201,17 @@ class ChatSession:
         progress: Callable[[int, int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         warn: Callable[[str], object] = print,
+        trimmed: Callable[[int, int], object] | None = None,
     ) -> Iterator[tuple[Response, int]]:
         """Yield (response, tokens in context) for the reply to `messages`; `progress` gets
-        (prompt tokens done, prompt tokens to do, tokens in context)."""
-        ids = self.conversation_ids(messages, settings.system)
+        (prompt tokens done, prompt tokens to do, tokens in context); `trimmed` gets (messages
+        newly dropped from the model's context, messages left out in all) when the window
+        moves. Raises ContextOverflow, before touching the cache, for a turn that cannot fit."""
+        win = self.window(messages, settings)
+        self.dropped = _role_content(messages[:win.start])
+        if win.dropped and trimmed:
+            trimmed(win.dropped, win.start)
+        ids = win.ids
         plan = self.plan(ids)
         self.plan_kind = plan.reused
         prog = (lambda done, total: progress(done, total, plan.base + done)) if progress else None
