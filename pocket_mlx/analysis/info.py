@@ -85,8 +85,8 @@ def family(path: str) -> str:
 
 
 def quant_summary(model: nn.Module) -> dict[str, dict]:
-    """Per family: bits used by its matrices ("float" for unquantized ones), group sizes,
-    parameters (logical), bytes stored and bytes read per decoded token."""
+    """Per family: bit widths of its quantized matrices (numbers), dtypes of its float
+    matrices, group sizes, parameters (logical), bytes stored and bytes read per token."""
     args = model.args
     out: dict[str, dict] = {}
     for path, m in model.named_modules():
@@ -94,18 +94,19 @@ def quant_summary(model: nn.Module) -> dict[str, dict]:
         if not arrays:
             continue
         fam = family(path)
-        entry = out.setdefault(fam, {"bits": set(), "group_sizes": set(), "params": 0,
-                                     "bytes": 0, "bytes_per_token": 0})
+        entry = out.setdefault(fam, {"bits": set(), "float_dtypes": set(),
+                                     "group_sizes": set(), "params": 0, "bytes": 0,
+                                     "bytes_per_token": 0})
         bits = getattr(m, "bits", None)
         nbytes = sum(v.nbytes for v in arrays.values())
         w = arrays.get("weight")
         if bits:
-            entry["bits"].add(str(bits))
+            entry["bits"].add(int(bits))
             entry["group_sizes"].add(m.group_size)
             entry["params"] += w.size * 32 // bits
         else:
             if w is not None and w.ndim >= 2:
-                entry["bits"].add(str(w.dtype).split(".")[-1])
+                entry["float_dtypes"].add(str(w.dtype).split(".")[-1])
             entry["params"] += sum(v.size for v in arrays.values())
         entry["bytes"] += nbytes
         if isinstance(m, (SwitchLinear, QuantizedSwitchLinear)):
@@ -115,7 +116,8 @@ def quant_summary(model: nn.Module) -> dict[str, dict]:
         else:
             entry["bytes_per_token"] += nbytes
     for entry in out.values():
-        entry["bits"] = "/".join(sorted(entry["bits"], key=lambda b: (not b.isdigit(), b)))
+        entry["bits"] = sorted(entry["bits"])  # JSON numbers, not strings
+        entry["float_dtypes"] = sorted(entry["float_dtypes"])
         entry["group_sizes"] = sorted(entry["group_sizes"])
     return {f: out[f] for f in FAMILIES if f in out}
 
@@ -187,6 +189,11 @@ def describe(model: str | None = None, context: int | None = None,
     }
 
 
+def bits_label(q: dict) -> str:
+    """A family's widths for people: "2/4", "bfloat16", or "8/bfloat16"."""
+    return "/".join([str(b) for b in q["bits"]] + q["float_dtypes"]) or "-"
+
+
 def _size(n: int | None) -> str:
     if n is None:
         return "n/a"
@@ -216,7 +223,7 @@ def format_text(d: dict) -> str:
         "quantization     family            bits     params     stored  read/token",
     ]
     for fam, q in d["quantization"].items():
-        lines.append(f"                 {fam:<17} {q['bits']:<8} {_count(q['params']):>7} "
+        lines.append(f"                 {fam:<17} {bits_label(q):<8} {_count(q['params']):>7} "
                      f"{_size(q['bytes']):>10} {_size(q['bytes_per_token']):>10}")
     fit = "yes" if d["fits"] else "no"
     lines += [

@@ -124,7 +124,16 @@ def apply_quantization(model: nn.Module, quant: dict, weights: dict) -> None:
                 class_predicate=predicate)
 
 
+def _quant_label(module: nn.Module | None) -> str:
+    bits = getattr(module, "bits", None)
+    return f" ({bits}-bit, group size {module.group_size})" if bits else ""
+
+
 def check_shapes(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Names, dtypes and shapes of the checkpoint against the (quantized) model skeleton, read
+    from the safetensors headers only: a tensor that cannot work fails here, by name, before
+    any forward. Quantized matrices must be packed uint32 with scales and biases of the
+    shapes their bits and group size imply; float tensors must be float."""
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
@@ -134,10 +143,27 @@ def check_shapes(model: nn.Module, weights: dict[str, mx.array]) -> None:
     if extra:
         raise PocketError(f"unexpected tensor: {extra[0]}"
                           + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    modules = dict(model.named_modules())
     for k, v in weights.items():
-        if tuple(v.shape) != tuple(expected[k].shape):
+        want = expected[k]
+        owner = k.rsplit(".", 1)[0]
+        quant = _quant_label(modules.get(owner))
+        if want.dtype == mx.uint32 and v.dtype != mx.uint32:
+            raise PocketError(f"{k} is {_dtype_name(v)} but config.json quantizes it{quant}, "
+                              "which stores packed uint32: re-convert the model or fix its "
+                              "quantization entry")
+        if mx.issubdtype(want.dtype, mx.floating) and not mx.issubdtype(v.dtype, mx.floating):
+            if k.endswith(".weight") and f"{owner}.scales" not in weights:
+                raise PocketError(f"{k} is {_dtype_name(v)} (packed) but {owner}.scales is "
+                                  "missing: the checkpoint is incomplete")
+            raise PocketError(f"{k} is {_dtype_name(v)}; a float tensor belongs there")
+        if tuple(v.shape) != tuple(want.shape):
             raise PocketError(f"wrong shape for {k}: {tuple(v.shape)}, "
-                              f"config implies {tuple(expected[k].shape)}")
+                              f"config implies {tuple(want.shape)}{quant}")
+
+
+def _dtype_name(v: mx.array) -> str:
+    return str(v.dtype).split(".")[-1]
 
 
 def _cast(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
