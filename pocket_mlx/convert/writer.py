@@ -32,6 +32,7 @@ TOKENIZER_FILES = (
 
 
 OWNER = ".owner"  # in a temporary folder: who writes it (see owner_alive)
+_noted: set[Path] = set()  # folders clean_stale has already mentioned in this process
 
 
 def _boot_id() -> str | None:
@@ -116,6 +117,9 @@ def clean_stale(out: Path, log: Callable[[str], None] | None = None) -> list[Pat
         except (OSError, ValueError):
             rec = None
         alive = owner_alive(rec) if isinstance(rec, dict) else None
+        if alive is not False and tmp in _noted:
+            continue  # check_out runs before the work and again in atomic_dir: say it once
+        _noted.add(tmp)
         if alive is False:
             shutil.rmtree(tmp, ignore_errors=True)
             if not tmp.exists():
