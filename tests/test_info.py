@@ -69,7 +69,8 @@ def test_bundled_model_by_hand():
     assert d["fits"] is True
     assert d["disk_bytes"] > d["weights_bytes"]  # safetensors headers
     assert d["experts_per_layer"] == d["experts_original"] == 32
-    assert d["quantization"]["experts"]["bits"] == "bfloat16"
+    assert d["quantization"]["experts"]["bits"] == []
+    assert d["quantization"]["experts"]["float_dtypes"] == ["bfloat16"]
     assert d["kernels"] and d["decode_ceiling_tps"] is None
 
 
@@ -110,7 +111,7 @@ def test_synthetic_35b_by_hand():
     q = d["quantization"]
     assert (q["experts"]["bits"], q["router"]["bits"], q["embeddings"]["bits"],
             q["lm_head"]["bits"], q["attention"]["bits"], q["shared_expert"]["bits"]) == \
-        ("2", "8", "6", "6", "4", "4")
+        ([2], [8], [6], [6], [4], [4])
     assert q["experts"]["bytes_per_token"] == L * experts_per_token
     assert d["params_total"] > 34e9 and 3.0e9 < d["params_active"] < 3.6e9
     assert (d["experts_per_layer"], d["experts_original"], d["top_k"]) == (256, 256, 8)

@@ -79,25 +79,27 @@ def family(path: str) -> str:
 
 
 def quant_summary(model: nn.Module) -> dict[str, dict]:
-    """Per family: bits used by its matrices ("float" for unquantized ones), group sizes,
-    parameters (logical), bytes stored and bytes read per decoded token (accounting's figures,
-    grouped)."""
+    """Per family: bit widths of its quantized matrices (numbers), dtypes of its float matrices,
+    group sizes, parameters (logical), bytes stored and bytes read per decoded token
+    (accounting's figures, grouped)."""
     out: dict[str, dict] = {}
     for c in module_costs(model):
-        entry = out.setdefault(family(c.path), {"bits": set(), "group_sizes": set(), "params": 0,
-                                                "bytes": 0, "bytes_per_token": 0})
+        entry = out.setdefault(family(c.path), {"bits": set(), "float_dtypes": set(),
+                                                "group_sizes": set(), "params": 0, "bytes": 0,
+                                                "bytes_per_token": 0})
         bits = getattr(c.module, "bits", None)
         w = c.module.get("weight")
         if bits:
-            entry["bits"].add(str(bits))
+            entry["bits"].add(int(bits))
             entry["group_sizes"].add(c.module.group_size)
         elif isinstance(w, mx.array) and w.ndim >= 2:
-            entry["bits"].add(str(w.dtype).split(".")[-1])
+            entry["float_dtypes"].add(str(w.dtype).split(".")[-1])
         entry["params"] += c.params
         entry["bytes"] += c.bytes
         entry["bytes_per_token"] += c.bytes_per_token
     for entry in out.values():
-        entry["bits"] = "/".join(sorted(entry["bits"], key=lambda b: (not b.isdigit(), b)))
+        entry["bits"] = sorted(entry["bits"])  # JSON numbers, not strings
+        entry["float_dtypes"] = sorted(entry["float_dtypes"])
         entry["group_sizes"] = sorted(entry["group_sizes"])
     return {f: out[f] for f in FAMILIES if f in out}
 
@@ -172,6 +174,11 @@ def describe(model: str | None = None, context: int | None = None,
     }
 
 
+def bits_label(q: dict) -> str:
+    """A family's widths for people: "2/4", "bfloat16", or "8/bfloat16"."""
+    return "/".join([str(b) for b in q["bits"]] + q["float_dtypes"]) or "-"
+
+
 def format_text(d: dict) -> str:
     a = d["architecture"]
     lines = [
@@ -191,7 +198,7 @@ def format_text(d: dict) -> str:
         "quantization     family            bits     params     stored  read/token",
     ]
     for fam, q in d["quantization"].items():
-        lines.append(f"                 {fam:<17} {q['bits']:<8} {count(q['params']):>7} "
+        lines.append(f"                 {fam:<17} {bits_label(q):<8} {count(q['params']):>7} "
                      f"{size(q['bytes']):>10} {size(q['bytes_per_token']):>10}")
     fit = "yes" if d["fits"] else "no"
     lines += [

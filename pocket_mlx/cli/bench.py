@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from pocket_mlx import units
 from pocket_mlx.config import read_pocket_json, recipe_label, weights_bytes
@@ -49,6 +50,9 @@ def run(args) -> int:
     for flag, v in (("-r", args.repetitions), ("-p", args.n_prompt), ("-n", args.n_gen)):
         if v < (1 if flag == "-r" else 0):
             raise PocketError(f"{flag} must be {'>= 1' if flag == '-r' else '>= 0'}, got {v}")
+    if args.n_prompt == 0 and args.n_gen == 0:
+        raise PocketError("-p 0 and -n 0 leave nothing to measure: give -p N (prefill) "
+                          "and/or -n N (decode) above 0")
     if args.threads is not None and args.threads < 1:
         raise PocketError(f"--threads must be >= 1, got {args.threads}")
     if args.synthetic_recipe and not args.synthetic:
@@ -91,8 +95,11 @@ def run(args) -> int:
     dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if device == "cpu" else None
-    log(f"loading {path} ({dtype or 'checkpoint dtype'}) on {devices.describe(device)}")
+    t0 = time.perf_counter()
     model, _ = load(path, device=device, dtype=dtype, fuse=True)
+    # Said after loading: a checkpoint that fails its load check leaves one error line.
+    log(f"loaded {path} ({dtype or 'checkpoint dtype'}) on {devices.describe(device)} in "
+        f"{time.perf_counter() - t0:.1f} s")
     stats = weight_stats(model)
     scales = [v for k, v in _flat(model) if k.endswith("scales")]
     shown_dtype = dtype or (str(scales[0].dtype).split(".")[-1] if scales else "float")

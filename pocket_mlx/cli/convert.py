@@ -69,7 +69,7 @@ def run(args) -> int:
         recipe=recipe, auto_bpw=args.target_bpw, prune_to=args.prune_to, calib=[Path(c) for c in args.calib],
         criterion=args.criterion, seed=args.seed, dtype=args.dtype,
         shard_bytes=shard_bytes(args.shard_size_gb), calib_tokens=args.calib_tokens,
-        force=args.force, progress=sys.stderr.isatty(),
+        force=args.force, progress=True,  # a bar on a terminal, plain lines in a pipe
     )
     signal.signal(signal.SIGTERM, _terminate)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print

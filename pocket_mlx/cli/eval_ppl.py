@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from pocket_mlx.errors import PocketError
 
@@ -31,11 +30,11 @@ def register(sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     import mlx.core as mx
-    from tqdm import tqdm
 
     from pocket_mlx.analysis.perplexity import file_perplexity
     from pocket_mlx.engine.devices import resolve_device, stream_for
     from pocket_mlx.engine.loader import load
+    from pocket_mlx.progress import progress as progress_bar
 
     if args.window < 2:
         raise PocketError(f"--window must be at least 2, got {args.window}")
@@ -45,16 +44,24 @@ def run(args) -> int:
     # bf16/fp16 arithmetic is 5-40x slower than float32 on the CPU (FIELD_NOTES).
     model, tokenizer = load(args.model, device=device,
                             dtype="float32" if device == "cpu" else None, fuse=True)
-    bar = tqdm(desc="eval-ppl", unit="window", disable=not sys.stderr.isatty(), leave=False)
+    context = int(model.args.max_position_embeddings)
+    if args.window > context:
+        # Past its context a model reads positions it was never trained on: the number
+        # would look like a perplexity and mean nothing.
+        raise PocketError(f"--window {args.window} is longer than the model's context of "
+                          f"{context} tokens; use --window {context} or less")
+    bar = progress_bar(desc="eval-ppl", unit="window")
 
     def progress(done: int, total: int) -> None:
         bar.total = total
         bar.update(done - bar.n)
 
-    with mx.stream(stream_for(device)):
-        r = file_perplexity(model, tokenizer, args.data, args.window, args.separator,
-                            args.max_tokens, progress)
-    bar.close()
+    try:
+        with mx.stream(stream_for(device)):
+            r = file_perplexity(model, tokenizer, args.data, args.window, args.separator,
+                                args.max_tokens, progress)
+    finally:
+        bar.close()
     if args.json:
         print(json.dumps({"ppl": r.ppl, "tokens": r.tokens, "seconds": round(r.seconds, 3),
                           "windows": r.windows, "window": args.window, "device": device}))

@@ -16,6 +16,7 @@ from mlx.utils import tree_unflatten
 
 from pocket_mlx.convert.prune import ExpertStats
 from pocket_mlx.errors import PocketError
+from pocket_mlx.progress import progress as progress_bar
 
 SEPARATOR = "<|endoftext|>"
 
@@ -100,8 +101,6 @@ def calibration_windows(files: list[Path], tokenizer, window: int = 512,
 def collect_stats(model, chunks: list[list[int]], progress: bool = True) -> ExpertStats:
     """Run the windows through a (lazily loaded) model layer by layer, observing each MoE
     block. The model's layers are dropped as they are done: do not use it afterwards."""
-    from tqdm import tqdm
-
     if not chunks:
         raise PocketError("no calibration text")
     lm = model.language_model
@@ -113,8 +112,8 @@ def collect_stats(model, chunks: list[list[int]], progress: bool = True) -> Expe
         h = lm.model.embed_tokens(mx.array(c, mx.int32)[None])
         mx.eval(h)
         hs.append(h)
-    for i in tqdm(range(len(layers)), desc="calibrate", unit="layer", disable=not progress,
-                  leave=False):
+    for i in progress_bar(range(len(layers)), desc="calibrate", unit="layer",
+                          enabled=progress):
         layer = layers[i]
         layer.mlp.observer = stats.observer(i)
         for j, h in enumerate(hs):
@@ -162,7 +161,6 @@ def auto_recipe(model, chunks: list[list[int]], target_bpw: float, progress: boo
     group with the best KL drop per extra bit until the budget is spent (KL assumed additive).
     `scale_bits`: width of the stored scales and biases (the output's float dtype)."""
     import mlx.nn as nn
-    from tqdm import tqdm
 
     from pocket_mlx.convert.recipes import Recipe, Spec, glob_rule
 
@@ -182,7 +180,7 @@ def auto_recipe(model, chunks: list[list[int]], target_bpw: float, progress: boo
     size = {g: sum(modules[p].weight.size for p in ps) for g, ps in groups.items()}
     kl: dict[tuple[str, int], float] = {}
     todo = [(g, b) for g in groups for b in AUTO_BITS]
-    for g, b in tqdm(todo, desc="auto recipe", disable=not progress, leave=False):
+    for g, b in progress_bar(todo, desc="auto recipe", unit="group", enabled=progress):
         paths = set(groups[g])
         saved = [(p, modules[p]) for p in paths]
         nn.quantize(model, 64, b, class_predicate=lambda p, m, s=paths: p in s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,15 +30,25 @@ from pocket_mlx.convert.prune import (
     slice_layer,
 )
 from pocket_mlx.convert.recipes import Recipe, Spec, family
-from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config
+from pocket_mlx.convert.writer import (
+    atomic_dir,
+    check_out,
+    copy_tokenizer,
+    mlx_config,
+    remote_code_note,
+    strip_remote_code,
+)
 from pocket_mlx.engine.loader import (
+    check_shapes,
     load_model,
     load_weights,
+    quantize_as_stored,
     read_config,
     resolve_model_path,
 )
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
+from pocket_mlx.progress import progress as progress_bar
 from pocket_mlx.units import size
 
 _LAYER = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
@@ -211,15 +222,13 @@ def write_weights(folder: Path, weights: dict[str, mx.array], specs: dict[str, S
                   src_quant: dict | None, num_layers: int, kept: list[list[int]] | None,
                   dtype: mx.Dtype | None, shard_bytes: int, progress: bool = True) -> None:
     """Consume the lazy `weights` dict unit by unit (pruning, quantizing, writing)."""
-    from tqdm import tqdm
-
     src_specs = {p: _source_spec(p, src_quant, weights) for p in specs}
     units: dict[int, list[str]] = {}
     for k in weights:
         units.setdefault(_unit(k, num_layers), []).append(k)
     writer = ShardWriter(folder, shard_bytes)
-    for u in tqdm(sorted(units), desc="quantize+write", unit="layer", disable=not progress,
-                  leave=False):
+    for u in progress_bar(sorted(units), desc="quantize+write", unit="layer",
+                          enabled=progress):
         tensors = {k: weights.pop(k) for k in units[u]}
         if kept is not None and 1 <= u <= num_layers:
             tensors = slice_layer(tensors, f"language_model.model.layers.{u - 1}", kept[u - 1])
@@ -236,15 +245,6 @@ def write_weights(folder: Path, weights: dict[str, mx.array], specs: dict[str, S
             writer.add(k, out[k])
         del tensors, out
     writer.close()
-
-
-def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise PocketError(f"{out} already exists (use --force to replace it)")
-    stale = sorted(out.parent.glob(f".{out.name}.tmp-*")) if out.parent.is_dir() else []
-    if stale:
-        print(f"note: {stale[0]} is left over from an interrupted conversion; "
-              "delete it to free the space")
 
 
 def source_info(src: str, path: Path) -> dict:
@@ -308,7 +308,13 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         raise PocketError("--calib is used only with --prune-to or --recipe auto")
     if opts.auto_bpw is not None and not opts.calib:
         raise PocketError("--recipe auto needs calibration text: --calib FILE")
-    _check_out(out, opts.force)
+    check_out(out, opts.force)  # before any slow step: a bad OUT fails at once
+    # Names, dtypes and shapes from the headers (nothing read yet): a source with a missing
+    # or malformed tensor fails here, by name, not halfway through the writing.
+    weights = source.sanitize(load_weights(path))
+    src_quant = quantization(config, where=str(path / "config.json"))
+    quantize_as_stored(source, src_quant, weights)
+    check_shapes(source, weights)
     auto = None
     if opts.auto_bpw is not None:
         opts.recipe, auto = auto_for(path, config, opts)
@@ -331,21 +337,22 @@ def convert(src: str, out: Path, opts: ConvertOptions,
     for n in notes:
         log(f"note: {n}")
     quant = quantization_dict(specs, opts.recipe)
-    weights = source.sanitize(load_weights(path))
-    src_quant = quantization(config, where=str(path / "config.json"))
+    removed = {"config.json": keys} if (keys := strip_remote_code(config)[1]) else {}
     with atomic_dir(out, force=opts.force) as tmp:
         write_weights(tmp, weights, specs, src_quant, args.num_hidden_layers, kept, dtype,
                       opts.shard_bytes, opts.progress)
         del weights
         new_cfg = mlx_config(text_cfg, quant)
         (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2))
-        copy_tokenizer(path, tmp)
+        removed.update(copy_tokenizer(path, tmp))
         info = _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args,
                             calib_info, stats)
         if auto is not None:
             info["auto"] = {"target_bpw": opts.auto_bpw, "groups": auto}
         info["seconds"] = round(time.perf_counter() - t0, 1)
         (tmp / "pocket.json").write_text(json.dumps(info, indent=2))
+    if note := remote_code_note(removed):
+        print(note, file=sys.stderr, flush=True)  # stderr: --json keeps stdout to itself
     return ConvertResult(out, info)
 
 

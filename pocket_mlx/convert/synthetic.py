@@ -28,6 +28,7 @@ from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config
 from pocket_mlx.engine.loader import apply_quantization
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
+from pocket_mlx.progress import progress as progress_bar
 
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "pocket-tiny"
 GROUP_SIZE = 64
@@ -228,22 +229,16 @@ def build(name: str, recipe: str = DEFAULT_RECIPE, *, out: Path | None = None,
     quant = quantization_for(model, recipe)
     quantize_skeleton(model, quant, mx.bfloat16)
     total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out.name}",
-                   leave=False)
+    bar = progress_bar(total=total, unit="B", unit_scale=True, desc=f"writing {out.name}",
+                       enabled=progress)
     try:
         with atomic_dir(out, force=True) as tmp:
-            _write_shards(tmp, iter_tensors(model, quant, seed), shard_bytes,
-                          bar.update if bar else (lambda n: None))
+            _write_shards(tmp, iter_tensors(model, quant, seed), shard_bytes, bar.update)
             (tmp / "config.json").write_text(json.dumps(mlx_config(config, quant), indent=2))
             copy_tokenizer(ASSET, tmp)
             (tmp / "pocket.json").write_text(json.dumps(
                 {"synthetic": name, "recipe": recipe, "seed": seed,
                  "original_num_experts": original_experts(name)}, indent=2))
     finally:
-        if bar:
-            bar.close()
+        bar.close()
     return out

@@ -9,10 +9,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
-from collections.abc import Iterable
+import uuid
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -26,34 +31,210 @@ TOKENIZER_FILES = (
 )
 
 
-@contextmanager
-def atomic_dir(out: Path, force: bool = False):
-    """Yield a temporary folder next to `out`; on success it replaces `out` in one rename."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise PocketError(f"{out} already exists (use --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is an ordinary folder
+OWNER = ".owner"  # in a temporary folder: who writes it (see owner_alive)
+_noted: set[Path] = set()  # folders clean_stale has already mentioned in this process
+
+
+def _boot_id() -> str | None:
+    """This boot of this machine: a pid only means something within one boot."""
     try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        pass
+    try:  # macOS: the boot time stands for the boot
+        r = subprocess.run(["sysctl", "-n", "kern.boottime"], capture_output=True, text=True,
+                           timeout=5)
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (None: unknown or gone); tells a reused pid apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        return None if fields[0] in ("Z", "X") else fields[19]  # zombie: as good as gone
+    except (OSError, ValueError, IndexError):
+        pass
+    if Path("/proc/self").exists():
+        return None  # Linux and no /proc/PID: gone
+    try:
+        r = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True,
+                           text=True, timeout=5)
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def owner_record(pid: int | None = None) -> dict:
+    """What identifies a writing process across pid reuse: pid, host, boot, start time."""
+    pid = os.getpid() if pid is None else pid
+    return {"pid": pid, "host": socket.gethostname(), "boot": _boot_id(),
+            "started": _process_start(pid)}
+
+
+def owner_alive(rec: dict) -> bool | None:
+    """Whether the process of an owner record still runs: None when this host cannot tell
+    (another host on a shared disk, a record it cannot read)."""
+    pid = rec.get("pid")
+    if rec.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return None
+    boot = _boot_id()
+    if rec.get("boot") and boot and rec["boot"] != boot:
+        return False  # rebooted since
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, another user's
+    except OSError:
+        return None
+    started = _process_start(pid)
+    if started is None and Path("/proc/self").exists():
+        return False  # a zombie, or gone between the two looks
+    if rec.get("started") and started and started != rec["started"]:
+        return False  # the pid was reused by another process
+    return True
+
+
+def clean_stale(out: Path, log: Callable[[str], None] | None = None) -> list[Path]:
+    """Remove the temporary folders of dead writes of `out` (killed, crashed, power loss);
+    mention those it cannot judge. Returns the folders removed."""
+    out = Path(out)
+    say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    removed = []
+    try:
+        candidates = sorted(out.parent.glob(f".{out.name}.tmp-*"))
+    except OSError:
+        return removed
+    for tmp in candidates:
+        if not tmp.is_dir() or tmp.is_symlink():
+            continue
+        try:
+            rec = json.loads((tmp / OWNER).read_text())
+        except (OSError, ValueError):
+            rec = None
+        alive = owner_alive(rec) if isinstance(rec, dict) else None
+        if alive is not False and tmp in _noted:
+            continue  # check_out runs before the work and again in atomic_dir: say it once
+        _noted.add(tmp)
+        if alive is False:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not tmp.exists():
+                removed.append(tmp)
+                say(f"note: removed {tmp}, left by an interrupted write (pid {rec['pid']})")
+        elif alive:
+            say(f"note: {tmp} belongs to a write of {out.name} still running (pid {rec['pid']})")
+        else:
+            say(f"note: {tmp} is left over from an interrupted write; delete it to free "
+                "the space")
+    return removed
+
+
+def check_out(out: Path, force: bool = False, log: Callable[[str], None] | None = None) -> None:
+    """Fail before any work when `out` cannot be written (exists without `force`, under a
+    file, in a folder this process cannot write), and clear what dead writes left there."""
+    out = Path(out)
+    if (out.exists() or out.is_symlink()) and not force:
+        raise PocketError(f"{out} already exists (use --force to replace it)")
+    base = out.parent
+    while not base.exists() and base != base.parent:  # exists() is False under a file too
+        base = base.parent
+    if not base.is_dir():
+        raise PocketError(f"cannot write {out}: {base} is a file, not a folder")
+    try:  # the real test (permissions, read-only mounts, ACLs): make and drop a folder
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=base))
+    except OSError as e:
+        raise PocketError(f"cannot write {out}: {base} is not writable "
+                          f"({e.strerror or e}); choose another output folder") from None
+    if base == out.parent:
+        clean_stale(out, log)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename `tmp` onto `out`; an existing `out` (folder or file) is moved aside first and
+    deleted after, or put back when the rename fails: no `.old` leftovers either way."""
+    if not (out.exists() or out.is_symlink()):
+        tmp.rename(out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    _remove(old)
+
+
+@contextmanager
+def atomic_dir(out: Path, force: bool = False, log: Callable[[str], None] | None = None):
+    """Yield a temporary folder next to `out`; on success it replaces `out` in one rename.
+
+    The folder holds an owner record (pid, host, boot, start time) until the rename, so a
+    later write of the same `out` removes it when this process died without cleaning up
+    (kill -9, power loss): see clean_stale."""
+    out = Path(out)
+    check_out(out, force, log)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise PocketError(f"cannot write {out}: {e.strerror or e}") from None
+    try:
+        (tmp / OWNER).write_text(json.dumps(owner_record()))
+        tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is an ordinary folder
         yield tmp
+        (tmp / OWNER).unlink(missing_ok=True)
+        _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+
+
+# Keys that make transformers import and run Python shipped with a checkpoint. pocket-mlx and
+# mlx-lm never need that code, so a converted model must not carry an invitation to run it.
+REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code", "model_file")
+
+
+def strip_remote_code(value: Any) -> tuple[Any, list[str]]:
+    """A copy of a JSON value without REMOTE_CODE_KEYS at any depth, and the keys removed."""
+    found: set[str] = set()
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, dict):
+            found.update(k for k in v if k in REMOTE_CODE_KEYS)
+            return {k: walk(x) for k, x in v.items() if k not in REMOTE_CODE_KEYS}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        return v
+
+    return walk(value), sorted(found)
+
+
+def remote_code_note(removed: dict[str, list[str]]) -> str | None:
+    """One line for the user: which remote-code keys left which file."""
+    if not removed:
+        return None
+    parts = [f"{', '.join(keys)} from {name}" for name, keys in removed.items()]
+    return "note: removed remote-code keys " + "; ".join(parts) + " (not needed to run it)"
 
 
 def mlx_config(config: dict, quantization: dict | None = None) -> dict:
-    """A flat text config with model_type `qwen3_5_moe`: the form mlx-lm's loader accepts."""
-    text = dict(config.get("text_config") or config)
+    """A flat text config with model_type `qwen3_5_moe`: the form mlx-lm's loader accepts.
+    Remote-code keys are dropped (see REMOTE_CODE_KEYS)."""
+    text = strip_remote_code(dict(config.get("text_config") or config))[0]
     for k in ("quantization", "quantization_config", "text_config", "vision_config",
-              "architectures", "auto_map"):
+              "architectures"):
         text.pop(k, None)
     text["model_type"] = "qwen3_5_moe"
     if quantization:
@@ -88,10 +269,26 @@ def save_weights(folder: Path, weights: Iterable[tuple[str, mx.array]],
     return weight_map
 
 
-def copy_tokenizer(src: Path, dst: Path) -> None:
+def copy_tokenizer(src: Path, dst: Path) -> dict[str, list[str]]:
+    """Copy the tokenizer files, JSON ones without remote-code keys; returns {file: keys
+    removed} for the files that had some."""
+    removed = {}
     for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)  # not copy2: keep no read-only modes
+        if not (src / name).is_file():
+            continue
+        if name.endswith(".json"):
+            try:
+                data = json.loads((src / name).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                data = None  # not ours to judge: copied as it is
+            clean, keys = strip_remote_code(data)
+            if keys:
+                (dst / name).write_text(json.dumps(clean, indent=2, ensure_ascii=False),
+                                        encoding="utf-8")
+                removed[name] = keys
+                continue
+        shutil.copyfile(src / name, dst / name)  # not copy2: keep no read-only modes
+    return removed
 
 
 def save_model(model, config: dict, out: Path, *, src: Path | None = None,

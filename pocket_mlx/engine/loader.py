@@ -97,7 +97,23 @@ def apply_quantization(model: nn.Module, quant: dict,
                 bits=quant.get("bits", DEFAULT_BITS), class_predicate=predicate)
 
 
+def quantize_as_stored(model: nn.Module, quant: dict | None, weights: dict[str, mx.array]) -> None:
+    """Quantize exactly the modules the checkpoint stores quantized (those whose scales exist)."""
+    if quant is not None:
+        stored = {k.removesuffix(".scales") for k in weights if k.endswith(".scales")}
+        apply_quantization(model, quant, lambda p, _: p in stored)
+
+
+def _quant_label(module: nn.Module | None) -> str:
+    bits = getattr(module, "bits", None)
+    return f" ({bits}-bit, group size {module.group_size})" if bits else ""
+
+
 def check_shapes(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Names, dtypes and shapes of the checkpoint against the (quantized) model skeleton, read
+    from the safetensors headers only: a tensor that cannot work fails here, by name, before
+    any forward. Quantized matrices must be packed uint32 with scales and biases of the
+    shapes their bits and group size imply; float tensors must be float."""
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
@@ -107,10 +123,27 @@ def check_shapes(model: nn.Module, weights: dict[str, mx.array]) -> None:
     if extra:
         raise PocketError(f"unexpected tensor: {extra[0]}"
                           + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    modules = dict(model.named_modules())
     for k, v in weights.items():
-        if tuple(v.shape) != tuple(expected[k].shape):
+        want = expected[k]
+        owner = k.rsplit(".", 1)[0]
+        quant = _quant_label(modules.get(owner))
+        if want.dtype == mx.uint32 and v.dtype != mx.uint32:
+            raise PocketError(f"{k} is {_dtype_name(v)} but config.json quantizes it{quant}, "
+                              "which stores packed uint32: re-convert the model or fix its "
+                              "quantization entry")
+        if mx.issubdtype(want.dtype, mx.floating) and not mx.issubdtype(v.dtype, mx.floating):
+            if k.endswith(".weight") and f"{owner}.scales" not in weights:
+                raise PocketError(f"{k} is {_dtype_name(v)} (packed) but {owner}.scales is "
+                                  "missing: the checkpoint is incomplete")
+            raise PocketError(f"{k} is {_dtype_name(v)}; a float tensor belongs there")
+        if tuple(v.shape) != tuple(want.shape):
             raise PocketError(f"wrong shape for {k}: {tuple(v.shape)}, "
-                              f"config implies {tuple(expected[k].shape)}")
+                              f"config implies {tuple(want.shape)}{quant}")
+
+
+def _dtype_name(v: mx.array) -> str:
+    return str(v.dtype).split(".")[-1]
 
 
 def _cast(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
@@ -137,10 +170,7 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
     quant = quantization(config, where=str(path / "config.json"))
     model = build_model(config)
     weights = model.sanitize(load_weights(path))
-    if quant is not None:
-        # Exactly the modules the checkpoint stores quantized: those whose scales exist.
-        stored = {k.removesuffix(".scales") for k in weights if k.endswith(".scales")}
-        apply_quantization(model, quant, lambda p, _: p in stored)
+    quantize_as_stored(model, quant, weights)
     check_shapes(model, weights)
     if dtype is not None:
         weights = _cast(weights, getattr(mx, dtype))
