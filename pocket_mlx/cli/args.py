@@ -21,43 +21,43 @@ def _is_number(v) -> bool:
 
 def check_temperature(v) -> float:
     if not _is_number(v) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"must be a finite number >= 0 (0 = greedy), got {v!r}")
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {v!r}")
     return float(v)
 
 
 def check_top_p(v) -> float:
     if not _is_number(v) or not 0 < v <= 1:  # False for nan
-        raise ValueError(f"must be a number in (0, 1] (1 = off), got {v!r}")
+        raise ValueError(f"top-p must be a number in (0, 1] (1 = off), got {v!r}")
     return float(v)
 
 
 def check_top_k(v) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"must be an integer >= 0 (0 = off), got {v!r}")
+        raise ValueError(f"top-k must be an integer >= 0 (0 = off), got {v!r}")
     return v
 
 
 def check_min_p(v) -> float:
     if not _is_number(v) or not 0 <= v <= 1:
-        raise ValueError(f"must be a number in [0, 1] (0 = off), got {v!r}")
+        raise ValueError(f"min-p must be a number in [0, 1] (0 = off), got {v!r}")
     return float(v)
 
 
 def check_repetition_penalty(v) -> float:
     if not _is_number(v) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"must be a finite number > 0 (1 = off), got {v!r}")
+        raise ValueError(f"repetition penalty must be a finite number > 0 (1 = off), got {v!r}")
     return float(v)
 
 
 def check_max_tokens(v) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"must be an integer >= 1, got {v!r}")
+        raise ValueError(f"max tokens must be an integer >= 1, got {v!r}")
     return v
 
 
 def check_seed(v) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= SEED_MAX:
-        raise ValueError(f"must be an integer from 0 to {SEED_MAX} (2**64 - 1), got {v!r}")
+        raise ValueError(f"seed must be an integer from 0 to {SEED_MAX} (2**64 - 1), got {v!r}")
     return v
 
 
@@ -75,7 +75,7 @@ def check_utf8(v: str) -> str:
             where = ""
         except UnicodeDecodeError as e:
             where = f" (byte 0x{raw[e.start]:02x} at offset {e.start})"
-        raise ValueError(f"is not valid UTF-8{where}; pass UTF-8 text "
+        raise ValueError(f"text is not valid UTF-8{where}; pass UTF-8 text "
                          "(convert it with e.g. iconv -t UTF-8)") from None
     return v
 

@@ -94,6 +94,6 @@ def _resumed_settings(conv, path, settings_cls, options: dict):
         try:
             check(getattr(settings, name))
         except ValueError as e:
-            raise PocketError(f"conversation {conv.id}: setting {name} {e}; fix it in {path}, or "
+            raise PocketError(f"conversation {conv.id}: saved {name}: {e}; fix it in {path}, or "
                               "override it with its option") from None
     return settings

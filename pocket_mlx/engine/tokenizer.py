@@ -124,7 +124,7 @@ class Tokenizer:
                                    add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except PocketError as e:  # raise_exception() called by the template itself
-            raise PocketError(f"chat template {where}: {e}") from None
+            raise PocketError(f"chat template {where} refused the conversation: {e}") from None
         except Exception as e:  # noqa: BLE001 - the template is untrusted code; report any failure
             line = getattr(e, "lineno", None)
             at = f" (line {line})" if line else ""
