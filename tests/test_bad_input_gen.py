@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 from conftest import ASSET
+from jinja2.exceptions import SecurityError
 
 from pocket_mlx.engine.conversations import Conversation, ConversationStore, new_id
+from pocket_mlx.engine.templates import render_template
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -282,3 +284,39 @@ def test_help_names_every_default(command):
         for option in ("--max-tokens N, -n N", "--top-p P", "--top-k K", "--min-p P",
                        "--repetition-penalty R", "--seed S"):
             assert option in text
+
+
+# ---- the limits themselves, in process (each vector must fail before it allocates) -----------
+
+LIMIT_VECTORS = [
+    "{{ 'a' * 200000000 }}", "{{ 200000000 * 'a' }}", "{{ ['a'] * 200000000 }}",
+    "{{ 10 ** 100000000 }}", "{{ '%0200000000d' % 1 }}", "{{ '%*d' % (200000000, 1) }}",
+    "{{ '%0300000000d' | format(1) }}", "{{ '{:>200000000}'.format(1) }}",
+    "{{ '{:>{w}}'.format(1, w=200000000) }}", "{{ 'a' | center(200000000) }}",
+    "{{ 'a'.ljust(200000000) }}", "{{ 'a'.zfill(200000000) }}",
+    "{% set s = 'a' * 10000 %}{{ s.replace('', 'b' * 10000) }}",
+    "{% set s = 'a' * 10000 %}{{ s | replace('a', 'b' * 10000) }}",
+    "{% set s = '\t' * 100000 %}{{ s.expandtabs(1000) }}",
+    "{% set s = '\n' * 1000000 %}{{ s | indent(1000) }}",
+    "{% set s = 'a' * 10000000 %}{{ [s, s, s, s] | join }}",
+    "{% set s = 'a' * 10000000 %}{{ ''.join([s, s, s, s]) }}",
+    "{% set s = 'a' * 10000000 %}{% set x %}{% for i in range(100) %}{{ s }}{% endfor %}"
+    "{% endset %}{{ x | length }}",
+    "{% set ns = namespace(s='a') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+    "{% endfor %}{{ ns.s | length }}",
+    "{% set ns = namespace(s=['a']) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+    "{% endfor %}{{ ns.s | length }}",
+    "{% set ns = namespace(x=3) %}{% for i in range(64) %}{% set ns.x = ns.x * ns.x %}"
+    "{% endfor %}{{ 1 }}",
+    "{{ messages | tojson(indent=100000000) }}",
+    "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("source", LIMIT_VECTORS)
+def test_template_limits_fail_fast(source):
+    t0 = time.monotonic()
+    with pytest.raises(SecurityError, match="would exceed the chat template limit"):
+        render_template(source, messages=[{"role": "user", "content": "hi"}],
+                        add_generation_prompt=True, bos_token="", eos_token="")
+    assert time.monotonic() - t0 < 5

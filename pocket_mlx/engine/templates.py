@@ -26,6 +26,11 @@ def _too_big(what: str) -> SecurityError:
                          f"{TEMPLATE_MAX_CHARS} characters")
 
 
+def _num(n: int) -> str:
+    """An integer for an error line: in full when short, else by its size."""
+    return str(n) if n.bit_length() <= 64 else f"a {n.bit_length()}-bit integer"
+
+
 def _estimate(v, depth: int = 2) -> int:
     """Characters `str(v)` would take, roughly, without building it (a list of big strings)."""
     if isinstance(v, str):
@@ -53,7 +58,7 @@ def _check_args(args, kwargs: dict | None = None) -> None:
     """Widths, counts and sizes passed to a call: none over the character limit."""
     for a in [*args, *(kwargs or {}).values()]:
         if isinstance(a, int) and not isinstance(a, bool) and abs(a) > TEMPLATE_MAX_CHARS:
-            raise _too_big(f"an argument of {a}")
+            raise _too_big(f"an argument of {_num(a)}")
 
 
 _PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\d*)(?:\.(\d*))?")
@@ -69,7 +74,7 @@ def _check_format(fmt: str) -> None:
             nums += re.findall(r"\d+", field.split(":", 1)[1])
     for n in nums:
         if len(n) > 9 or int(n) > TEMPLATE_MAX_CHARS:
-            raise _too_big(f"a format width of {n}")
+            raise _too_big(f"a format width of {n[:20]}")
 
 
 def _check_replace(s, old, new, count=-1) -> None:
@@ -94,13 +99,13 @@ def _checked_binop(op: str, left, right):
         for seq, n in ((left, right), (right, left)):
             if (isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int)
                     and _estimate(seq) * max(n, 0) > TEMPLATE_MAX_CHARS):
-                raise _too_big(f"repeating a {type(seq).__name__} {n} times")
+                raise _too_big(f"repeating a {type(seq).__name__} {_num(n)} times")
         if ints and left.bit_length() + right.bit_length() > TEMPLATE_MAX_INT_BITS:
             raise SecurityError("a product would exceed the chat template limit of "
                                 f"{TEMPLATE_MAX_INT_BITS}-bit integers")
     elif op == "**":
         if ints and right > 0 and abs(left) > 1 and right * left.bit_length() > TEMPLATE_MAX_INT_BITS:
-            raise SecurityError(f"{left} ** {right} would exceed the chat template limit of "
+            raise SecurityError(f"{_num(left)} ** {_num(right)} would exceed the chat template limit of "
                                 f"{TEMPLATE_MAX_INT_BITS}-bit integers")
     elif op == "%" and isinstance(left, str):
         _check_format(left)
