@@ -23,16 +23,18 @@ def register(sub) -> argparse.ArgumentParser:
                      help="model folder or Hugging Face repo id (default: the bundled model)")
     src.add_argument("--synthetic", default=None, metavar="NAME",
                      help="random-weight model of a known shape: pocket-35b, pocket-35b-e128, "
-                          "tiny (built once into the cache)")
+                          "tiny (built once into the cache) (default: use --model)")
     p.add_argument("--synthetic-recipe", default=None, metavar="RECIPE",
                    help="quantization of --synthetic: pocket-2bit (default), pocket-3bit, "
                         "uniform-2/3/4/8")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="pp test size (0 = skip)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="tg test size (0 = skip)")
-    p.add_argument("-r", "--repetitions", type=int, default=3)
-    p.add_argument("--device", choices=["cpu", "gpu"], default=None)
+    p.add_argument("-r", "--repetitions", type=int, default=3, help="runs of each test")
+    p.add_argument("--device", choices=["cpu", "gpu"], default=None,
+                   help="where to run (default: the GPU when MLX has one, else the CPU)")
     p.add_argument("--threads", "-t", type=int, default=None,
-                   help="threads of the project's CPU kernels (when built)")
+                   help="threads of the project's CPU kernels (when built) "
+                        "(default: POCKET_MLX_THREADS, else one per physical core)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="activation/scale dtype; auto = float32 on the CPU (bf16 is 5-40x slower "
                         "there), the checkpoint's own on the GPU")
@@ -40,7 +42,8 @@ def register(sub) -> argparse.ArgumentParser:
                    help="also run stock mlx-lm on the same weights, interleaved")
     p.add_argument("--bandwidth", action="store_true",
                    help="run the full memory-bandwidth probe and print it")
-    p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md")
+    p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md",
+                   help="table format")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     p.set_defaults(func=run)
     return p

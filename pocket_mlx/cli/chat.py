@@ -6,7 +6,13 @@ import argparse
 import os
 import sys
 
-from pocket_mlx.cli.generate import add_model_args
+from pocket_mlx.cli import args as argtypes
+from pocket_mlx.cli.args import add_model_args
+from pocket_mlx.errors import PocketError
+
+# How each setting a conversation saves is checked (the same checks as the options).
+_SETTING_CHECKS = {"temperature": argtypes.check_temperature, "top_p": argtypes.check_top_p,
+                   "max_tokens": argtypes.check_max_tokens, "system": argtypes.check_utf8}
 
 
 def register(sub) -> argparse.ArgumentParser:
@@ -14,13 +20,18 @@ def register(sub) -> argparse.ArgumentParser:
                        description="Chat with a model in a terminal app: live throughput, "
                                    "device switching, saved conversations.")
     add_model_args(p)
-    p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--temp", type=float, default=None, help="temperature; 0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default 1.0)")
-    p.add_argument("--max-tokens", "-n", type=int, default=None,
-                   help="longest reply in tokens (default 256)")
+    p.add_argument("--system", default=None, type=argtypes.utf8_text,
+                   help="system prompt (default: none, or the resumed conversation's)")
+    p.add_argument("--temp", type=argtypes.temperature, default=None, metavar="T",
+                   help="temperature; 0 = greedy (default: 0, or the resumed conversation's)")
+    p.add_argument("--top-p", type=argtypes.top_p, default=None, metavar="P",
+                   help="nucleus sampling; 1 = off (default: 1, or the resumed conversation's)")
+    p.add_argument("--max-tokens", "-n", type=argtypes.max_tokens, default=None, metavar="N",
+                   help=f"longest reply in tokens (default: {argtypes.DEFAULT_MAX_TOKENS}, or "
+                        "the resumed conversation's)")
     p.add_argument("--resume", metavar="ID", default=None,
-                   help="continue a saved conversation (see the open dialog, ctrl+o)")
+                   help="continue a saved conversation (see the open dialog, ctrl+o) "
+                        "(default: start a new one)")
     p.set_defaults(func=run)
     return p
 
@@ -30,18 +41,28 @@ def run(args) -> int:
     from pocket_mlx.engine.devices import resolve_device
     from pocket_mlx.engine.loader import resolve_model_path
     from pocket_mlx.engine.session import Settings
+    from pocket_mlx.engine.tokenizer import load_tokenizer
 
     device = resolve_device(args.device)
     store = ConversationStore()
     conv = store.load(args.resume) if args.resume else None
-    settings = Settings.from_dict(conv.settings) if conv else Settings()
-    for name, value in (("system", args.system), ("temperature", args.temp),
-                        ("top_p", args.top_p), ("max_tokens", args.max_tokens)):
-        if value is not None:
+    options = {name: value for name, value in (
+        ("system", args.system), ("temperature", args.temp), ("top_p", args.top_p),
+        ("max_tokens", args.max_tokens)) if value is not None}
+    if conv:
+        settings = _resumed_settings(conv, store.path_for(conv.id), Settings, options)
+    else:
+        settings = Settings()
+        for name, value in options.items():
             setattr(settings, name, value)
     settings.validate()
     model = args.model or (conv.model if conv and conv.model else None)
     path = resolve_model_path(model)  # a bad --model fails here, on one line, before the UI
+    # A chat template that cannot render fails here too, on one line, not at the first message.
+    tokenizer = load_tokenizer(path)
+    if tokenizer.chat_template:
+        probe = [{"role": "system", "content": settings.system}] if settings.system else []
+        tokenizer.apply_chat_template([*probe, {"role": "user", "content": "hello"}])
 
     from pocket_mlx.tui.app import ChatApp
 
@@ -58,3 +79,21 @@ def run(args) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _resumed_settings(conv, path, settings_cls, options: dict):
+    """The settings saved with `conv`, overridden by the options given, checked like the options
+    (a hand-edited file may hold `"temperature": "hot"`)."""
+    saved = conv.settings if isinstance(conv.settings, dict) else {}
+    try:
+        settings = settings_cls.from_dict({**saved, **options})
+    except (TypeError, ValueError) as e:
+        raise PocketError(f"conversation {conv.id}: its settings are not valid ({e}); fix or "
+                          f"delete them in {path}") from None
+    for name, check in _SETTING_CHECKS.items():
+        try:
+            check(getattr(settings, name))
+        except ValueError as e:
+            raise PocketError(f"conversation {conv.id}: saved {name}: {e}; fix it in {path}, or "
+                              "override it with its option") from None
+    return settings

@@ -24,12 +24,13 @@ def register(sub) -> argparse.ArgumentParser:
                         "recipe file (docs/RECIPES.md), or auto (with --target-bpw and --calib); "
                         "default pocket-2bit")
     p.add_argument("--target-bpw", type=float, default=None, metavar="B",
-                   help="with --recipe auto: average bits per weight to aim for")
+                   help="with --recipe auto: average bits per weight to aim for (default: none; "
+                        "required by --recipe auto)")
     p.add_argument("--prune-to", type=int, default=None, metavar="K",
-                   help="keep the K best experts per layer (needs --calib)")
+                   help="keep the K best experts per layer (needs --calib) (default: keep all)")
     p.add_argument("--calib", action="append", default=[], metavar="FILE",
                    help="calibration text, documents separated by <|endoftext|> lines "
-                        "(repeatable: several domains)")
+                        "(repeatable: several domains) (default: none)")
     p.add_argument("--calib-tokens", type=int, default=16384, metavar="N",
                    help="calibration tokens per file (default 16384)")
     # `random` (with the hidden --seed) is accepted too: the baseline of docs/QUALITY.md.

@@ -15,12 +15,12 @@ def register(sub) -> argparse.ArgumentParser:
                     "non-overlapping windows. On the CPU a bf16 model runs in float32.")
     p.add_argument("--model", "-m", default=None,
                    help="model folder or Hugging Face repo id (default: the bundled pocket-tiny)")
-    p.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text file")
+    p.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text file (required)")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--separator", default="<|endoftext|>", metavar="TEXT",
                    help="line that separates documents (default <|endoftext|>)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                   help="use only the first N tokens of the file")
+                   help="use only the first N tokens of the file (default: all of it)")
     p.add_argument("--device", choices=["gpu", "cpu"], default=None,
                    help="where to run (default: the GPU when MLX has one, else the CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

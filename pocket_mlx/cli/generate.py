@@ -6,25 +6,10 @@ import argparse
 import json
 import sys
 
+from pocket_mlx.cli import args as argtypes
+from pocket_mlx.cli.args import add_model_args, add_sampling_args
 from pocket_mlx.errors import PocketError
 from pocket_mlx.units import GB, size
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None,
-                   help="model folder or Hugging Face repo id (default: the bundled pocket-tiny)")
-    p.add_argument("--device", choices=["gpu", "cpu"], default=None,
-                   help="where to run (default: the GPU when MLX has one, else the CPU)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", "-n", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
 
 
 def sampling_from_args(args):
@@ -41,23 +26,37 @@ def register(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text from a prompt",
                        description="Generate a reply to one prompt and print it as it streams.")
     add_model_args(p)
-    p.add_argument("--prompt", "-p", required=True, help="the prompt, or - to read stdin")
-    p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+    p.add_argument("--prompt", "-p", required=True, type=argtypes.utf8_text,
+                   help="the prompt (UTF-8), or - to read it from stdin (required)")
+    p.add_argument("--system", default=None, type=argtypes.utf8_text,
+                   help="system prompt (default: none, or whatever the chat template adds)")
+    p.add_argument("--raw", action="store_true",
+                   help="no chat template: continue the prompt's text as is; cannot be combined "
+                        "with --system (put the system text in the prompt instead)")
     add_sampling_args(p)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=[], type=argtypes.stop_string,
+                   metavar="TEXT", help="stop when the reply contains TEXT, which is left out; "
+                                        "repeatable (default: stop only at the end-of-text token "
+                                        "or --max-tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.set_defaults(func=run)
     return p
 
 
 def run(args) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.raw and args.system is not None:
+        raise PocketError("--raw has no chat template to put --system in; drop --system, or "
+                          "drop --raw, or write the system text into the prompt")
+    if args.prompt == "-":
+        try:
+            prompt = argtypes.decode_utf8(sys.stdin.buffer.read(), "the prompt on stdin (--prompt -)")
+        except ValueError as e:
+            raise PocketError(str(e)) from None
+    else:
+        prompt = args.prompt
     if not prompt.strip():
-        raise PocketError("the prompt is empty")
+        raise PocketError("the prompt is empty; pass some text with --prompt")
     sampling = sampling_from_args(args)
-    if args.max_tokens < 0:
-        raise PocketError(f"--max-tokens must be >= 0, got {args.max_tokens}")
     from pocket_mlx.engine.devices import resolve_device
     from pocket_mlx.engine.generation import stream_generate
     from pocket_mlx.engine.loader import load

@@ -16,11 +16,33 @@ from pocket_mlx.errors import PocketError
 COMMANDS = ["chat", "generate", "info", "wired", "convert", "eval_ppl", "bench"]
 
 
+def one_line(message: str) -> str:
+    """`message` on one line: errors go to stderr as exactly one line."""
+    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help names its default: "(default: X)" is appended unless the help already
+    says it in words (for defaults such as None that need explaining)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help
+        if (not help_text or "default" in help_text or not action.option_strings
+                or action.nargs == 0 or action.default in (None, argparse.SUPPRESS, [], ())):
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports usage errors on one line with exit code 2."""
+    """argparse that reports usage errors on one line with exit code 2, and names defaults in
+    --help."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except PocketError as e:
-        print(f"pocket-mlx {args.command}: error: {e}", file=sys.stderr)
+        print(f"pocket-mlx {args.command}: error: {one_line(e)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"pocket-mlx {args.command}: interrupted", file=sys.stderr)

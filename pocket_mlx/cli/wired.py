@@ -45,7 +45,8 @@ def register(subparsers) -> argparse.ArgumentParser:
             "Sizes are binary: 1 MiB = 2^20 bytes, 1 GiB = 2^30 bytes."
         ),
     )
-    p.add_argument("--model", metavar="DIR", help="local model directory to size (weights + KV)")
+    p.add_argument("--model", metavar="DIR", help="local model directory to size (weights + KV) "
+                                              "(default: none, size nothing)")
     p.add_argument(
         "--context", type=int, metavar="TOKENS", help="KV cache length (default: the model's max)"
     )
@@ -57,7 +58,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     action = p.add_mutually_exclusive_group()
     action.add_argument(
-        "--set", dest="set_limit", metavar="MIB|auto", help="set the limit in MiB (sudo sysctl)"
+        "--set", dest="set_limit", metavar="MIB|auto",
+        help="set the limit in MiB (sudo sysctl) (default: only show it)",
     )
     action.add_argument("--reset", action="store_true", help="back to the system default (0)")
     p.add_argument(

@@ -82,31 +82,56 @@ class Tokenizer:
 
     # ---- chat -------------------------------------------------------------------------------
     def _find_template(self, tcfg: dict) -> str | None:
+        """The chat template text; records where it came from in `chat_template_source` so
+        that a broken template is reported by its file."""
+        self.chat_template_source = ""
         jinja = self.path / "chat_template.jinja"
         if jinja.is_file():
-            return jinja.read_text()
+            self.chat_template_source = str(jinja)
+            try:
+                return jinja.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise PocketError(f"{jinja} is not valid UTF-8 ({e.reason} at byte {e.start}); "
+                                  "save the chat template as UTF-8") from None
         t = tcfg.get("chat_template")
         if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
-            t = next((x["template"] for x in t if x.get("name") == "default"), t[0]["template"])
+            named = [x for x in t if isinstance(x, dict) and isinstance(x.get("template"), str)]
+            if not named:
+                raise PocketError(f"{self.path / 'tokenizer_config.json'}: chat_template is a list "
+                                  'without {"name": ..., "template": ...} entries; fix the file')
+            t = next((x["template"] for x in named if x.get("name") == "default"),
+                     named[0]["template"])
         if isinstance(t, str):
+            self.chat_template_source = f"{self.path / 'tokenizer_config.json'} (chat_template)"
             return t
         js = _read_json(self.path / "chat_template.json").get("chat_template")
-        return js if isinstance(js, str) else None
+        if isinstance(js, str):
+            self.chat_template_source = f"{self.path / 'chat_template.json'} (chat_template)"
+            return js
+        return None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render the model's chat template in a sandbox with a size limit on its output and on
+        every value it builds; any failure of the template (syntax, undefined names, security,
+        limits, Python errors in it) is a `PocketError` naming the template's file."""
         if not self.chat_template:
             raise PocketError("this model has no chat template; use --raw")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        # Imported here: jinja2 costs ~25 ms of start-up that --raw does not need.
+        from pocket_mlx.engine.templates import render_template
 
-        def raise_exception(msg):
-            raise PocketError(f"chat template: {msg}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-        )
+        where = self.chat_template_source or "the chat template"
+        try:
+            return render_template(self.chat_template, messages=messages,
+                                   add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except PocketError as e:  # raise_exception() called by the template itself
+            raise PocketError(f"chat template {where} refused the conversation: {e}") from None
+        except Exception as e:  # noqa: BLE001 - the template is untrusted code; report any failure
+            line = getattr(e, "lineno", None)
+            at = f" (line {line})" if line else ""
+            msg = " ".join(str(e).split()) or type(e).__name__
+            raise PocketError(f"chat template {where} failed{at}: {type(e).__name__}: {msg}; "
+                              "fix the template (or use generate --raw)") from None
 
     def _find_eos(self, config: dict, tcfg: dict) -> list[int]:
         ids: list[int] = []

@@ -1,0 +1,154 @@
+"""Options shared by `generate` and `chat`, and the argparse type functions that refuse bad values
+before anything loads: argparse then reports them on one line with exit code 2 (see
+`cli/main.py`). Each `check_*` takes a parsed value and raises `ValueError` with the sentence to
+show, so that values from elsewhere (a resumed conversation's settings) get the same checks."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+# mx.random.seed takes an unsigned 64-bit integer (checked: 2**64 - 1 works, -1 and 2**64 fail).
+SEED_MAX = 2**64 - 1
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_temperature(v) -> float:
+    if not _is_number(v) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {v!r}")
+    return float(v)
+
+
+def check_top_p(v) -> float:
+    if not _is_number(v) or not 0 < v <= 1:  # False for nan
+        raise ValueError(f"top-p must be a number in (0, 1] (1 = off), got {v!r}")
+    return float(v)
+
+
+def check_top_k(v) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"top-k must be an integer >= 0 (0 = off), got {v!r}")
+    return v
+
+
+def check_min_p(v) -> float:
+    if not _is_number(v) or not 0 <= v <= 1:
+        raise ValueError(f"min-p must be a number in [0, 1] (0 = off), got {v!r}")
+    return float(v)
+
+
+def check_repetition_penalty(v) -> float:
+    if not _is_number(v) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"repetition penalty must be a finite number > 0 (1 = off), got {v!r}")
+    return float(v)
+
+
+def check_max_tokens(v) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"max tokens must be an integer >= 1, got {v!r}")
+    return v
+
+
+def check_seed(v) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= SEED_MAX:
+        raise ValueError(f"seed must be an integer from 0 to {SEED_MAX} (2**64 - 1), got {v!r}")
+    return v
+
+
+def check_utf8(v: str) -> str:
+    """Text from argv arrives with undecodable bytes as lone surrogates (surrogateescape)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            raw = v.encode("utf-8", "surrogateescape")  # the bytes argv held
+        except UnicodeEncodeError:
+            raw = v.encode("utf-8", "surrogatepass")  # a surrogate from elsewhere
+        try:
+            raw.decode("utf-8")
+            where = ""
+        except UnicodeDecodeError as e:
+            where = f" (byte 0x{raw[e.start]:02x} at offset {e.start})"
+        raise ValueError(f"text is not valid UTF-8{where}; pass UTF-8 text "
+                         "(convert it with e.g. iconv -t UTF-8)") from None
+    return v
+
+
+def check_stop(v: str) -> str:
+    if v == "":
+        raise ValueError("an empty stop string would match everywhere; pass a non-empty string")
+    return check_utf8(v)
+
+
+def decode_utf8(data: bytes, what: str) -> str:
+    """`data` as text, or a ValueError saying where it is not UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset "
+                         f"{e.start}); pass UTF-8 text (convert it with e.g. iconv -t UTF-8)"
+                         ) from None
+
+
+def _arg_type(parse: Callable[[str], object], check: Callable, what: str):
+    """An argparse `type=` that parses with `parse`, then applies `check`."""
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        try:
+            return check(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = check.__name__.removeprefix("check_")
+    return convert
+
+
+def _same(text: str) -> str:
+    return text
+
+
+temperature = _arg_type(float, check_temperature, "a number")
+top_p = _arg_type(float, check_top_p, "a number")
+top_k = _arg_type(int, check_top_k, "an integer")
+min_p = _arg_type(float, check_min_p, "a number")
+repetition_penalty = _arg_type(float, check_repetition_penalty, "a number")
+max_tokens = _arg_type(int, check_max_tokens, "an integer")
+seed = _arg_type(int, check_seed, "an integer")
+utf8_text = _arg_type(_same, check_utf8, "text")
+stop_string = _arg_type(_same, check_stop, "text")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="model folder or Hugging Face repo id (default: the bundled pocket-tiny)")
+    p.add_argument("--device", choices=["gpu", "cpu"], default=None,
+                   help="where to run (default: the GPU when MLX has one, else the CPU)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """generate's sampling options; defaults match `SamplingParams`."""
+    p.add_argument("--max-tokens", "-n", type=max_tokens, default=DEFAULT_MAX_TOKENS,
+                   metavar="N", help="longest reply in tokens")
+    p.add_argument("--temp", type=temperature, default=0.0, metavar="T",
+                   help="temperature; 0 = greedy")
+    p.add_argument("--top-p", type=top_p, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the most likely tokens up to this probability "
+                        "mass; 1 = off")
+    p.add_argument("--top-k", type=top_k, default=0, metavar="K",
+                   help="keep only the K most likely tokens; 0 = off")
+    p.add_argument("--min-p", type=min_p, default=0.0, metavar="P",
+                   help="drop tokens less likely than P x the most likely one; 0 = off")
+    p.add_argument("--repetition-penalty", type=repetition_penalty, default=1.0, metavar="R",
+                   help="divide the logits of recently generated tokens by R; 1 = off")
+    p.add_argument("--seed", type=seed, default=None, metavar="S",
+                   help=f"random seed, 0 to {SEED_MAX} (default: a fresh random seed each run)")
