@@ -235,10 +235,10 @@ def test_limited_template_still_renders_the_real_one(model_copy):
 # ---- a resumed conversation's settings --------------------------------------------------------
 
 @pytest.mark.parametrize("settings,needle", [
-    ({"temperature": "hot"}, "settings are not valid"),
-    ({"temperature": float("nan")}, "saved temperature: temperature must be a finite number"),
-    ({"top_p": 7}, "saved top_p: top-p must be a number in (0, 1]"),
-    ({"max_tokens": 0}, "saved max_tokens: max tokens must be an integer >= 1"),
+    ({"temperature": "hot"}, "invalid setting temperature='hot'"),
+    ({"temperature": float("nan")}, "invalid setting temperature=nan"),
+    ({"top_p": 7}, "invalid setting top_p=7"),
+    ({"max_tokens": 0}, "invalid setting max_tokens=0"),
 ], ids=["hot", "nan", "top_p", "max_tokens"])
 def test_chat_resume_with_bad_saved_settings(settings, needle, tmp_path):
     store = ConversationStore(tmp_path / "conversations")

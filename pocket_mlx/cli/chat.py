@@ -8,11 +8,6 @@ import sys
 
 from pocket_mlx.cli import args as argtypes
 from pocket_mlx.cli.args import add_model_args
-from pocket_mlx.errors import PocketError
-
-# How each setting a conversation saves is checked (the same checks as the options).
-_SETTING_CHECKS = {"temperature": argtypes.check_temperature, "top_p": argtypes.check_top_p,
-                   "max_tokens": argtypes.check_max_tokens, "system": argtypes.check_utf8}
 
 
 def register(sub) -> argparse.ArgumentParser:
@@ -49,12 +44,9 @@ def run(args) -> int:
     options = {name: value for name, value in (
         ("system", args.system), ("temperature", args.temp), ("top_p", args.top_p),
         ("max_tokens", args.max_tokens)) if value is not None}
-    if conv:
-        settings = _resumed_settings(conv, store.path_for(conv.id), Settings, options)
-    else:
-        settings = Settings()
-        for name, value in options.items():
-            setattr(settings, name, value)
+    # The saved settings were checked when the conversation was read (store.load); the options
+    # given override them.
+    settings = Settings.from_dict({**(conv.settings if conv else {}), **options})
     settings.validate()
     model = args.model or (conv.model if conv and conv.model else None)
     path = resolve_model_path(model)  # a bad --model fails here, on one line, before the UI
@@ -79,21 +71,3 @@ def run(args) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _resumed_settings(conv, path, settings_cls, options: dict):
-    """The settings saved with `conv`, overridden by the options given, checked like the options
-    (a hand-edited file may hold `"temperature": "hot"`)."""
-    saved = conv.settings if isinstance(conv.settings, dict) else {}
-    try:
-        settings = settings_cls.from_dict({**saved, **options})
-    except (TypeError, ValueError) as e:
-        raise PocketError(f"conversation {conv.id}: its settings are not valid ({e}); fix or "
-                          f"delete them in {path}") from None
-    for name, check in _SETTING_CHECKS.items():
-        try:
-            check(getattr(settings, name))
-        except ValueError as e:
-            raise PocketError(f"conversation {conv.id}: saved {name}: {e}; fix it in {path}, or "
-                              "override it with its option") from None
-    return settings
