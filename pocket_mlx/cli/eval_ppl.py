@@ -15,7 +15,8 @@ def register(sub) -> argparse.ArgumentParser:
         description="Perplexity over documents separated by `<|endoftext|>` lines, in "
                     "non-overlapping windows. On the CPU a bf16 model runs in float32.")
     p.add_argument("--model", "-m", default=None,
-                   help="model folder or Hugging Face repo id (default: the bundled pocket-tiny)")
+                   help="model folder, Hugging Face repo id or synthetic:NAME[:RECIPE] "
+                        "(default: the bundled pocket-tiny)")
     p.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text file")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--separator", default="<|endoftext|>", metavar="TEXT",
@@ -42,9 +43,8 @@ def run(args) -> int:
     if args.max_tokens is not None and args.max_tokens < 2:
         raise PocketError(f"--max-tokens must be at least 2, got {args.max_tokens}")
     device = resolve_device(args.device)
-    # bf16/fp16 arithmetic is 5-40x slower than float32 on the CPU (FIELD_NOTES).
-    model, tokenizer = load(args.model, device=device,
-                            dtype="float32" if device == "cpu" else None, fuse=True)
+    # The shared dtype policy (devices.policy_dtype): float32 on the CPU.
+    model, tokenizer = load(args.model, device=device, fuse=True)
     bar = tqdm(desc="eval-ppl", unit="window", disable=not sys.stderr.isatty(), leave=False)
 
     def progress(done: int, total: int) -> None:

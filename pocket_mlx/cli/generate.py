@@ -11,7 +11,8 @@ from pocket_mlx.errors import PocketError
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
-                   help="model folder or Hugging Face repo id (default: the bundled pocket-tiny)")
+                   help="model folder, Hugging Face repo id or synthetic:NAME[:RECIPE] "
+                        "(default: the bundled pocket-tiny)")
     p.add_argument("--device", choices=["gpu", "cpu"], default=None,
                    help="where to run (default: the GPU when MLX has one, else the CPU)")
 

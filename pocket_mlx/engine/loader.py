@@ -35,7 +35,11 @@ def default_model_path() -> Path:
 
 
 def resolve_model_path(path_or_repo: str | os.PathLike | None) -> Path:
-    """A local folder as is; a repo id through the Hugging Face cache (HF_HUB_OFFLINE honoured)."""
+    """A local folder as is; `synthetic:NAME[:RECIPE]` as the folder `bench --synthetic` writes
+    (once, into the cache: convert/synthetic.py); a repo id through the Hugging Face cache
+    (HF_HUB_OFFLINE honoured). Every command resolves `--model` here."""
+    if str(path_or_repo or "").startswith("synthetic:"):
+        return _synthetic_path(str(path_or_repo))
     if path_or_repo is None:
         path = default_model_path()
         if not path.is_dir():
@@ -57,6 +61,16 @@ def resolve_model_path(path_or_repo: str | os.PathLike | None) -> Path:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PocketError(f"{text} is not a local folder and could not be fetched "
                           f"from the Hugging Face Hub: {first}") from None
+
+
+def _synthetic_path(ref: str) -> Path:
+    # Lazy: the synthetic writer (numpy, the recipes) is only needed for synthetic:NAME.
+    import sys
+
+    from pocket_mlx.convert import synthetic
+
+    name, recipe = synthetic.parse_ref(ref)
+    return synthetic.build(name, recipe, progress=sys.stderr.isatty())
 
 
 def read_config(path: Path) -> dict:
