@@ -188,3 +188,29 @@ def test_greedy_in_the_checkpoint_dtype_identical_to_mlx_lm(exact_kernels):
     lm_model, _ = lm_load(ASSET)
     theirs = [int(t) for t, _ in generate_step(mx.array(ids), lm_model, max_tokens=16)]
     assert len(ours) == 16 and ours == theirs
+
+
+def test_generate_step_yields_tokens_with_their_logprobs(tiny):
+    from pocket_mlx.engine import devices, sampling
+    from pocket_mlx.engine.generation import generate_step
+
+    model, tok = tiny
+    ids = tok.encode("In the beginning")
+    fed: list[int] = []
+    steps = list(generate_step(model, ids, model.make_cache(), sampler=sampling.greedy,
+                               max_tokens=6, stream=devices.stream_for("cpu"), fed=fed,
+                               prefill_step=2))
+    assert len(steps) == 6
+    for token, logprobs in steps:
+        assert logprobs.shape == (1, model.args.vocab_size)
+        assert token == mx.argmax(logprobs, axis=-1).item()
+        assert abs(mx.exp(logprobs).sum().item() - 1) < 1e-3
+    # The last token was never fed back: nothing was queued after it.
+    assert fed == ids + [t for t, _ in steps[:-1]]
+    eos, tok.eos_token_ids = tok.eos_token_ids, []
+    try:
+        streamed = [r.token for r in stream_generate(model, tok, ids, max_tokens=6)
+                    if r.token is not None]
+    finally:
+        tok.eos_token_ids = eos
+    assert streamed == [t for t, _ in steps]

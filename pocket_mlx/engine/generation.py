@@ -256,7 +256,8 @@ def stream_generate(
     dev = devices.resolve_device(device or getattr(model, "device", None))
     stream = devices.stream_for(dev)
     ids = prompt_tokens(tokenizer, prompt, system=system, raw=raw)
-    use_device(model, dev)
+    with mx.stream(stream):  # a switch's casts run on the device's own stream (this thread's)
+        use_device(model, dev)
     if cache is None:
         cache = model.make_cache()
     start_pos = _cache_offset(cache)
