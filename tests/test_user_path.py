@@ -17,7 +17,7 @@ from conftest import ASSET, ROOT
 from mlx.utils import tree_flatten
 
 from pocket_mlx import kernels
-from pocket_mlx.engine.generation import generate, stream_generate
+from pocket_mlx.engine.generation import cast_cache, generate, stream_generate
 from pocket_mlx.engine.loader import cast_model, load, load_model, use_device
 from pocket_mlx.engine.session import ChatSession, Settings
 from pocket_mlx.errors import PocketError
@@ -122,6 +122,12 @@ def test_chat_continues_across_a_dtype_switch(exact_kernels):
     got = turn(switched, m2)
     assert model.run_dtype == "float32"
     assert switched.plan_kind == "cache" and got == want
+    # A cache filled in bf16 (on the GPU) is cast with the weights: float32 nodes at once.
+    cast_model(model, None)
+    cast_cache(switched.cache, mx.bfloat16)
+    m3 = m2 + [{"role": "assistant", "content": got}, {"role": "user", "content": "Why?"}]
+    assert turn(switched, m3) and switched.plan_kind == "cache"
+    assert all(a.dtype == mx.float32 for c in switched.cache for a in c.arrays)
 
 
 # -- start-up ---------------------------------------------------------------------------------

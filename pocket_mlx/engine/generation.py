@@ -257,7 +257,8 @@ def stream_generate(
     stream = devices.stream_for(dev)
     ids = prompt_tokens(tokenizer, prompt, system=system, raw=raw)
     with mx.stream(stream):  # a switch's casts run on the device's own stream (this thread's)
-        use_device(model, dev)
+        if use_device(model, dev) and cache is not None and model.run_dtype:
+            cast_cache(cache, getattr(mx, model.run_dtype))
     if cache is None:
         cache = model.make_cache()
     start_pos = _cache_offset(cache)
@@ -352,6 +353,18 @@ def stream_generate(
 
     with wired:
         yield from run()
+
+
+def cast_cache(cache: list, dtype: mx.Dtype) -> None:
+    """A conversation's cache after a device switch: its float arrays in the new activation
+    dtype, so the next token runs the CPU extension's float32 nodes at once (a KV cache would
+    also follow by itself, see models/cache.py). Cheaper than re-prefilling the conversation."""
+    for c in cache:
+        for name in ("keys", "values", "conv_state", "state"):
+            a = getattr(c, name, None)
+            if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating) \
+                    and a.dtype != dtype:
+                setattr(c, name, a.astype(dtype))
 
 
 def _cache_arrays(c) -> list[mx.array]:
