@@ -293,11 +293,10 @@ def stream_generate(
             cancelled_prefill.append(done)
         return bool(cancelled_prefill)
 
-    def run() -> Iterator[Response]:
+    with wired:
         mx.reset_peak_memory()
         fed: list[int] = []  # tokens the cache consumed
-        detok = tokenizer.detokenizer()
-        pending = ""  # decoded text held back because it might start a stop string
+        text = _StopText(tokenizer, stops)
         n = 0  # tokens sampled so far, EOS not counted
         t_decode = None
         t0 = time.perf_counter()
@@ -316,43 +315,59 @@ def stream_generate(
                 stats.finish_reason = "eos"
                 break
             n += 1
-            pending += detok.add(token)
+            piece, stopped = text.add(token)
             stats.generation_tokens = n
             if n > 1:
                 stats.generation_tps = (n - 1) / (time.perf_counter() - t_decode)
-            hit = next((s for s in stops if s in pending), None)
-            if hit is not None:
-                piece = pending[: pending.index(hit)]
+            if stopped:
                 stats.finish_reason = "stop"
                 if piece:
                     yield Response(piece, token, stats)
                 break
-            hold = _stop_holdback(pending, stops) if stops else 0
-            piece, pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
             yield Response(piece, token, stats)
             if should_stop and should_stop() and n < min(max_tokens, room):
                 stats.finish_reason = "cancelled"
                 break
         else:
             if cancelled_prefill:
-                stats.finish_reason = "cancelled"
-                stats.phase = "done"
+                stats.finish_reason, stats.phase = "cancelled", "done"
                 yield Response("", None, stats, fed_tokens=None)
                 return
             stats.finish_reason = "length" if n >= max_tokens else "context"
         steps.close()
-        if stats.finish_reason != "stop":
-            tail = pending + detok.flush()
-            if tail:
-                yield Response(tail, None, stats)
+        if stats.finish_reason != "stop" and (tail := text.flush()):
+            yield Response(tail, None, stats)
         stats.phase = "done"
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         if t_decode is not None and n > 1:
             stats.generation_tps = (n - 1) / (time.perf_counter() - t_decode)
         yield Response("", None, stats, fed_tokens=fed)
 
-    with wired:
-        yield from run()
+
+class _StopText:
+    """The reply's text as tokens arrive: pieces safe to show, text that might start a stop
+    string held back until it cannot (or does), and what precedes a stop string that hit."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.detok = tokenizer.detokenizer()
+        self.stops = stops
+        self.pending = ""  # decoded text held back because it might start a stop string
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """(piece to show, whether a stop string hit: then the piece is the text before it)."""
+        self.pending += self.detok.add(token)
+        hit = next((s for s in self.stops if s in self.pending), None)
+        if hit is not None:
+            return self.pending[: self.pending.index(hit)], True
+        hold = _stop_holdback(self.pending, self.stops) if self.stops else 0
+        cut = len(self.pending) - hold
+        piece, self.pending = self.pending[:cut], self.pending[cut:]
+        return piece, False
+
+    def flush(self) -> str:
+        """Everything held back, at the end of a reply that no stop string cut."""
+        tail, self.pending = self.pending + self.detok.flush(), ""
+        return tail
 
 
 def cast_cache(cache: list, dtype: mx.Dtype) -> None:
