@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import mlx.core as mx
 import pytest
@@ -166,6 +167,36 @@ def test_generate_and_eval_ppl_take_synthetic_models(synth_cache, tmp_path):
     r = cli("generate", "--model", "synthetic:huge", "--prompt", "hi", env=synth_cache)
     assert r.returncode == 2 and "unknown synthetic model 'huge'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_chat_takes_a_synthetic_model(synth_cache, tmp_path, monkeypatch):
+    """The chat app loads `synthetic:tiny` through the same resolution and answers."""
+    import asyncio
+
+    from pocket_mlx.tui.app import ChatApp
+
+    monkeypatch.setenv("POCKET_MLX_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("POCKET_MLX_CACHE", synth_cache["POCKET_MLX_CACHE"])
+    app = ChatApp("synthetic:tiny", device="cpu", settings=Settings(max_tokens=4),
+                  model_name="synthetic:tiny")
+
+    async def until(pilot, cond) -> None:
+        t = time.monotonic()
+        while not cond():
+            assert time.monotonic() - t < 60, "timed out"
+            await pilot.pause(0.05)
+
+    async def main() -> None:
+        async with app.run_test(size=(100, 32)) as pilot:
+            await until(pilot, lambda: app.ready)
+            app.prompt.text = "hi"
+            await pilot.press("enter")
+            await until(pilot, lambda: app.replies_done > 0)
+
+    asyncio.run(main())
+    s = app.last_stats
+    assert s is not None and s.device == "cpu" and s.finish_reason in ("length", "eos")
+    assert 0 < s.generation_tokens <= 4 or s.finish_reason == "eos"
 
 
 # -- finish reasons and temp= -------------------------------------------------------------------
