@@ -34,13 +34,14 @@ def command(script: str, module: list[str]) -> list[str]:
 
 
 def wall(cmd: list[str]) -> float:
+    """Seconds from start to exit; RuntimeError (its last stderr line) when it fails."""
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     dt = time.perf_counter() - t
     if r.returncode != 0:
         tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}): {tail}")
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {tail}")
     return dt
 
 
@@ -56,8 +57,15 @@ def main() -> int:
     if not args.no_mlx_lm:
         runs["mlx-lm"] = (command("mlx_lm.generate", ["mlx_lm", "generate"])
                           + ["--model", str(MODEL), *ARGS])
-    for cmd in runs.values():
-        wall(cmd)  # warm-up: page cache, .pyc files
+    failed: dict[str, str] = {}
+    for name, cmd in list(runs.items()):
+        try:
+            wall(cmd)  # warm-up: page cache, .pyc files
+        except RuntimeError as e:
+            if name == "pocket-mlx":
+                raise SystemExit(str(e)) from None
+            failed[name] = str(e)  # stock mlx-lm cannot run this model: say so, time ours
+            del runs[name]
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):
         for name, cmd in runs.items():
@@ -68,12 +76,14 @@ def main() -> int:
         print(json.dumps({"model": str(MODEL.relative_to(ROOT)), "args": ARGS,
                           "repeats": args.repeats, "median_s": medians,
                           "runs_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
-                          "target_s": args.target, "ok": ok,
+                          "target_s": args.target, "ok": ok, "failed": failed,
                           "load_average": os.getloadavg()}))
     else:
         for name, m in medians.items():
             print(f"{name:10s} median {m:.3f} s over {args.repeats} runs "
                   f"({', '.join(f'{x:.2f}' for x in times[name])})")
+        for name, why in failed.items():
+            print(f"{name:10s} did not run: {why}")
         if args.target:
             print(f"pocket-mlx below {args.target:g} s: {'yes' if ok else 'NO'} "
                   f"(load average {os.getloadavg()[0]:.1f})")

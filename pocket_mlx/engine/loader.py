@@ -237,6 +237,8 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
     object.__setattr__(model, "stored_dtypes", {
         k: (v.dtype, v.ndim) for k, v in tree_flatten(model.parameters())})
     cast_model(model, dtype)
+    # An explicit dtype sticks; None lets generation apply the device's policy (`use_device`).
+    object.__setattr__(model, "dtype_override", dtype)
     if not lazy:
         # One layer at a time: transient stacks (per-expert checkpoints) never pile up.
         lm = model.language_model
