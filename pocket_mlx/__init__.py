@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "generate", "stream_generate", "__version__"]
+__all__ = ["load", "generate", "stream_generate", "generate_step", "__version__"]
 
 
 def __getattr__(name: str):
@@ -13,7 +13,7 @@ def __getattr__(name: str):
         from pocket_mlx.engine.loader import load
 
         return load
-    if name in ("generate", "stream_generate"):
+    if name in ("generate", "stream_generate", "generate_step"):
         from pocket_mlx.engine import generation as _gen
 
         return getattr(_gen, name)

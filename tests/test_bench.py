@@ -116,7 +116,7 @@ def test_bytes_per_token_by_hand(tiny_ckpt):
     """pocket-2bit tiny: experts 2-bit, router/shared gate 8, rest 4, embed/lm_head 6, bf16."""
     from pocket_mlx.engine.loader import load
 
-    model, _ = load(tiny_ckpt)
+    model, _ = load(tiny_ckpt, dtype="bfloat16")  # as stored (the CPU policy is float32)
     H, V, E, k, I, S = 128, 8192, 16, 4, 64, 64
     kh, vh, kd, vd, conv_k = 2, 4, 32, 32, 4
     nh, nkv, hd = 4, 2, 64
@@ -159,7 +159,7 @@ def test_synthetic_checkpoint_loads_everywhere(tiny_ckpt, exact_kernels):
     assert q["language_model.lm_head"]["bits"] == 6
     assert f"{p}.shared_expert.up_proj" not in q  # the default 4 bits
 
-    ours, tok = load(tiny_ckpt)
+    ours, tok = load(tiny_ckpt, dtype="bfloat16")  # as stored, as mlx-lm loads it
     theirs, _ = mlx_lm_load(tiny_ckpt)
     a, b = dict(tree_flatten(ours.parameters())), dict(tree_flatten(theirs.parameters()))
     assert set(a) == set(b)

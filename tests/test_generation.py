@@ -6,9 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import ASSET
+from mlx.utils import tree_flatten, tree_unflatten
 
 from pocket_mlx.engine.generation import SamplingParams, generate, stream_generate
-from pocket_mlx.engine.loader import load, load_model
+from pocket_mlx.engine.loader import _cast_dtype, load, load_model
 from pocket_mlx.errors import PocketError
 
 IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19]
@@ -158,5 +159,58 @@ def test_greedy_32_tokens_identical_to_mlx_lm(tiny, exact_kernels):
     finally:
         tok.eos_token_ids = eos
     lm_model, _ = lm_load(ASSET)
+    # The same dtype policy on mlx-lm's module tree (float32 activations on the CPU, quantized
+    # matrices' scales as stored), so both compute the same thing.
+    flat = dict(tree_flatten(lm_model.parameters()))
+    stored = {k: v.dtype for k, v in flat.items()}
+    lm_model.update(tree_unflatten([
+        (k, v.astype(_cast_dtype(k, v.dtype, v.ndim, stored, mx.float32)))
+        for k, v in flat.items()]))
+    assert model.run_dtype == "float32"
     theirs = [int(t) for t, _ in generate_step(mx.array(ids), lm_model, max_tokens=32)]
     assert len(ours) == 32 and ours == theirs
+
+
+def test_greedy_in_the_checkpoint_dtype_identical_to_mlx_lm(exact_kernels):
+    """dtype= overrides the policy: bf16 as stored, which is what stock mlx-lm runs."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model as lm_load
+
+    model, tok = load(ASSET, device="cpu", dtype="bfloat16")
+    ids = tok.encode("Tell me a fortune.")
+    eos = tok.eos_token_ids
+    tok.eos_token_ids = []
+    try:
+        ours = [r.token for r in stream_generate(model, tok, ids, max_tokens=16)
+                if r.token is not None]
+    finally:
+        tok.eos_token_ids = eos
+    lm_model, _ = lm_load(ASSET)
+    theirs = [int(t) for t, _ in generate_step(mx.array(ids), lm_model, max_tokens=16)]
+    assert len(ours) == 16 and ours == theirs
+
+
+def test_generate_step_yields_tokens_with_their_logprobs(tiny):
+    from pocket_mlx.engine import devices, sampling
+    from pocket_mlx.engine.generation import generate_step
+
+    model, tok = tiny
+    ids = tok.encode("In the beginning")
+    fed: list[int] = []
+    steps = list(generate_step(model, ids, model.make_cache(), sampler=sampling.greedy,
+                               max_tokens=6, stream=devices.stream_for("cpu"), fed=fed,
+                               prefill_step=2))
+    assert len(steps) == 6
+    for token, logprobs in steps:
+        assert logprobs.shape == (1, model.args.vocab_size)
+        assert token == mx.argmax(logprobs, axis=-1).item()
+        assert abs(mx.exp(logprobs).sum().item() - 1) < 1e-3
+    # The last token was never fed back: nothing was queued after it.
+    assert fed == ids + [t for t, _ in steps[:-1]]
+    eos, tok.eos_token_ids = tok.eos_token_ids, []
+    try:
+        streamed = [r.token for r in stream_generate(model, tok, ids, max_tokens=6)
+                    if r.token is not None]
+    finally:
+        tok.eos_token_ids = eos
+    assert streamed == [t for t, _ in steps]

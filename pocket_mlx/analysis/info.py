@@ -46,9 +46,9 @@ def open_source(model: str | None) -> Source:
     from pocket_mlx.convert import synthetic
     from pocket_mlx.engine.loader import load_model, read_config, resolve_model_path
 
-    if model and model.startswith("synthetic:"):
-        _, name, *rest = model.split(":")
-        recipe = rest[0] if rest else synthetic.DEFAULT_RECIPE
+    if (ref := synthetic.parse_ref(model)) is not None:
+        # Described from its shape alone: nothing is written (generate & co. build the folder).
+        name, recipe = ref
         config = synthetic.config_for(name)
         skel = synthetic.build_model(config)
         quant = synthetic.quantization_for(skel, recipe)

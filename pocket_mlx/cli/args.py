@@ -129,8 +129,10 @@ stop_string = _arg_type(_same, check_stop, "text")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model and --device, the same for every command that runs a model."""
     p.add_argument("--model", "-m", default=None,
-                   help="model folder or Hugging Face repo id (default: the bundled pocket-tiny)")
+                   help="model folder, Hugging Face repo id (user/repo[@revision]) or "
+                        "synthetic:NAME[:RECIPE] (default: the bundled pocket-tiny)")
     p.add_argument("--device", choices=["gpu", "cpu"], default=None,
                    help="where to run (default: the GPU when MLX has one, else the CPU)")
 

@@ -95,17 +95,16 @@ def run(args) -> int:
     if args.threads and not kinfo["active"]:
         log(f"note: --threads {args.threads} has no effect: MLX runs CPU ops on one thread "
             "and the pocket kernels are not active")
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "float32" if device == "cpu" else None
+    # auto: the dtype policy every entry point shares (devices.policy_dtype).
+    dtype = None if args.dtype == "auto" else args.dtype
     t0 = time.perf_counter()
     model, _ = load(path, device=device, dtype=dtype, fuse=True)
     # Said after loading: a checkpoint that fails its load check leaves one error line.
-    log(f"loaded {path} ({dtype or 'checkpoint dtype'}) on {devices.describe(device)} in "
+    log(f"loaded {path} ({model.run_dtype or 'checkpoint dtype'}) on {devices.describe(device)} in "
         f"{time.perf_counter() - t0:.1f} s")
     stats = weight_stats(model)
     scales = [v for k, v in _flat(model) if k.endswith("scales")]
-    shown_dtype = dtype or (str(scales[0].dtype).split(".")[-1] if scales else "float")
+    shown_dtype = model.run_dtype or (str(scales[0].dtype).split(".")[-1] if scales else "float")
 
     bw = bench.probe_bandwidth(device, threads, quick=not args.bandwidth)
     if args.bandwidth:

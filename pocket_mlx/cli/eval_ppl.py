@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from pocket_mlx.cli.args import add_model_args
 from pocket_mlx.errors import PocketError
 
 
@@ -13,16 +14,13 @@ def register(sub) -> argparse.ArgumentParser:
         "eval-ppl", help="perplexity on a text file",
         description="Perplexity over documents separated by `<|endoftext|>` lines, in "
                     "non-overlapping windows. On the CPU a bf16 model runs in float32.")
-    p.add_argument("--model", "-m", default=None,
-                   help="model folder or Hugging Face repo id (default: the bundled pocket-tiny)")
+    add_model_args(p)
     p.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text file (required)")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--separator", default="<|endoftext|>", metavar="TEXT",
                    help="line that separates documents (default <|endoftext|>)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="use only the first N tokens of the file (default: all of it)")
-    p.add_argument("--device", choices=["gpu", "cpu"], default=None,
-                   help="where to run (default: the GPU when MLX has one, else the CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
     return p
@@ -41,9 +39,8 @@ def run(args) -> int:
     if args.max_tokens is not None and args.max_tokens < 2:
         raise PocketError(f"--max-tokens must be at least 2, got {args.max_tokens}")
     device = resolve_device(args.device)
-    # bf16/fp16 arithmetic is 5-40x slower than float32 on the CPU (FIELD_NOTES).
-    model, tokenizer = load(args.model, device=device,
-                            dtype="float32" if device == "cpu" else None, fuse=True)
+    # The shared dtype policy (devices.policy_dtype): float32 on the CPU.
+    model, tokenizer = load(args.model, device=device, fuse=True)
     context = int(model.args.max_position_embeddings)
     if args.window > context:
         # Past its context a model reads positions it was never trained on: the number

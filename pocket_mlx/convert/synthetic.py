@@ -80,6 +80,22 @@ def config_for(name: str) -> dict:
     return {**_COMMON, **SHAPES[name]}
 
 
+PREFIX = "synthetic:"
+
+
+def parse_ref(model: str | None) -> tuple[str, str] | None:
+    """(name, recipe) of a `synthetic:NAME[:RECIPE]` model reference (checked), else None."""
+    text = str(model) if model is not None else ""
+    if not text.startswith(PREFIX):
+        return None
+    name, _, recipe = text[len(PREFIX):].partition(":")
+    config_for(name)  # validates the name
+    recipe = recipe or DEFAULT_RECIPE
+    if recipe not in RECIPES:
+        raise PocketError(f"unknown recipe {recipe!r} for {text} (known: {', '.join(RECIPES)})")
+    return name, recipe
+
+
 def original_experts(name: str) -> int:
     """Experts per layer of the unpruned model a synthetic shape stands for."""
     return _QWEN35_35B["num_experts"] if name.startswith("pocket-35b") else SHAPES[name]["num_experts"]

@@ -57,6 +57,14 @@ def resolve_device(name: str | None) -> str:
     return name
 
 
+def policy_dtype(name: str) -> str | None:
+    """The dtype policy of every entry point (load, generate, chat, eval-ppl, bench): float32
+    activations on the CPU, where MLX's bf16/fp16 arithmetic is 5-40x slower and the extension's
+    decode nodes take float32 only (quantized scales stay as stored: the kernels read them in
+    16 bits); on the GPU the checkpoint's own dtype (None). `engine.loader` applies it."""
+    return "float32" if resolve_device(name) == "cpu" else None
+
+
 def mx_device(name: str) -> mx.Device:
     return mx.gpu if name == "gpu" else mx.cpu
 

@@ -1,7 +1,12 @@
 """Streaming generation: chunked prefill, pipelined decode, sampling, stops and live stats.
 
+Two layers, as in mlx-lm: `generate_step` turns prompt token ids into (token, logprobs) pairs
+(prefill, decode, sampling); `stream_generate` wraps it with the chat template, the
+detokenizer, stop strings, the context limit and live stats.
+
 Generation runs on the stream of the chosen device (see `devices`), never on a stream fixed at
-import time, so one loaded model can generate on the GPU, then on the CPU, without reloading.
+import time, so one loaded model can generate on the GPU, then on the CPU, without reloading:
+the model's float dtype follows the device (`loader.use_device`).
 """
 
 from __future__ import annotations
@@ -10,12 +15,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field
 
 import mlx.core as mx
 
 from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.engine import devices
+from pocket_mlx.engine import sampling as _sampling
+from pocket_mlx.engine.loader import use_device
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system.memory import wired_limit
 
@@ -29,6 +36,33 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     repetition_context: int = 64
     seed: int | None = None
+    # mlx-lm's and the CLI's name for the temperature; a temperature left at its default counts
+    # as not given (stream_generate's keywords tell both apart exactly).
+    temp: InitVar[float | None] = None
+
+    def __post_init__(self, temp: float | None) -> None:
+        if temp is not None:
+            if self.temperature not in (0.0, temp):
+                raise PocketError(f"temp={temp} and temperature={self.temperature} disagree: "
+                                  "give one of them")
+            self.temperature = temp
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> SamplingParams:
+        """From keywords (`temp` or `temperature`, not both with different values)."""
+        kwargs = dict(kwargs)
+        if "temp" in kwargs and "temperature" in kwargs:
+            temp, temperature = kwargs.pop("temp"), kwargs["temperature"]
+            if temp != temperature:
+                raise PocketError(f"temp={temp} and temperature={temperature} disagree: "
+                                  "give one of them")
+        elif "temp" in kwargs:
+            kwargs["temperature"] = kwargs.pop("temp")
+        names = set(cls.__dataclass_fields__) - {"temp"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+        return cls(**kwargs)
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -78,20 +112,14 @@ class Response:
 
 
 def make_sampler(p: SamplingParams) -> Callable[[mx.array], mx.array]:
-    # mlx-lm's samplers are reused on purpose: generic, well tested, and they compile well.
-    from mlx_lm.sample_utils import make_sampler as _make
-
-    return _make(temp=p.temperature, top_p=p.top_p if p.top_p < 1 else 0.0, min_p=p.min_p,
-                 top_k=p.top_k)
+    # engine/sampling.py, not mlx-lm's: importing mlx_lm imports transformers (seconds).
+    return _sampling.make_sampler(temp=p.temperature, top_p=p.top_p, min_p=p.min_p,
+                                  top_k=p.top_k)
 
 
 def make_logits_processors(p: SamplingParams) -> list:
-    if p.repetition_penalty == 1.0:
-        return []
-    from mlx_lm.sample_utils import make_logits_processors as _make
-
-    return _make(repetition_penalty=p.repetition_penalty,
-                 repetition_context_size=p.repetition_context)
+    return _sampling.make_logits_processors(repetition_penalty=p.repetition_penalty,
+                                            repetition_context_size=p.repetition_context)
 
 
 def context_limit(model) -> int:
@@ -128,6 +156,71 @@ def _stop_holdback(text: str, stops: list[str]) -> int:
     return hold
 
 
+def generate_step(
+    model,
+    ids: list[int],
+    cache: list,
+    *,
+    sampler: Callable[[mx.array], mx.array],
+    processors: list | tuple = (),
+    max_tokens: int,
+    stream: mx.Stream,
+    prefill_step: int = 512,
+    on_prefill: Callable[[int], bool] | None = None,
+    fed: list[int] | None = None,
+) -> Iterator[tuple[int, mx.array]]:
+    """Yield (token, logprobs [1, vocab]) for up to `max_tokens` sampled tokens after `ids`.
+
+    All but the last prompt token are prefilled in chunks of `prefill_step`, evaluating the
+    cache as it goes; `on_prefill(done)` is called after each chunk and may return True to stop
+    there (nothing is yielded). Decoding is pipelined: the next step's graph is queued from the
+    still-lazy token before the current one is read, so building it in Python overlaps the
+    device's work (as mlx-lm does). `fed`, when given, receives every token the cache consumed
+    (the prompt, then each sampled token whose successor was queued), so a caller that stops
+    early knows what the cache holds."""
+    history = mx.array(ids, mx.uint32)
+    if fed is not None:
+        fed.extend(ids)
+
+    def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
+        logits = model(tokens[None], cache=cache)[:, -1, :]
+        for proc in processors:
+            logits = proc(history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return sampler(logprobs), logprobs
+
+    with mx.stream(stream):
+        rest = mx.array(ids, mx.uint32)
+        done = 0
+        while rest.size > 1:
+            n = min(prefill_step, rest.size - 1)
+            model(rest[:n][None], cache=cache)
+            mx.eval([a for c in cache for a in _cache_arrays(c)])
+            rest = rest[n:]
+            done += n
+            if on_prefill is not None and on_prefill(done):
+                return
+        y, logprobs = step(rest)
+        mx.async_eval(y, logprobs)
+    n = 0
+    while n < max_tokens:
+        y_next = None
+        if n + 1 < max_tokens:
+            if processors:
+                history = mx.concatenate([history, y.astype(mx.uint32)])
+            with mx.stream(stream):
+                y_next, logprobs_next = step(y.astype(mx.uint32))
+                mx.async_eval(y_next, logprobs_next)
+        token = y.item()
+        if y_next is not None and fed is not None:
+            fed.append(token)
+        yield token, logprobs
+        n += 1
+        if y_next is None:
+            return
+        y, logprobs = y_next, logprobs_next
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -147,16 +240,25 @@ def stream_generate(
     **sampling_kwargs,
 ) -> Iterator[Response]:
     """Yield `Response`s: text pieces as they decode, each with live stats; the last has
-    `stats.finish_reason` set. Pass `cache` (from `model.make_cache()`) to continue a
-    conversation: only the new tokens are prefilled. `warn` receives one-off warnings (the
-    GPU memory one); default: stderr."""
-    sampling = sampling or SamplingParams(**sampling_kwargs)
+    `stats.finish_reason` set (eos, stop, length, context: the model's context limit cut the
+    reply, or cancelled). Sampling comes as `sampling=SamplingParams(...)` or as its keywords
+    (`temperature=` or mlx-lm's `temp=`, `top_p=`, `seed=`, ...). Pass `cache` (from
+    `model.make_cache()`) to continue a conversation: only the new tokens are prefilled. A
+    `device` other than the model's switches it (its float dtype follows, see
+    `loader.use_device`). `warn` receives one-off warnings (the GPU memory one); default:
+    stderr."""
+    if sampling is not None and sampling_kwargs:
+        raise PocketError("give sampling=SamplingParams(...) or sampling keywords, not both")
+    sampling = sampling or SamplingParams.from_kwargs(sampling_kwargs)
     sampling.validate()
     if max_tokens < 0:
         raise PocketError(f"max tokens must be >= 0, got {max_tokens}")
     dev = devices.resolve_device(device or getattr(model, "device", None))
     stream = devices.stream_for(dev)
     ids = prompt_tokens(tokenizer, prompt, system=system, raw=raw)
+    with mx.stream(stream):  # a switch's casts run on the device's own stream (this thread's)
+        if use_device(model, dev) and cache is not None and model.run_dtype:
+            cast_cache(cache, getattr(mx, model.run_dtype))
     if cache is None:
         cache = model.make_cache()
     start_pos = _cache_offset(cache)
@@ -181,103 +283,103 @@ def stream_generate(
         wired.enter_context(wired_limit(weights.bytes_total, dev, streams=[stream], warn=warn))
     room = limit - start_pos - len(ids)  # tokens that still fit the context
 
-    def run() -> Iterator[Response]:
-        """Prefill, then decode (arguments checked above)."""
+    cancelled_prefill = []  # set when should_stop ends the prefill
+
+    def on_prefill(done: int) -> bool:
+        stats.prefill_done = done
+        if progress:
+            progress(done, len(ids))
+        if should_stop and should_stop():
+            cancelled_prefill.append(done)
+        return bool(cancelled_prefill)
+
+    with wired:
         mx.reset_peak_memory()
-        history = mx.array(ids, mx.uint32)
-        fed = list(ids)  # tokens the cache will have consumed
-
-        def step(tokens: mx.array, hist: mx.array) -> tuple[mx.array, mx.array]:
-            logits = model(tokens[None], cache=cache)[:, -1, :]
-            for proc in processors:
-                logits = proc(hist, logits)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return sampler(logprobs), logprobs
-
-        t0 = time.perf_counter()
-        with mx.stream(stream):
-            # Prefill all but the last prompt token in chunks, evaluating caches as we go.
-            rest = mx.array(ids, mx.uint32)
-            done = 0
-            while rest.size > 1:
-                n = min(prefill_step, rest.size - 1)
-                model(rest[:n][None], cache=cache)
-                mx.eval([a for c in cache for a in _cache_arrays(c)])
-                rest = rest[n:]
-                done += n
-                stats.prefill_done = done
-                if progress:
-                    progress(done, len(ids))
-                if should_stop and should_stop():
-                    stats.finish_reason = "cancelled"
-                    stats.phase = "done"
-                    yield Response("", None, stats, fed_tokens=None)
-                    return
-            y, _ = step(rest, history)
-            mx.async_eval(y)
-        detok = tokenizer.detokenizer()
-        pending = ""  # decoded text held back because it might start a stop string
-        n = 0  # tokens sampled so far
+        fed: list[int] = []  # tokens the cache consumed
+        text = _StopText(tokenizer, stops)
+        n = 0  # tokens sampled so far, EOS not counted
         t_decode = None
-        while True:
-            if n >= max_tokens or n >= room:
-                stats.finish_reason = "length" if n >= max_tokens else "context"
-                break
-            if should_stop and should_stop():
-                stats.finish_reason = "cancelled"
-                break
-            # Queue the next step from the still-lazy token before waiting for it: building the
-            # graph in Python overlaps the device's work on the current step (as mlx-lm does).
-            y_next = None
-            if n + 1 < max_tokens and n + 1 < room:
-                if processors:
-                    history = mx.concatenate([history, y.astype(mx.uint32)])
-                with mx.stream(stream):
-                    y_next, _ = step(y.astype(mx.uint32), history)
-                    mx.async_eval(y_next)
-            token = y.item()
-            if n == 0:
+        t0 = time.perf_counter()
+        steps = generate_step(model, ids, cache, sampler=sampler, processors=processors,
+                              max_tokens=min(max_tokens, room), stream=stream,
+                              prefill_step=prefill_step, on_prefill=on_prefill, fed=fed)
+        for token, _ in steps:
+            if t_decode is None:
                 t_decode = time.perf_counter()
                 stats.ttft_s = t_decode - t0
                 stats.prompt_tps = len(ids) / stats.ttft_s
                 stats.phase = "decode"
                 if progress:
                     progress(len(ids), len(ids))
-            if y_next is not None:
-                fed.append(token)
             if token in eos:
                 stats.finish_reason = "eos"
                 break
             n += 1
-            pending += detok.add(token)
+            piece, stopped = text.add(token)
             stats.generation_tokens = n
             if n > 1:
                 stats.generation_tps = (n - 1) / (time.perf_counter() - t_decode)
-            hit = next((s for s in stops if s in pending), None)
-            if hit is not None:
-                piece = pending[: pending.index(hit)]
+            if stopped:
                 stats.finish_reason = "stop"
                 if piece:
                     yield Response(piece, token, stats)
                 break
-            hold = _stop_holdback(pending, stops) if stops else 0
-            piece, pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
             yield Response(piece, token, stats)
-            if y_next is None:
-                continue  # the checks at the top end the loop
-            y = y_next
-        if stats.finish_reason not in ("stop",):
-            tail = pending + detok.flush()
-            if tail:
-                yield Response(tail, None, stats)
+            if should_stop and should_stop() and n < min(max_tokens, room):
+                stats.finish_reason = "cancelled"
+                break
+        else:
+            if cancelled_prefill:
+                stats.finish_reason, stats.phase = "cancelled", "done"
+                yield Response("", None, stats, fed_tokens=None)
+                return
+            stats.finish_reason = "length" if n >= max_tokens else "context"
+        steps.close()
+        if stats.finish_reason != "stop" and (tail := text.flush()):
+            yield Response(tail, None, stats)
         stats.phase = "done"
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         if t_decode is not None and n > 1:
             stats.generation_tps = (n - 1) / (time.perf_counter() - t_decode)
         yield Response("", None, stats, fed_tokens=fed)
 
-    with wired:
-        yield from run()
+
+class _StopText:
+    """The reply's text as tokens arrive: pieces safe to show, text that might start a stop
+    string held back until it cannot (or does), and what precedes a stop string that hit."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.detok = tokenizer.detokenizer()
+        self.stops = stops
+        self.pending = ""  # decoded text held back because it might start a stop string
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """(piece to show, whether a stop string hit: then the piece is the text before it)."""
+        self.pending += self.detok.add(token)
+        hit = next((s for s in self.stops if s in self.pending), None)
+        if hit is not None:
+            return self.pending[: self.pending.index(hit)], True
+        hold = _stop_holdback(self.pending, self.stops) if self.stops else 0
+        cut = len(self.pending) - hold
+        piece, self.pending = self.pending[:cut], self.pending[cut:]
+        return piece, False
+
+    def flush(self) -> str:
+        """Everything held back, at the end of a reply that no stop string cut."""
+        tail, self.pending = self.pending + self.detok.flush(), ""
+        return tail
+
+
+def cast_cache(cache: list, dtype: mx.Dtype) -> None:
+    """A conversation's cache after a device switch: its float arrays in the new activation
+    dtype, so the next token runs the CPU extension's float32 nodes at once (a KV cache would
+    also follow by itself, see models/cache.py). Cheaper than re-prefilling the conversation."""
+    for c in cache:
+        for name in ("keys", "values", "conv_state", "state"):
+            a = getattr(c, name, None)
+            if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating) \
+                    and a.dtype != dtype:
+                setattr(c, name, a.astype(dtype))
 
 
 def _cache_arrays(c) -> list[mx.array]:
@@ -291,5 +393,5 @@ def _cache_offset(cache: list) -> int:
 
 
 def generate(model, tokenizer, prompt, **kwargs) -> str:
-    """The whole reply as one string."""
+    """The whole reply as one string (keywords as `stream_generate`'s)."""
     return "".join(r.text for r in stream_generate(model, tokenizer, prompt, **kwargs))

@@ -36,8 +36,12 @@ def default_model_path() -> Path:
 
 
 def resolve_model_path(path_or_repo: str | os.PathLike | None) -> Path:
-    """A local folder as is; a repo id (`user/repo[@revision]`) through the Hugging Face cache,
-    downloading only what is missing (see `pocket_mlx.engine.hub`)."""
+    """A local folder as is; `synthetic:NAME[:RECIPE]` as the folder `bench --synthetic` writes
+    (once, into the cache: convert/synthetic.py); a repo id (`user/repo[@revision]`) through the
+    Hugging Face cache, downloading only what is missing (see `pocket_mlx.engine.hub`). Every
+    command resolves `--model` here."""
+    if str(path_or_repo or "").startswith("synthetic:"):
+        return _synthetic_path(str(path_or_repo))
     if path_or_repo is None:
         path = default_model_path()
         if not path.is_dir():
@@ -52,6 +56,16 @@ def resolve_model_path(path_or_repo: str | os.PathLike | None) -> Path:
     if (repo := parse_repo_id(text)) is None:
         raise PocketError(f"no such model folder: {text}")
     return fetch(*repo)
+
+
+def _synthetic_path(ref: str) -> Path:
+    # Lazy: the synthetic writer (numpy, the recipes) is only needed for synthetic:NAME.
+    import sys
+
+    from pocket_mlx.convert import synthetic
+
+    name, recipe = synthetic.parse_ref(ref)
+    return synthetic.build(name, recipe, progress=sys.stderr.isatty())
 
 
 def read_config(path: Path) -> dict:
@@ -146,48 +160,97 @@ def _dtype_name(v: mx.array) -> str:
     return str(v.dtype).split(".")[-1]
 
 
-def _cast(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
-    """Cast float weights, except the (1 + w) norms, which stay float32 for precision, and the
-    scales and biases of quantized matrices: they set no activation dtype, and in their stored
-    16-bit form they are fewer bytes to read per token (the CPU kernels take them as they are).
-    The embedding's do set it (its rows are dequantized into the residual stream): cast."""
-    out = {}
-    for k, v in weights.items():
-        owner = k[: -len(".scales")]  # ".biases" has the same length
-        keep = (v.ndim == 1 and v.dtype == mx.float32 and k.endswith("norm.weight")) or (
-            k.endswith((".scales", ".biases")) and not owner.endswith("embed_tokens")
-            and getattr(weights.get(owner + ".weight"), "dtype", None) == mx.uint32)
-        out[k] = v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and not keep else v
-    return out
+def _cast_dtype(name: str, stored: mx.Dtype, ndim: int, stored_of: dict[str, mx.Dtype],
+                dtype: mx.Dtype) -> mx.Dtype:
+    """The dtype parameter `name` (stored as `stored`) gets when the model runs in `dtype`.
+
+    Float parameters take `dtype`, except the (1 + w) norms, which stay float32 for precision,
+    and the scales and biases of quantized matrices: they set no activation dtype, and in their
+    stored 16-bit form they are fewer bytes to read per token (the CPU kernels take them as
+    they are). The embedding's do set it (its rows are dequantized into the residual stream)."""
+    if not mx.issubdtype(stored, mx.floating):
+        return stored
+    if ndim == 1 and stored == mx.float32 and name.endswith("norm.weight"):
+        return stored
+    owner = name[: -len(".scales")]  # ".biases" has the same length
+    if (name.endswith((".scales", ".biases")) and not owner.endswith("embed_tokens")
+            and stored_of.get(owner + ".weight") == mx.uint32):
+        return stored
+    return dtype
+
+
+def cast_model(model: nn.Module, dtype: str | None) -> int:
+    """Run `model` in `dtype` ("float32", ...; None: the checkpoint's own dtypes) by casting
+    its float parameters in place, lazily (see `_cast_dtype`). The dtypes the checkpoint stored
+    are kept on the model (`stored_dtypes`), so casting back restores them exactly (bf16 and
+    fp16 values are exact in float32): a device switch needs no reload. Returns the number of
+    arrays cast."""
+    stored: dict[str, tuple[mx.Dtype, int]] = model.stored_dtypes
+    stored_of = {k: d for k, (d, _) in stored.items()}
+    target = getattr(mx, dtype) if dtype is not None else None
+    changed = []
+    for k, v in tree_flatten(model.parameters()):
+        d, ndim = stored[k]
+        want = d if target is None else _cast_dtype(k, d, ndim, stored_of, target)
+        if v.dtype != want:
+            changed.append((k, v.astype(want)))
+    if changed:
+        model.update(tree_unflatten(changed))
+    object.__setattr__(model, "run_dtype", dtype)
+    return len(changed)
+
+
+def use_device(model: nn.Module, device: str) -> bool:
+    """Make `model` the model of `device` under the dtype policy (`devices.policy_dtype`),
+    unless `load(..., dtype=...)` fixed its dtype. Cheap when nothing changes; a switch casts
+    the float parameters (the small non-quantized ones on a quantized model; milliseconds on
+    the bundled model) and evaluates them. Returns True when parameters were cast."""
+    from pocket_mlx.engine.devices import policy_dtype, resolve_device
+
+    device = resolve_device(device)
+    model.device = device
+    if getattr(model, "dtype_override", None) is not None or not hasattr(model, "stored_dtypes"):
+        return False
+    want = policy_dtype(device)
+    if want == getattr(model, "run_dtype", None):
+        return False
+    if cast_model(model, want):
+        mx.eval(model.parameters())
+        return True
+    return False
 
 
 def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
                lazy: bool = False, fuse: bool = False) -> nn.Module:
-    """The model of a checkpoint folder. `fuse` (inference only) runs projections that read the
-    same input as one matmul (`Model.fuse_projections`); the parameters are then no longer
-    the checkpoint's, so converting, calibrating and saving load without it."""
+    """The model of a checkpoint folder, its float parameters cast to `dtype` (see
+    `cast_model`). `fuse` (inference only) runs projections that read the same input as one
+    matmul (`Model.fuse_projections`); the parameters are then no longer the checkpoint's, so
+    converting, calibrating and saving load without it."""
     config = config or read_config(path)
     quant = quantization(config, where=str(path / "config.json"))
     model = build_model(config)
     weights = model.sanitize(load_weights(path))
     quantize_as_stored(model, quant, weights)
     check_shapes(model, weights)
-    if dtype is not None:
-        weights = _cast(weights, getattr(mx, dtype))
     model.update(tree_unflatten(list(weights.items())))
     del weights
     model.eval()
     if fuse:
-        # Before the layers are evaluated: the fused arrays are computed from the mapped
-        # files directly, and the separate projections never stay in memory.
-        model.fuse_projections(evaluate=not lazy)
+        # Lazily: the fused arrays are computed from the mapped files by the per-layer
+        # evaluation below (after any cast), so the separate projections never stay in memory.
+        model.fuse_projections(evaluate=False)
+    # object.__setattr__: nn.Module would file a dict attribute among its parameters.
+    object.__setattr__(model, "stored_dtypes", {
+        k: (v.dtype, v.ndim) for k, v in tree_flatten(model.parameters())})
+    cast_model(model, dtype)
+    # An explicit dtype sticks; None lets generation apply the device's policy (`use_device`).
+    object.__setattr__(model, "dtype_override", dtype)
     if not lazy:
         # One layer at a time: transient stacks (per-expert checkpoints) never pile up.
         lm = model.language_model
         for layer in lm.model.layers:
             mx.eval(layer.parameters())
         mx.eval(model.parameters())
-    # object.__setattr__: nn.Module would file a dict attribute among its parameters.
     object.__setattr__(model, "config", config)
     model.path = path
     return model
@@ -198,15 +261,22 @@ def load(path_or_repo: str | os.PathLike | None = None, device: str | None = Non
     """Load a model and its tokenizer: `(model, tokenizer)`.
 
     `device` ("gpu"/"cpu"/None) is checked and recorded as the model's default generation device;
-    weights live in unified memory, so the same model can generate on either. `fuse=True` (for
-    generation and evaluation, fewer matmuls per token) fuses projections: see `load_model`.
+    weights live in unified memory, so the same model can generate on either. The float dtype
+    follows the device (`devices.policy_dtype`: float32 on the CPU, the checkpoint's on the GPU)
+    and follows it again when generation runs on another device; `dtype` ("float32",
+    "bfloat16", "float16") fixes it instead. `fuse=True` (for generation and evaluation, fewer
+    matmuls per token) fuses projections: see `load_model`.
     """
-    from pocket_mlx.engine.devices import resolve_device
+    from pocket_mlx.engine.devices import policy_dtype, resolve_device
     from pocket_mlx.engine.tokenizer import load_tokenizer
 
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise PocketError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    device = resolve_device(device)
     path = resolve_model_path(path_or_repo)
     config = read_config(path)
-    model = load_model(path, config, dtype=dtype, lazy=lazy, fuse=fuse)
-    model.device = resolve_device(device)
+    model = load_model(path, config, dtype=dtype or policy_dtype(device), lazy=lazy, fuse=fuse)
+    model.device = device
+    object.__setattr__(model, "dtype_override", dtype)
     tokenizer = load_tokenizer(path, config)
     return model, tokenizer

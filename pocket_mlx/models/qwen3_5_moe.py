@@ -28,6 +28,7 @@ import mlx.nn as nn
 from pocket_mlx.config import model_type, resolve_layer_types, text_config
 from pocket_mlx.errors import PocketError
 from pocket_mlx.kernels import ops
+from pocket_mlx.models.cache import KVCache
 from pocket_mlx.models.fusion import fuse, project
 from pocket_mlx.models.layers import Embedding, Linear, RMSNorm, SwitchGLU
 
@@ -511,10 +512,8 @@ class Model(nn.Module):
         return count
 
     def make_cache(self) -> list:
-        # mlx-lm's KVCache is reused on purpose: a small, well-kept, preallocating cache that
-        # supports trimming (the chat app rewinds to the end of the last prompt).
-        from mlx_lm.models.cache import KVCache
-
+        # models/cache.KVCache mirrors mlx-lm's (preallocating, trimmable: the chat app rewinds
+        # to the end of the last prompt) without importing mlx_lm, which imports transformers.
         return [LinearAttentionCache() if l.is_linear else KVCache() for l in self.layers]
 
     @staticmethod

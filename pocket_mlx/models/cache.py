@@ -1,0 +1,67 @@
+"""The full-attention layers' KV cache: preallocated in steps, trimmable.
+
+Why not mlx-lm's `KVCache` (which this mirrors): importing `mlx_lm.models.cache` runs the
+`mlx_lm` package's `__init__`, which imports `transformers` (~2.3 s), and every generation makes
+a cache. Same growth rule (blocks of `step` positions), same trimming (the chat rewinds to a
+snapshot).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class KVCache:
+    """Keys and values [B, heads, positions, head_dim] of one attention layer."""
+
+    step = 256
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append the new positions; return every position held so far."""
+        prev = self.offset
+        if self.keys is not None and self.keys.dtype != keys.dtype:
+            # The model's activation dtype changed (a device switch, see engine.loader):
+            # the held positions follow it, so attention sees one dtype.
+            self.keys, self.values = self.keys.astype(keys.dtype), self.values.astype(values.dtype)
+        if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:
+            B, heads, n, k_dim = keys.shape
+            steps = (self.step + n - 1) // self.step
+            new_k = mx.zeros((B, heads, steps * self.step, k_dim), keys.dtype)
+            new_v = mx.zeros((B, heads, steps * self.step, values.shape[3]), values.dtype)
+            if self.keys is not None:
+                if prev % self.step != 0:
+                    self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+            else:
+                self.keys, self.values = new_k, new_v
+        self.offset += keys.shape[2]
+        self.keys[..., prev:self.offset, :] = keys
+        self.values[..., prev:self.offset, :] = values
+        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+    @property
+    def state(self) -> tuple:
+        return self.keys, self.values, self.offset
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Forget the last `n` positions (the arrays keep their room for reuse)."""
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
