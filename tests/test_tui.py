@@ -22,6 +22,7 @@ from pocket_mlx.tui.stats_panel import StatsPanel
 from textual.app import App
 from textual.screen import Screen
 
+from pocket_mlx.engine import session as session_module
 from pocket_mlx.engine.conversations import ConversationStore
 from pocket_mlx.engine.devices import gpu_available
 from pocket_mlx.engine.generation import GenerationStats, Response
@@ -156,7 +157,19 @@ def test_second_turn_prefills_only_new_tokens():
     assert abs(seen["second"].prompt_tokens - (seen["full"] - seen["held"])) <= 1
 
 
-def test_stop_mid_reply_keeps_partial():
+def test_stop_mid_reply_keeps_partial(monkeypatch):
+    # The real model, slowed to ~100 tokens/s: in float32 with the CPU kernels the tiny model
+    # writes 1000 tokens in about a second, less than `pilot.press` may take to return (it waits
+    # for an idle CPU), and the reply would end by length before the stop arrives.
+    real = session_module.stream_generate
+
+    def slowed(*args, **kwargs):
+        for r in real(*args, **kwargs):
+            time.sleep(0.01)
+            yield r
+
+    monkeypatch.setattr(session_module, "stream_generate", slowed)
+
     async def scenario(app, pilot):
         done = app.replies_done
         app.prompt.text = LONG_PROMPT
@@ -176,8 +189,6 @@ def test_stop_mid_reply_keeps_partial():
         await send(app, pilot, "More")
         assert app.last_stats.prompt_tokens < 20
 
-    # Room to stop: `pilot.press` may return only ~2 s after the key (it waits for an idle CPU),
-    # and 200 tokens can be written by then.
     run(scenario, settings=Settings(max_tokens=1000))
 
 

@@ -6,59 +6,19 @@ show, so that values from elsewhere (a resumed conversation's settings) get the 
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 
-# mx.random.seed takes an unsigned 64-bit integer (checked: 2**64 - 1 works, -1 and 2**64 fail).
-SEED_MAX = 2**64 - 1
-
-DEFAULT_MAX_TOKENS = 256
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def check_temperature(v) -> float:
-    if not _is_number(v) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {v!r}")
-    return float(v)
-
-
-def check_top_p(v) -> float:
-    if not _is_number(v) or not 0 < v <= 1:  # False for nan
-        raise ValueError(f"top-p must be a number in (0, 1] (1 = off), got {v!r}")
-    return float(v)
-
-
-def check_top_k(v) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"top-k must be an integer >= 0 (0 = off), got {v!r}")
-    return v
-
-
-def check_min_p(v) -> float:
-    if not _is_number(v) or not 0 <= v <= 1:
-        raise ValueError(f"min-p must be a number in [0, 1] (0 = off), got {v!r}")
-    return float(v)
-
-
-def check_repetition_penalty(v) -> float:
-    if not _is_number(v) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"repetition penalty must be a finite number > 0 (1 = off), got {v!r}")
-    return float(v)
-
-
-def check_max_tokens(v) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"max tokens must be an integer >= 1, got {v!r}")
-    return v
-
-
-def check_seed(v) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= SEED_MAX:
-        raise ValueError(f"seed must be an integer from 0 to {SEED_MAX} (2**64 - 1), got {v!r}")
-    return v
+from pocket_mlx.engine.params import (
+    DEFAULT_MAX_TOKENS,
+    SEED_MAX,
+    check_max_tokens,
+    check_min_p,
+    check_repetition_penalty,
+    check_seed,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+)
 
 
 def check_utf8(v: str) -> str:

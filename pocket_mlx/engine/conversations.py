@@ -22,9 +22,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pocket_mlx.engine.params import check_max_tokens, check_temperature, check_top_p, valid
 from pocket_mlx.errors import PocketError
 
 FORMAT_VERSION = 1
@@ -64,13 +66,13 @@ def _integer(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-# The settings a conversation saves (engine.session.Settings) and what each may hold. Ranges match
-# Settings.validate, so a file that passes here resumes without another error.
+# The settings a conversation saves (engine.session.Settings) and what each may hold: the ranges
+# of engine/params.py, so a file that passes here resumes without another error.
 SETTING_CHECKS: dict[str, Callable[[Any], bool]] = {
     "system": lambda v: isinstance(v, str),
-    "temperature": lambda v: _number(v) and v >= 0,
-    "top_p": lambda v: _number(v) and 0 < v <= 1,
-    "max_tokens": lambda v: _integer(v) and v >= 1,
+    "temperature": partial(valid, check_temperature),
+    "top_p": partial(valid, check_top_p),
+    "max_tokens": partial(valid, check_max_tokens),
 }
 
 # A reply's stats (engine.generation.GenerationStats.to_dict) by type; unknown keys are kept.

@@ -23,6 +23,15 @@ from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.engine import devices
 from pocket_mlx.engine import sampling as _sampling
 from pocket_mlx.engine.loader import use_device
+from pocket_mlx.engine.params import (
+    check_min_p,
+    check_repetition_penalty,
+    check_seed,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+    checked,
+)
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system.memory import wired_limit
 
@@ -65,16 +74,14 @@ class SamplingParams:
         return cls(**kwargs)
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise PocketError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise PocketError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise PocketError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p < 1:
-            raise PocketError(f"min-p must be in [0, 1), got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise PocketError(f"repetition penalty must be > 0, got {self.repetition_penalty}")
+        """The ranges of engine/params.py; a bad value is a one-line PocketError."""
+        checked(check_temperature, self.temperature)
+        checked(check_top_p, self.top_p)
+        checked(check_top_k, self.top_k)
+        checked(check_min_p, self.min_p)
+        checked(check_repetition_penalty, self.repetition_penalty)
+        if self.seed is not None:
+            checked(check_seed, self.seed)
 
 
 @dataclass

@@ -17,12 +17,12 @@ not fit even alone is refused (`ContextOverflow`) before the cache is touched.
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from pocket_mlx.engine.generation import Response, SamplingParams, context_limit, stream_generate
+from pocket_mlx.engine.params import DEFAULT_MAX_TOKENS, check_max_tokens, checked
 from pocket_mlx.errors import PocketError
 
 REPLY_SHARE = 4  # a reply's room is max_tokens, but at most a quarter of the context
@@ -41,14 +41,11 @@ class Settings:
     system: str = ""
     temperature: float = 0.0
     top_p: float = 1.0
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
 
     def validate(self) -> None:
-        if not math.isfinite(self.temperature):  # nan passes `< 0` checks; inf breaks sampling
-            raise PocketError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        SamplingParams(temperature=self.temperature, top_p=self.top_p).validate()
-        if self.max_tokens < 1:
-            raise PocketError(f"max tokens must be >= 1, got {self.max_tokens}")
+        self.sampling().validate()
+        checked(check_max_tokens, self.max_tokens)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p)
