@@ -13,10 +13,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from pocket_mlx.tui import app as app_module
-from pocket_mlx.tui.app import ChatApp
-from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, Notice, UserMessage
-from pocket_mlx.tui.stats_panel import StatsPanel
 from textual.app import App
 from textual.screen import Screen
 
@@ -25,6 +21,10 @@ from pocket_mlx.engine.devices import gpu_available
 from pocket_mlx.engine.generation import GenerationStats, Response
 from pocket_mlx.engine.loader import load
 from pocket_mlx.engine.session import ChatSession, Settings
+from pocket_mlx.tui import app as app_module
+from pocket_mlx.tui.app import ChatApp
+from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, Notice, UserMessage
+from pocket_mlx.tui.stats_panel import StatsPanel
 
 LONG_PROMPT = "def main():"  # the bundled model writes code here without stopping
 CHAT_TCSS = str(Path(app_module.__file__).with_name("chat.tcss"))

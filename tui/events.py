@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pocket_mlx.tui.model_info import ModelInfo
 from textual.message import Message
 
 from pocket_mlx.engine.generation import GenerationStats
+from pocket_mlx.tui.model_info import ModelInfo
 
 
 class ModelReady(Message):

@@ -19,7 +19,6 @@ import time
 from collections import deque
 
 import mlx.core as mx
-from pocket_mlx.tui.model_info import human_bytes
 from rich.segment import Segment
 from rich.style import Style
 from textual.geometry import Region
@@ -27,6 +26,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from pocket_mlx.engine.generation import GenerationStats
+from pocket_mlx.tui.model_info import human_bytes
 
 REFRESH_S = 0.25
 LABEL_W = 10  # label column of the speed and detail rows
