@@ -19,6 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from pocket_mlx import __version__
+from pocket_mlx.analysis.accounting import weight_stats
+from pocket_mlx.convert.calibrate import auto_recipe, calibration_windows, collect_stats
 from pocket_mlx.convert.prune import (
     CRITERIA,
     ExpertStats,
@@ -41,6 +43,7 @@ from pocket_mlx.engine.loader import (
     read_config,
     resolve_model_path,
 )
+from pocket_mlx.engine.tokenizer import load_tokenizer
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
 
@@ -190,12 +193,11 @@ def source_info(src: str, path: Path) -> dict:
     return {"source": str(src), "path": str(path.resolve())}
 
 
-def calibrate(path: Path, config: dict, files: list[Path], window: int, max_tokens: int,
-              progress: bool = True) -> tuple[ExpertStats, list[dict]]:
-    """Router statistics of the source model on calibration text (float32 on the CPU)."""
-    from pocket_mlx.convert.calibrate import calibration_windows, collect_stats
-    from pocket_mlx.engine.tokenizer import load_tokenizer
-
+def collect_router_stats(path: Path, config: dict, files: list[Path], window: int,
+                         max_tokens: int, progress: bool = True
+                         ) -> tuple[ExpertStats, list[dict]]:
+    """Router statistics of the source model on calibration text (float32 on the CPU), for
+    choosing which experts to keep; also what each calibration file contributed."""
     tokenizer = load_tokenizer(path, config)
     chunks, infos = calibration_windows(files, tokenizer, window, max_tokens)
     dtype = "float32" if mx.default_device() == mx.cpu else None
@@ -207,9 +209,6 @@ def calibrate(path: Path, config: dict, files: list[Path], window: int, max_toke
 def auto_for(path: Path, config: dict, opts: ConvertOptions) -> tuple[Recipe, dict]:
     """Measure per-group quantization sensitivity on (at most 256 tokens of) the calibration
     text and build a recipe for `opts.auto_bpw`. Loads the whole model: small models only."""
-    from pocket_mlx.convert.calibrate import auto_recipe, calibration_windows
-    from pocket_mlx.engine.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(path, config)
     per_file = max(2, min(opts.calib_tokens, 256 // len(opts.calib)))
     chunks, _ = calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)
@@ -258,8 +257,8 @@ def convert(src: str, out: Path, opts: ConvertOptions,
                     raise PocketError(f"calibration file {f} does not exist")
                 if Path(f).stat().st_size == 0:
                     raise PocketError(f"calibration file {f} is empty")
-            stats, calib_info = calibrate(path, config, opts.calib, opts.window,
-                                          opts.calib_tokens, opts.progress)
+            stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
+                                                     opts.calib_tokens, opts.progress)
         kept = select_experts(stats, opts.prune_to, opts.criterion, args.num_hidden_layers,
                               args.num_experts, opts.seed)
     text_cfg = dict(config.get("text_config") or config)
@@ -294,8 +293,6 @@ def disk_size(folder: Path) -> int:
 
 def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_info,
                  stats) -> dict:
-    from pocket_mlx.analysis.accounting import weight_stats
-
     ws = weight_stats(load_model(tmp, new_cfg, lazy=True))
     info = {
         "pocket_mlx_version": __version__,
@@ -351,5 +348,5 @@ def shard_bytes(gb: float | None) -> int:
     return max(1, int(gb * (1 << 30)))
 
 
-__all__ = ["ConvertOptions", "ConvertResult", "convert", "calibrate", "summary", "shard_bytes",
-           "disk_size"]
+__all__ = ["ConvertOptions", "ConvertResult", "convert", "collect_router_stats", "summary",
+           "shard_bytes", "disk_size"]
