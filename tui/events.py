@@ -26,14 +26,6 @@ class PrefillProgress(Message):
         self.done, self.total, self.context = done, total, context
 
 
-class ReplyChunk(Message):
-    """New reply text (batched) and a copy of the live stats."""
-
-    def __init__(self, text: str, stats: GenerationStats, context: int) -> None:
-        super().__init__()
-        self.text, self.stats, self.context = text, stats, context
-
-
 class ReplyDone(Message):
     """The reply ended (stats.finish_reason says how) or failed (`error`)."""
 

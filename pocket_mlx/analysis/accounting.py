@@ -73,7 +73,3 @@ def weight_stats(model: nn.Module) -> WeightStats:
             active_p += p
             token_b += b
     return WeightStats(total_p, active_p, total_b, token_b, n_experts, top_k)
-
-
-def bytes_per_token(model: nn.Module) -> int:
-    return weight_stats(model).bytes_per_token

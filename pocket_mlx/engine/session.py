@@ -10,7 +10,7 @@ caches cannot, but their arrays are immutable, so keeping references is a snapsh
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pocket_mlx.engine.generation import Response, SamplingParams, context_limit, stream_generate
 from pocket_mlx.errors import PocketError
@@ -148,8 +148,3 @@ class ChatSession:
             self.cache_tokens = list(self._snap[0])
         else:
             self.reset()
-
-
-def copy_stats(r: Response):
-    """A frozen copy of a response's live stats (stream_generate mutates them in place)."""
-    return replace(r.stats)
