@@ -42,7 +42,7 @@ def run(args) -> int:
     if args.max_tokens is not None and args.max_tokens < 2:
         raise PocketError(f"--max-tokens must be at least 2, got {args.max_tokens}")
     device = resolve_device(args.device)
-    # bf16/fp16 arithmetic is 5-40x slower than float32 on the CPU (FIELD_NOTES).
+    # bf16/fp16 arithmetic is 5-40x slower than float32 on the CPU (mlx 0.32, x86).
     model, tokenizer = load(args.model, device=device,
                             dtype="float32" if device == "cpu" else None, fuse=True)
     bar = tqdm(desc="eval-ppl", unit="window", disable=not sys.stderr.isatty(), leave=False)

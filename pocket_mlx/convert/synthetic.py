@@ -30,7 +30,7 @@ from pocket_mlx.models import build_model
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "pocket-tiny"
 GROUP_SIZE = 64
 
-# Qwen3.5-35B-A3B text shape (transformers' Qwen3_5MoeConfig defaults, see FIELD_NOTES).
+# Qwen3.5-35B-A3B text shape (transformers' Qwen3_5MoeConfig defaults).
 _QWEN35_35B = {
     "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
     "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
