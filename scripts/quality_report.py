@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from pocket_mlx.analysis.perplexity import perplexity  # noqa: E402
 from pocket_mlx.convert.calibrate import read_documents, token_stream, windows  # noqa: E402
-from pocket_mlx.convert.pipeline import ConvertOptions, calibrate, convert  # noqa: E402
+from pocket_mlx.convert.pipeline import ConvertOptions, collect_router_stats, convert  # noqa: E402
 from pocket_mlx.convert.prune import ExpertStats  # noqa: E402
 from pocket_mlx.convert.recipes import load_recipe  # noqa: E402
 from pocket_mlx.engine.loader import load_model, read_config  # noqa: E402
@@ -73,8 +73,9 @@ class Report:
         for d in calib:
             if d not in self._stats:
                 t = time.perf_counter()
-                self._stats[d] = calibrate(SRC, self.config, [TEXT / f"{d}.calib.txt"], WINDOW,
-                                           self.calib_tokens, progress=False)
+                self._stats[d] = collect_router_stats(SRC, self.config,
+                                                      [TEXT / f"{d}.calib.txt"], WINDOW,
+                                                      self.calib_tokens, progress=False)
                 print(f"  calibrated on {d} in {time.perf_counter() - t:.0f} s", flush=True)
         parts = [self._stats[d] for d in calib]
         return merged([p[0] for p in parts]), [i for p in parts for i in p[1]]

@@ -20,9 +20,8 @@ PROMPTS = ["Tell me a fortune", "def main():"]
 
 
 async def shoot(out: Path, size: tuple[int, int], max_tokens: int) -> None:
-    from pocket_mlx.tui.app import ChatApp
-
     from pocket_mlx.engine.session import Settings
+    from pocket_mlx.tui.app import ChatApp
 
     app = ChatApp(device="cpu", settings=Settings(max_tokens=max_tokens))
     async with app.run_test(size=size) as pilot:

@@ -31,10 +31,10 @@ def generate_tps(prompt: str, max_tokens: int, model: str | None) -> tuple[float
 async def measure(prompt: str, max_tokens: int, model: str | None, runs: int,
                   size: tuple[int, int]) -> tuple[list, list]:
     """Alternate: one `generate --json` subprocess (the app idle), then one TUI reply."""
-    from pocket_mlx.tui.app import ChatApp
     from textual import events
 
     from pocket_mlx.engine.session import Settings
+    from pocket_mlx.tui.app import ChatApp
 
     app = ChatApp(model, device="cpu", settings=Settings(max_tokens=max_tokens))
     gen, tui, ui_cpu = [], [], []

@@ -8,9 +8,8 @@ import mlx.core as mx
 import pytest
 
 from pocket_mlx.system import memory
-from pocket_mlx.system.host import FakePlatform, RealPlatform
+from pocket_mlx.system.host import FakePlatform, RealPlatform, gpu_device_info
 from pocket_mlx.system.memory import (
-    gpu_device_info,
     recommended_working_set,
     wired_limit,
     wired_limit_status,

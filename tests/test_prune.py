@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 
 from pocket_mlx.cli.main import main
-from pocket_mlx.convert.pipeline import calibrate
+from pocket_mlx.convert.pipeline import collect_router_stats
 from pocket_mlx.convert.prune import ExpertStats, batch_stats, select_experts
 from pocket_mlx.engine.loader import load_model, read_config
 
@@ -98,7 +98,8 @@ def test_calibrated_pruning_keeps_top_reap_sum(tmp_path, make_ckpt):
     assert main(["convert", str(src), str(out), "--recipe", "pocket-3bit", "--prune-to", "5",
                  "--calib", str(CALIB), "--calib", str(CALIB), "--calib-tokens", "300"]) == 0
     info = json.loads((out / "pocket.json").read_text())
-    stats, files = calibrate(src, read_config(src), [CALIB], 512, 300, progress=False)
+    stats, files = collect_router_stats(src, read_config(src), [CALIB], 512, 300,
+                                        progress=False)
     top = [sorted(int(e) for e in np.argsort(-row, kind="stable")[:5]) for row in stats.reap_sum]
     assert info["kept_experts"] == {str(i): k for i, k in enumerate(top)}
     assert info["criterion"] == "reap-sum" and len(info["calibration"]) == 2

@@ -15,10 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from pocket_mlx.tui import app as app_module
-from pocket_mlx.tui.app import ChatApp
-from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, Notice, UserMessage
-from pocket_mlx.tui.stats_panel import StatsPanel
 from textual.app import App
 from textual.screen import Screen
 
@@ -29,6 +25,10 @@ from pocket_mlx.engine.generation import GenerationStats, Response
 from pocket_mlx.engine.loader import default_model_path, load
 from pocket_mlx.engine.session import ChatSession, ContextOverflow, Settings
 from pocket_mlx.engine.tokenizer import load_tokenizer
+from pocket_mlx.tui import app as app_module
+from pocket_mlx.tui.app import ChatApp
+from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, Notice, UserMessage
+from pocket_mlx.tui.stats_panel import StatsPanel
 
 LONG_PROMPT = "def main():"  # the bundled model writes code here without stopping
 SMALL_CONTEXT = 256  # the bundled model's context in `small_ctx`: full after a few turns

@@ -10,12 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from pocket_mlx.tui.app import ChatApp
-from pocket_mlx.tui.header import ModelHeader
-
 from pocket_mlx import kernels, units
 from pocket_mlx.config import weights_bytes
 from pocket_mlx.engine.session import Settings
+from pocket_mlx.tui.app import ChatApp
+from pocket_mlx.tui.header import ModelHeader
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "assets" / "pocket-tiny"

@@ -19,21 +19,6 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import NamedTuple
 
-from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, finish_notice
-from pocket_mlx.tui.events import (
-    ContextMeasured,
-    ContextTrimmed,
-    EngineNotice,
-    ModelFailed,
-    ModelReady,
-    PrefillProgress,
-    ReplyDone,
-)
-from pocket_mlx.tui.header import ModelHeader
-from pocket_mlx.tui.model_info import ModelInfo, model_info
-from pocket_mlx.tui.prompt import PromptInput
-from pocket_mlx.tui.screens import HelpScreen, OpenScreen, SettingsScreen
-from pocket_mlx.tui.stats_panel import REFRESH_S, StatsPanel
 from rich.segment import Segments
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
@@ -50,6 +35,21 @@ from pocket_mlx.engine.devices import describe, gpu_available
 from pocket_mlx.engine.generation import GenerationStats
 from pocket_mlx.engine.session import ChatSession, ContextOverflow, Settings
 from pocket_mlx.errors import PocketError
+from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, finish_notice
+from pocket_mlx.tui.events import (
+    ContextMeasured,
+    ContextTrimmed,
+    EngineNotice,
+    ModelFailed,
+    ModelReady,
+    PrefillProgress,
+    ReplyDone,
+)
+from pocket_mlx.tui.header import ModelHeader
+from pocket_mlx.tui.model_info import ModelInfo, model_info
+from pocket_mlx.tui.prompt import PromptInput
+from pocket_mlx.tui.screens import HelpScreen, OpenScreen, SettingsScreen
+from pocket_mlx.tui.stats_panel import REFRESH_S, StatsPanel
 
 CHUNK_S = 0.2  # the engine publishes reply text and a stats copy at most this often (5 Hz)
 TICK_S = REFRESH_S  # 0.25 s, the UI's one timer: the stats panel redraws every tick (4 Hz, as the spec asks)

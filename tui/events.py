@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pocket_mlx.tui.model_info import ModelInfo
 from textual.message import Message
 
 from pocket_mlx.engine.generation import GenerationStats
+from pocket_mlx.tui.model_info import ModelInfo
 
 
 class ModelReady(Message):
@@ -24,14 +24,6 @@ class PrefillProgress(Message):
     def __init__(self, done: int, total: int, context: int) -> None:
         super().__init__()
         self.done, self.total, self.context = done, total, context
-
-
-class ReplyChunk(Message):
-    """New reply text (batched) and a copy of the live stats."""
-
-    def __init__(self, text: str, stats: GenerationStats, context: int) -> None:
-        super().__init__()
-        self.text, self.stats, self.context = text, stats, context
 
 
 class ReplyDone(Message):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pocket_mlx.tui.model_info import ModelInfo
 from rich.text import Text
 from textual.widgets import Static
+
+from pocket_mlx.tui.model_info import ModelInfo
 
 SEPARATOR = ("  ·  ", "dim")
 

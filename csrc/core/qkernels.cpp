@@ -402,175 +402,232 @@ bool supported(int bits, int group_size, int64_t K) {
   return b && g && K > 0 && K % group_size == 0;
 }
 
-void gather_qmm(const GatherProblem& p) {
-  const int64_t R = p.nrows, N = p.N, K = p.K;
-  if (R <= 0 || N <= 0) return;
-  const IsaOps* ops = current_isa();
-  const int W = ops->W;
-  const int bits = p.bits, gs = p.group_size;
-  const int64_t G = K / gs;
-  const int64_t row_bytes = K * bits / 8;
-  const size_t ssz = p.sdt == F32 ? 4 : 2;
-  const size_t osz = p.odt == F32 ? 4 : 2;
-  const uint8_t* wbase = reinterpret_cast<const uint8_t*>(p.w);
-  const uint8_t* wend = wbase + p.E * N * row_bytes;
+// ---------------------------------------------------------------- gather_qmm, step by step
+// 1. group the output rows by expert; then, per chunk of rows, 2. prepare their activations,
+// 3. cut the work into tasks (a segment of rows x a range of W rows), 4. run the tasks on the pool.
 
-  // Group output rows by expert (stable counting sort); invalid experts give zero rows.
+static constexpr int MRMAX = 8;  // activation rows per row-kernel call
+
+// The valid output rows in expert order: segment s is expert segs[s].first, rows
+// order[segs[s].second .. seg_end[s]).
+struct ExpertRows {
   std::vector<int64_t> order;
   std::vector<std::pair<int64_t, int64_t>> segs;  // (expert, start in order)
   std::vector<int64_t> seg_end;
+};
+
+// Stable counting sort of the rows by expert; rows with an invalid expert are written as zeros
+// here and left out. Without p.expert, every row is expert 0.
+static ExpertRows group_rows_by_expert(const GatherProblem& p) {
+  const int64_t R = p.nrows, N = p.N;
+  ExpertRows g;
   if (!p.expert) {
-    order.resize(R);
-    for (int64_t r = 0; r < R; r++) order[r] = r;
-    segs.push_back({0, 0});
-    seg_end.push_back(R);
-  } else {
-    std::vector<int64_t> cnt(p.E + 1, 0);
-    for (int64_t r = 0; r < R; r++) {
-      int64_t e = p.expert[r];
-      if (e < 0 || e >= p.E) {
-        for (int64_t n = 0; n < N; n++) store_elem(p.out, p.odt, r * N + n, 0.f);
-        continue;
-      }
-      cnt[e + 1]++;
-    }
-    for (int64_t e = 0; e < p.E; e++) cnt[e + 1] += cnt[e];
-    order.resize(cnt[p.E]);
-    std::vector<int64_t> pos(cnt.begin(), cnt.end() - 1);
-    for (int64_t r = 0; r < R; r++) {
-      int64_t e = p.expert[r];
-      if (e < 0 || e >= p.E) continue;
-      order[pos[e]++] = r;
-    }
-    for (int64_t e = 0; e < p.E; e++)
-      if (cnt[e + 1] > cnt[e]) {
-        segs.push_back({e, cnt[e]});
-        seg_end.push_back(cnt[e + 1]);
-      }
+    g.order.resize(R);
+    for (int64_t r = 0; r < R; r++) g.order[r] = r;
+    g.segs.push_back({0, 0});
+    g.seg_end.push_back(R);
+    return g;
   }
-  const int64_t total = (int64_t)order.size();
+  std::vector<int64_t> cnt(p.E + 1, 0);
+  for (int64_t r = 0; r < R; r++) {
+    int64_t e = p.expert[r];
+    if (e < 0 || e >= p.E) {
+      for (int64_t n = 0; n < N; n++) store_elem(p.out, p.odt, r * N + n, 0.f);
+      continue;
+    }
+    cnt[e + 1]++;
+  }
+  for (int64_t e = 0; e < p.E; e++) cnt[e + 1] += cnt[e];
+  g.order.resize(cnt[p.E]);
+  std::vector<int64_t> pos(cnt.begin(), cnt.end() - 1);
+  for (int64_t r = 0; r < R; r++) {
+    int64_t e = p.expert[r];
+    if (e < 0 || e >= p.E) continue;
+    g.order[pos[e]++] = r;
+  }
+  for (int64_t e = 0; e < p.E; e++)
+    if (cnt[e + 1] > cnt[e]) {
+      g.segs.push_back({e, cnt[e]});
+      g.seg_end.push_back(cnt[e + 1]);
+    }
+  return g;
+}
+
+// Activations of one chunk of rows as the row kernels read them: float32 in the ISA layout
+// (EXACT) or int8 codes with group scales (FAST), plus group sums (both), one slot per distinct
+// activation row. Buffers are sized once for the largest chunk.
+struct PreparedX {
+  PreparedX(int64_t rows, int64_t K, int64_t G, bool fast)
+      : fast(fast),
+        G(G),
+        x(fast ? 0 : (size_t)rows * K),
+        xq(fast ? (size_t)rows * K : 0),
+        tmpq(fast ? K : 0),
+        xd(fast ? (size_t)rows * (G + 64) : 0),
+        xsum((size_t)rows * G),
+        tmp(K) {}
+  bool fast;
+  int64_t G;
+  std::vector<float> x;
+  std::vector<int8_t> xq, tmpq;
+  std::vector<float> xd, xsum, tmp;
+  std::vector<int64_t> slot;  // slot of each row of the chunk
+};
+
+// Prepares rows order[c0, c1). Rows reading the same activations (the gate/up projections of a
+// token's k experts) share one slot: a row looks for its activation offset among the 16 rows
+// before it.
+static void prepare_chunk(const GatherProblem& p, const std::vector<int64_t>& order, int64_t c0,
+                          int64_t c1, int W, PreparedX& px) {
+  const int64_t K = p.K, G = px.G;
+  px.slot.assign(c1 - c0, 0);
+  int64_t nslots = 0;
+  for (int64_t i = c0; i < c1; i++) {
+    const int64_t off = p.xrow_off[order[i]];
+    int64_t sl = -1;
+    for (int64_t j = i - 1; j >= c0 && j >= i - 16; j--)
+      if (p.xrow_off[order[j]] == off) {
+        sl = px.slot[j - c0];
+        break;
+      }
+    if (sl < 0) {
+      sl = nslots++;
+      if (px.fast) {
+        convert_to_f32(p.x, p.xdt, off, K, px.tmp.data());
+        prep_row_fast(px.tmp.data(), K, p.group_size, W, p.bits, px.tmpq.data(),
+                      px.xq.data() + sl * K, px.xd.data() + sl * (G + 64),
+                      px.xsum.data() + sl * G);
+      } else {
+        prep_row(p.x, p.xdt, off, K, W, p.bits, p.group_size, px.tmp.data(),
+                 px.x.data() + sl * K, px.xsum.data() + sl * G);
+      }
+    }
+    px.slot[i - c0] = sl;
+  }
+}
+
+// Rows [r0, r1) of the chunk (all of expert e) against rows [n0, n1) of W.
+struct Task {
+  int64_t e, r0, r1, n0, n1;
+};
+
+// Rows of W per task: ~128 KiB of weights (POCKET_MLX_TASK_KB), but at least 4 tasks per
+// thread when possible. Each task is one sequential stream; with 32 KiB tasks the two
+// threads' streams interleaved so finely that decode-shaped matvecs from DRAM ran ~10-15%
+// slower (csrc/core/bench_core.cpp).
+static int64_t rows_per_task(int64_t N, int64_t row_bytes, int64_t nseg, int nth) {
+  static const int64_t task_bytes = [] {
+    const char* e = std::getenv("POCKET_MLX_TASK_KB");
+    return (int64_t)(e ? std::atoi(e) : 128) * 1024;
+  }();
+  int64_t nc = std::max<int64_t>(1, task_bytes / std::max<int64_t>(1, row_bytes));
+  const int64_t want = 4 * (int64_t)nth;
+  if (nseg * ((N + nc - 1) / nc) < want) {
+    int64_t per_seg = (want + nseg - 1) / nseg;
+    nc = std::max<int64_t>(1, (N + per_seg - 1) / per_seg);
+  }
+  if (nc < N && nc >= 4) nc = (nc + 3) / 4 * 4;
+  return nc;
+}
+
+// The tasks of chunk order[c0, c1); `wbytes` gets the bytes of weights they read.
+static std::vector<Task> chunk_tasks(const ExpertRows& g, int64_t c0, int64_t c1, int64_t N,
+                                     int64_t row_bytes, int nth, int64_t& wbytes) {
+  int64_t nseg = 0;
+  for (size_t s = 0; s < g.segs.size(); s++)
+    if (g.segs[s].second < c1 && g.seg_end[s] > c0) nseg++;
+  const int64_t nc = rows_per_task(N, row_bytes, nseg, nth);
+  std::vector<Task> tasks;
+  wbytes = 0;
+  for (size_t s = 0; s < g.segs.size(); s++) {
+    int64_t r0 = std::max(g.segs[s].second, c0), r1 = std::min(g.seg_end[s], c1);
+    if (r0 >= r1) continue;
+    wbytes += N * row_bytes;
+    for (int64_t n0 = 0; n0 < N; n0 += nc)
+      tasks.push_back({g.segs[s].first, r0, r1, n0, std::min(N, n0 + nc)});
+  }
+  return tasks;
+}
+
+// One task on the calling thread: the ISA's row kernel over MRMAX activation rows at a time.
+static void run_task(const Task& t, const GatherProblem& p, const std::vector<int64_t>& order,
+                     int64_t c0, const PreparedX& px, const IsaOps* ops) {
+  const int64_t N = p.N, K = p.K, G = px.G;
+  const int64_t row_bytes = K * p.bits / 8;
+  const size_t ssz = p.sdt == F32 ? 4 : 2;
+  const size_t osz = p.odt == F32 ? 4 : 2;
+  const uint8_t* wbase = reinterpret_cast<const uint8_t*>(p.w);
+  thread_local std::vector<float> scratch;
+  const int64_t need = std::max<int64_t>(2 * (G + 64), fast_scratch_floats(G, MRMAX));
+  if ((int64_t)scratch.size() < need) scratch.resize(need);
+  RowsArgs a{};
+  a.odt = p.odt;
+  a.w = wbase + t.e * N * row_bytes;
+  a.w_end = wbase + p.E * N * row_bytes;
+  a.scales = static_cast<const uint8_t*>(p.scales) + (size_t)(t.e * N * G) * ssz;
+  a.biases = static_cast<const uint8_t*>(p.biases) + (size_t)(t.e * N * G) * ssz;
+  a.sdt = p.sdt;
+  a.n0 = t.n0;
+  a.n1 = t.n1;
+  a.K = K;
+  a.bits = p.bits;
+  a.gs = p.group_size;
+  a.scratch = scratch.data();
+  const float* xps[MRMAX];
+  const int8_t* xqs[MRMAX];
+  const float* xds[MRMAX];
+  const float* xss[MRMAX];
+  void* outs[MRMAX];
+  for (int64_t r = t.r0; r < t.r1; r += MRMAX) {
+    int mr = (int)std::min<int64_t>(MRMAX, t.r1 - r);
+    for (int m = 0; m < mr; m++) {
+      const int64_t li = px.slot[r + m - c0];
+      xss[m] = px.xsum.data() + li * G;
+      if (px.fast) {
+        xqs[m] = px.xq.data() + li * K;
+        xds[m] = px.xd.data() + li * (G + 64);
+      } else {
+        xps[m] = px.x.data() + li * K;
+      }
+      outs[m] = static_cast<uint8_t*>(p.out) + (size_t)order[r + m] * N * osz;
+    }
+    a.xp = xps;
+    a.xq = xqs;
+    a.xd = xds;
+    a.xsum = xss;
+    a.out = outs;
+    a.mr = mr;
+    if (px.fast)
+      ops->rows_fast(a);
+    else
+      ops->rows_exact(a);
+  }
+}
+
+void gather_qmm(const GatherProblem& p) {
+  if (p.nrows <= 0 || p.N <= 0) return;
+  const IsaOps* ops = current_isa();
+  const ExpertRows g = group_rows_by_expert(p);
+  const int64_t total = (int64_t)g.order.size();
   if (total == 0) return;
 
+  const int64_t K = p.K, G = K / p.group_size;
+  const int64_t row_bytes = K * p.bits / 8;
   Pool& pl = pool();
   const int nth = pl.size();
-  const int MRMAX = 8;
   // Activation rows prepared per pass (bounds the float32 buffer to ~32 MB).
   const int64_t chunk_rows = std::max<int64_t>(MRMAX, ((int64_t)8 << 20) / K / MRMAX * MRMAX);
-  const bool fast = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[bits];
-  const int64_t crow = std::min(total, chunk_rows);
-  std::vector<float> xbuf(fast ? 0 : (size_t)crow * K);
-  std::vector<int8_t> xqbuf(fast ? (size_t)crow * K : 0), tmpq(fast ? K : 0);
-  std::vector<float> xdbuf(fast ? (size_t)crow * (G + 64) : 0), xsbuf((size_t)crow * G);
-  std::vector<float> tmp(K);
+  const bool fast = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[p.bits];
+  PreparedX px(std::min(total, chunk_rows), K, G, fast);
 
   for (int64_t c0 = 0; c0 < total; c0 += chunk_rows) {
     const int64_t c1 = std::min(total, c0 + chunk_rows);
-    // Prepared slot of each row: rows reading the same activations (the gate/up projections of
-    // a token's k experts) share one slot.
-    std::vector<int64_t> slot(c1 - c0);
-    int64_t nslots = 0;
-    for (int64_t i = c0; i < c1; i++) {
-      const int64_t off = p.xrow_off[order[i]];
-      int64_t sl = -1;
-      for (int64_t j = i - 1; j >= c0 && j >= i - 16; j--)
-        if (p.xrow_off[order[j]] == off) {
-          sl = slot[j - c0];
-          break;
-        }
-      if (sl < 0) {
-        sl = nslots++;
-        if (fast) {
-          convert_to_f32(p.x, p.xdt, off, K, tmp.data());
-          prep_row_fast(tmp.data(), K, gs, W, bits, tmpq.data(), xqbuf.data() + sl * K,
-                        xdbuf.data() + sl * (G + 64), xsbuf.data() + sl * G);
-        } else {
-          prep_row(p.x, p.xdt, off, K, W, bits, gs, tmp.data(), xbuf.data() + sl * K,
-                   xsbuf.data() + sl * G);
-        }
-      }
-      slot[i - c0] = sl;
-    }
-
-    // Tasks: (segment part within [c0, c1), n range).
-    struct Task {
-      int64_t e, r0, r1, n0, n1;
-    };
-    std::vector<Task> tasks;
-    int64_t nseg = 0;
-    for (size_t s = 0; s < segs.size(); s++)
-      if (segs[s].second < c1 && seg_end[s] > c0) nseg++;
-    // Rows of W per task: ~128 KiB of weights (POCKET_MLX_TASK_KB), but at least 4 tasks per
-    // thread when possible. Each task is one sequential stream; with 32 KiB tasks the two
-    // threads' streams interleaved so finely that decode-shaped matvecs from DRAM ran ~10-15%
-    // slower (csrc/core/bench_core.cpp).
-    static const int64_t task_bytes = [] {
-      const char* e = std::getenv("POCKET_MLX_TASK_KB");
-      return (int64_t)(e ? std::atoi(e) : 128) * 1024;
-    }();
-    int64_t nc = std::max<int64_t>(1, task_bytes / std::max<int64_t>(1, row_bytes));
-    const int64_t want = 4 * (int64_t)nth;
-    if (nseg * ((N + nc - 1) / nc) < want) {
-      int64_t per_seg = (want + nseg - 1) / nseg;
-      nc = std::max<int64_t>(1, (N + per_seg - 1) / per_seg);
-    }
-    if (nc < N && nc >= 4) nc = (nc + 3) / 4 * 4;
+    prepare_chunk(p, g.order, c0, c1, ops->W, px);
     int64_t wbytes = 0;
-    for (size_t s = 0; s < segs.size(); s++) {
-      int64_t r0 = std::max(segs[s].second, c0), r1 = std::min(seg_end[s], c1);
-      if (r0 >= r1) continue;
-      wbytes += N * row_bytes;
-      for (int64_t n0 = 0; n0 < N; n0 += nc)
-        tasks.push_back({segs[s].first, r0, r1, n0, std::min(N, n0 + nc)});
-    }
-    auto fn = [&](int64_t ti) {
-      const Task& t = tasks[ti];
-      thread_local std::vector<float> scratch;
-      const int64_t need = std::max<int64_t>(2 * (G + 64), fast_scratch_floats(G, MRMAX));
-      if ((int64_t)scratch.size() < need) scratch.resize(need);
-      RowsArgs a{};
-      a.odt = p.odt;
-      a.w = wbase + t.e * N * row_bytes;
-      a.w_end = wend;
-      a.scales = static_cast<const uint8_t*>(p.scales) + (size_t)(t.e * N * G) * ssz;
-      a.biases = static_cast<const uint8_t*>(p.biases) + (size_t)(t.e * N * G) * ssz;
-      a.sdt = p.sdt;
-      a.n0 = t.n0;
-      a.n1 = t.n1;
-      a.K = K;
-      a.bits = bits;
-      a.gs = gs;
-      a.scratch = scratch.data();
-      const float* xps[MRMAX];
-      const int8_t* xqs[MRMAX];
-      const float* xds[MRMAX];
-      const float* xss[MRMAX];
-      void* outs[MRMAX];
-      for (int64_t r = t.r0; r < t.r1; r += MRMAX) {
-        int mr = (int)std::min<int64_t>(MRMAX, t.r1 - r);
-        for (int m = 0; m < mr; m++) {
-          const int64_t li = slot[r + m - c0];
-          xss[m] = xsbuf.data() + li * G;
-          if (fast) {
-            xqs[m] = xqbuf.data() + li * K;
-            xds[m] = xdbuf.data() + li * (G + 64);
-          } else {
-            xps[m] = xbuf.data() + li * K;
-          }
-          outs[m] = static_cast<uint8_t*>(p.out) + (size_t)order[r + m] * N * osz;
-        }
-        a.xp = xps;
-        a.xq = xqs;
-        a.xd = xds;
-        a.xsum = xss;
-        a.out = outs;
-        a.mr = mr;
-        if (fast)
-          ops->rows_fast(a);
-        else
-          ops->rows_exact(a);
-      }
-    };
-    pl.run((int64_t)tasks.size(), fn, wbytes >= g_single_bytes.load());
+    const std::vector<Task> tasks = chunk_tasks(g, c0, c1, p.N, row_bytes, nth, wbytes);
+    pl.run((int64_t)tasks.size(),
+           [&](int64_t ti) { run_task(tasks[ti], p, g.order, c0, px, ops); },
+           wbytes >= g_single_bytes.load());
   }
 }
 

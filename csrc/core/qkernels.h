@@ -19,7 +19,9 @@ enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 // EXACT: dequantize each weight to float32 (scale * q + bias) and FMA with float32 activations.
 //        Equals MLX's quantized_matmul computed in float32 up to summation order.
 // FAST:  activations quantized to int8 per group (like llama.cpp's Q8 blocks), integer dot
-//        products; bits 2/4/8 only (other bits fall back to EXACT). Not the default.
+//        products. x86 only: bits 2/4/6 with AVX2 and AVX-512, 8 as well with AVX-512 VNNI/VBMI
+//        (IsaOps::fast_bits); other bits and ISAs (NEON, scalar) run EXACT. The core starts in
+//        EXACT; pocket_mlx.kernels switches to FAST when it loads (its DEFAULT_MODE).
 enum Mode : int { MODE_EXACT = 0, MODE_FAST = 1 };
 
 // One quantized matrix [E, N, K] (E = 1 for a plain linear layer), MLX affine format.

@@ -169,8 +169,8 @@ def mlx_lm_generate_module(device: str):
     """mlx-lm's generate module with its generation stream on `device`.
 
     mlx-lm creates `generation_stream` at import time on the then-default device, and a later
-    `mx.set_default_device` does not move it (FIELD_NOTES). So we set the default device first
-    and, if the module was already imported (a test or script did), point its
+    `mx.set_default_device` does not move it (see engine/devices.py). So we set the default
+    device first and, if the module was already imported (a test or script did), point its
     module-level stream at the right device: `generate_step` reads that global at call time.
     """
     import importlib

@@ -1,27 +1,28 @@
 """Streaming conversion: any checkpoint the loader reads -> a pruned, mixed-precision MLX one.
 
 Tensors are read lazily and processed one layer at a time (prune, dequantize if needed, cast,
-quantize), evaluated, appended to the current shard's data file and dropped, so peak memory is
-about one layer whatever the checkpoint's size. Shards get their safetensors header when they
-close. Everything happens in a temporary folder beside OUT, renamed into place at the end.
+quantize), evaluated, handed to the streaming shard writer (writer.py) and dropped, so peak
+memory is about one layer whatever the checkpoint's size. Everything happens in a temporary
+folder beside OUT, renamed into place at the end.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 
 from pocket_mlx import __version__
+from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.config import module_quantization, quantization, text_config, weight_files
+from pocket_mlx.convert.calibrate import auto_recipe, calibration_windows, collect_stats
 from pocket_mlx.convert.prune import (
     CRITERIA,
     ExpertStats,
@@ -31,11 +32,13 @@ from pocket_mlx.convert.prune import (
 )
 from pocket_mlx.convert.recipes import Recipe, Spec, family
 from pocket_mlx.convert.writer import (
+    DEFAULT_SHARD_BYTES,
     atomic_dir,
     check_out,
     copy_tokenizer,
     mlx_config,
     remote_code_note,
+    save_weights,
     strip_remote_code,
 )
 from pocket_mlx.engine.loader import (
@@ -46,17 +49,13 @@ from pocket_mlx.engine.loader import (
     read_config,
     resolve_model_path,
 )
+from pocket_mlx.engine.tokenizer import load_tokenizer
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
 from pocket_mlx.progress import progress as progress_bar
 from pocket_mlx.units import size
 
 _LAYER = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
-_ST_DTYPES = {
-    mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32",
-    mx.int32: "I32", mx.uint8: "U8", mx.int8: "I8", mx.int64: "I64", mx.uint16: "U16",
-    mx.int16: "I16", mx.bool_: "BOOL", mx.uint64: "U64",
-}
 
 
 @dataclass
@@ -68,7 +67,7 @@ class ConvertOptions:
     criterion: str = "reap-sum"
     seed: int = 0
     dtype: str | None = None  # None keeps the source's float dtype
-    shard_bytes: int = 5 << 30
+    shard_bytes: int = DEFAULT_SHARD_BYTES
     calib_tokens: int = 16384  # per calibration file
     window: int = 512
     force: bool = False
@@ -79,66 +78,6 @@ class ConvertOptions:
 class ConvertResult:
     out: Path
     info: dict  # what pocket.json holds
-
-
-class ShardWriter:
-    """Appends evaluated tensors to raw data files; `close` writes each safetensors shard
-    (header, then the data copied over) and the index. Memory use: nothing beyond the tensor
-    being written."""
-
-    def __init__(self, folder: Path, shard_bytes: int):
-        self.folder, self.shard_bytes = folder, shard_bytes
-        self.shards: list[dict] = []  # {"data": Path, "header": {}, "size": int}
-        self._f = None
-
-    def _new_shard(self) -> None:
-        if self._f:
-            self._f.close()
-        data = self.folder / f".shard-{len(self.shards)}.data"
-        self.shards.append({"data": data, "header": {}, "size": 0})
-        self._f = open(data, "wb")
-
-    def add(self, name: str, arr: mx.array) -> None:
-        if arr.dtype not in _ST_DTYPES:
-            raise PocketError(f"cannot write {name}: dtype {arr.dtype} has no safetensors type")
-        nbytes = arr.nbytes
-        if not self.shards or (self.shards[-1]["size"]
-                               and self.shards[-1]["size"] + nbytes > self.shard_bytes):
-            self._new_shard()
-        shard = self.shards[-1]
-        mv = memoryview(arr)
-        if not mv.c_contiguous:
-            arr = mx.contiguous(arr)
-            mx.eval(arr)
-            mv = memoryview(arr)
-        self._f.write(mv)
-        start = shard["size"]
-        shard["header"][name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape),
-                                 "data_offsets": [start, start + nbytes]}
-        shard["size"] += nbytes
-
-    def close(self) -> dict[str, str]:
-        if self._f:
-            self._f.close()
-            self._f = None
-        n = len(self.shards)
-        weight_map, total = {}, 0
-        for i, shard in enumerate(self.shards):
-            fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            header = {"__metadata__": {"format": "mlx"}, **shard["header"]}
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)
-            with open(self.folder / fname, "wb") as out, open(shard["data"], "rb") as data:
-                out.write(len(raw).to_bytes(8, "little"))
-                out.write(raw)
-                shutil.copyfileobj(data, out, 64 << 20)
-            shard["data"].unlink()
-            for k in shard["header"]:
-                weight_map[k] = fname
-            total += shard["size"]
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        return weight_map
 
 
 def _unit(key: str, num_layers: int) -> int:
@@ -218,15 +157,16 @@ def _convert_module(tensors: dict, path: str, src: Spec | None, dst: Spec | None
     return out
 
 
-def write_weights(folder: Path, weights: dict[str, mx.array], specs: dict[str, Spec | None],
-                  src_quant: dict | None, num_layers: int, kept: list[list[int]] | None,
-                  dtype: mx.Dtype | None, shard_bytes: int, progress: bool = True) -> None:
-    """Consume the lazy `weights` dict unit by unit (pruning, quantizing, writing)."""
+def converted_tensors(weights: dict[str, mx.array], specs: dict[str, Spec | None],
+                      src_quant: dict | None, num_layers: int, kept: list[list[int]] | None,
+                      dtype: mx.Dtype | None, progress: bool = True
+                      ) -> Iterator[tuple[str, mx.array]]:
+    """Consume the lazy `weights` dict unit by unit (pruning, quantizing), yielding the
+    evaluated tensors of one unit before reading the next."""
     src_specs = {p: _source_spec(p, src_quant, weights) for p in specs}
     units: dict[int, list[str]] = {}
     for k in weights:
         units.setdefault(_unit(k, num_layers), []).append(k)
-    writer = ShardWriter(folder, shard_bytes)
     for u in progress_bar(sorted(units), desc="quantize+write", unit="layer",
                           enabled=progress):
         tensors = {k: weights.pop(k) for k in units[u]}
@@ -241,22 +181,20 @@ def write_weights(folder: Path, weights: dict[str, mx.array], specs: dict[str, S
                 v = v.astype(dtype)
             out[k] = v
         mx.eval(out)
+        del tensors
         for k in sorted(out):
-            writer.add(k, out[k])
-        del tensors, out
-    writer.close()
+            yield k, out.pop(k)
 
 
 def source_info(src: str, path: Path) -> dict:
     return {"source": str(src), "path": str(path.resolve())}
 
 
-def calibrate(path: Path, config: dict, files: list[Path], window: int, max_tokens: int,
-              progress: bool = True) -> tuple[ExpertStats, list[dict]]:
-    """Router statistics of the source model on calibration text (float32 on the CPU)."""
-    from pocket_mlx.convert.calibrate import calibration_windows, collect_stats
-    from pocket_mlx.engine.tokenizer import load_tokenizer
-
+def collect_router_stats(path: Path, config: dict, files: list[Path], window: int,
+                         max_tokens: int, progress: bool = True
+                         ) -> tuple[ExpertStats, list[dict]]:
+    """Router statistics of the source model on calibration text (float32 on the CPU), for
+    choosing which experts to keep; also what each calibration file contributed."""
     tokenizer = load_tokenizer(path, config)
     chunks, infos = calibration_windows(files, tokenizer, window, max_tokens)
     dtype = "float32" if mx.default_device() == mx.cpu else None
@@ -268,9 +206,6 @@ def calibrate(path: Path, config: dict, files: list[Path], window: int, max_toke
 def auto_for(path: Path, config: dict, opts: ConvertOptions) -> tuple[Recipe, dict]:
     """Measure per-group quantization sensitivity on (at most 256 tokens of) the calibration
     text and build a recipe for `opts.auto_bpw`. Loads the whole model: small models only."""
-    from pocket_mlx.convert.calibrate import auto_recipe, calibration_windows
-    from pocket_mlx.engine.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(path, config)
     per_file = max(2, min(opts.calib_tokens, 256 // len(opts.calib)))
     chunks, _ = calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)
@@ -325,8 +260,8 @@ def convert(src: str, out: Path, opts: ConvertOptions,
                     raise PocketError(f"calibration file {f} does not exist")
                 if Path(f).stat().st_size == 0:
                     raise PocketError(f"calibration file {f} is empty")
-            stats, calib_info = calibrate(path, config, opts.calib, opts.window,
-                                          opts.calib_tokens, opts.progress)
+            stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
+                                                     opts.calib_tokens, opts.progress)
         kept = select_experts(stats, opts.prune_to, opts.criterion, args.num_hidden_layers,
                               args.num_experts, opts.seed)
     text_cfg = text_config(config)
@@ -339,8 +274,8 @@ def convert(src: str, out: Path, opts: ConvertOptions,
     quant = quantization_dict(specs, opts.recipe)
     removed = {"config.json": keys} if (keys := strip_remote_code(config)[1]) else {}
     with atomic_dir(out, force=opts.force) as tmp:
-        write_weights(tmp, weights, specs, src_quant, args.num_hidden_layers, kept, dtype,
-                      opts.shard_bytes, opts.progress)
+        save_weights(tmp, converted_tensors(weights, specs, src_quant, args.num_hidden_layers,
+                                            kept, dtype, opts.progress), opts.shard_bytes)
         del weights
         new_cfg = mlx_config(text_cfg, quant)
         (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2))
@@ -362,8 +297,6 @@ def disk_size(folder: Path) -> int:
 
 def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_info,
                  stats) -> dict:
-    from pocket_mlx.analysis.accounting import weight_stats
-
     ws = weight_stats(load_model(tmp, new_cfg, lazy=True))
     info = {
         "pocket_mlx_version": __version__,
@@ -413,11 +346,11 @@ def summary(info: dict, out: Path) -> str:
 
 def shard_bytes(gb: float | None) -> int:
     if gb is None:
-        return 5 << 30
+        return DEFAULT_SHARD_BYTES
     if gb <= 0:
         raise PocketError(f"--shard-size-gb must be positive, got {gb:g}")
     return max(1, int(gb * (1 << 30)))
 
 
-__all__ = ["ConvertOptions", "ConvertResult", "convert", "calibrate", "summary", "shard_bytes",
-           "disk_size"]
+__all__ = ["ConvertOptions", "ConvertResult", "convert", "collect_router_stats", "summary",
+           "shard_bytes", "disk_size"]

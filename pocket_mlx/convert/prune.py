@@ -17,7 +17,6 @@ import numpy as np
 from pocket_mlx.errors import PocketError
 
 CRITERIA = ("reap-sum", "reap", "frequency")
-HIDDEN_CRITERIA = ("random",)  # a baseline for the quality report
 
 
 @dataclass

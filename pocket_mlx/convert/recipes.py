@@ -98,8 +98,6 @@ class Recipe:
 
 
 # ---- module families: used for reporting bits per family and by the built-in recipes ---------
-FAMILIES = ("experts", "router", "shared_expert_gate", "shared_expert", "attention",
-            "linear_attention", "embed_tokens", "lm_head")
 
 
 def family(path: str) -> str:

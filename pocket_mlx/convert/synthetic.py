@@ -14,7 +14,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,16 +24,15 @@ from mlx.utils import tree_flatten, tree_map
 
 from pocket_mlx.config import module_quantization, quantization
 from pocket_mlx.convert import recipes
-from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config
-from pocket_mlx.engine.loader import apply_quantization
+from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config, save_weights
 from pocket_mlx.errors import PocketError
-from pocket_mlx.models import build_model
+from pocket_mlx.models import apply_quantization, build_model
 from pocket_mlx.progress import progress as progress_bar
 
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "pocket-tiny"
 GROUP_SIZE = 64
 
-# Qwen3.5-35B-A3B text shape (transformers' Qwen3_5MoeConfig defaults, see FIELD_NOTES).
+# Qwen3.5-35B-A3B text shape (transformers' Qwen3_5MoeConfig defaults).
 _QWEN35_35B = {
     "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
     "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
@@ -192,43 +191,6 @@ def cache_root() -> Path:
     return base / "synthetic"
 
 
-def _write_shards(folder: Path, tensors: Iterator[tuple[str, mx.array]], shard_bytes: int,
-                  on_bytes: Callable[[int], None]) -> int:
-    """Write safetensors shards as the tensors come, so at most one shard is in memory."""
-    shard: dict[str, mx.array] = {}
-    size, files, weight_map, total = 0, [], {}, 0
-
-    def flush() -> None:
-        nonlocal shard, size
-        fname = f"shard-{len(files):05d}.safetensors"
-        mx.save_safetensors(str(folder / fname), shard, metadata={"format": "mlx"})
-        files.append(fname)
-        for k in shard:
-            weight_map[k] = fname
-        shard, size = {}, 0
-
-    for name, arr in tensors:
-        if size and size + arr.nbytes > shard_bytes:
-            flush()
-        mx.eval(arr)
-        shard[name] = arr
-        size += arr.nbytes
-        total += arr.nbytes
-        on_bytes(arr.nbytes)
-    if shard:
-        flush()
-    n = len(files)
-    renames = {f: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, f in enumerate(files)}
-    if n == 1:
-        renames = {files[0]: "model.safetensors"}
-    for old, new in renames.items():
-        (folder / old).rename(folder / new)
-    index = {"metadata": {"total_size": total},
-             "weight_map": {k: renames[v] for k, v in sorted(weight_map.items())}}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return total
-
-
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
@@ -249,7 +211,7 @@ def build(name: str, recipe: str = DEFAULT_RECIPE, *, out: Path | None = None,
                        enabled=progress)
     try:
         with atomic_dir(out, force=True) as tmp:
-            _write_shards(tmp, iter_tensors(model, quant, seed), shard_bytes, bar.update)
+            save_weights(tmp, iter_tensors(model, quant, seed), shard_bytes, bar.update)
             (tmp / "config.json").write_text(json.dumps(mlx_config(config, quant), indent=2))
             copy_tokenizer(ASSET, tmp)
             (tmp / "pocket.json").write_text(json.dumps(

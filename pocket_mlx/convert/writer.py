@@ -29,6 +29,12 @@ TOKENIZER_FILES = (
     "chat_template.jinja", "chat_template.json", "generation_config.json", "vocab.json",
     "merges.txt", "added_tokens.json",
 )
+DEFAULT_SHARD_BYTES = 5 << 30  # mlx-lm's and transformers' default shard size
+_ST_DTYPES = {
+    mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.float64: "F64",
+    mx.uint32: "U32", mx.int32: "I32", mx.uint8: "U8", mx.int8: "I8", mx.int64: "I64",
+    mx.uint16: "U16", mx.int16: "I16", mx.bool_: "BOOL", mx.uint64: "U64",
+}
 
 
 OWNER = ".owner"  # in a temporary folder: who writes it (see owner_alive)
@@ -243,30 +249,82 @@ def mlx_config(config: dict, quantization: dict | None = None) -> dict:
     return text
 
 
+class ShardWriter:
+    """Streams tensors into safetensors shards of at most `shard_bytes` (a tensor larger than
+    that gets a shard of its own). Each tensor's bytes are appended to a raw `.shard-N.data`
+    file as it comes; `close` writes each shard (header, then the data copied over), names them
+    as mlx-lm and transformers do and writes the index. Memory use: the tensor being written."""
+
+    def __init__(self, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES):
+        self.folder, self.shard_bytes = Path(folder), shard_bytes
+        self.shards: list[dict] = []  # {"data": Path, "header": {}, "size": int}
+        self._f = None
+
+    def _new_shard(self) -> None:
+        if self._f:
+            self._f.close()
+        data = self.folder / f".shard-{len(self.shards)}.data"
+        self.shards.append({"data": data, "header": {}, "size": 0})
+        self._f = open(data, "wb")
+
+    def add(self, name: str, arr: mx.array) -> None:
+        """Evaluate `arr` and append it to the current shard (starting a new one when full)."""
+        if arr.dtype not in _ST_DTYPES:
+            raise PocketError(f"cannot write {name}: dtype {arr.dtype} has no safetensors type")
+        mx.eval(arr)
+        nbytes = arr.nbytes
+        if not self.shards or (self.shards[-1]["size"]
+                               and self.shards[-1]["size"] + nbytes > self.shard_bytes):
+            self._new_shard()
+        shard = self.shards[-1]
+        mv = memoryview(arr)
+        if not mv.c_contiguous:
+            arr = mx.contiguous(arr)
+            mx.eval(arr)
+            mv = memoryview(arr)
+        self._f.write(mv)
+        start = shard["size"]
+        shard["header"][name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape),
+                                 "data_offsets": [start, start + nbytes]}
+        shard["size"] += nbytes
+
+    def close(self) -> dict[str, str]:
+        """Write the shards and `model.safetensors.index.json`; returns the weight map."""
+        if self._f:
+            self._f.close()
+            self._f = None
+        n = len(self.shards)
+        weight_map, total = {}, 0
+        for i, shard in enumerate(self.shards):
+            fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            header = {"__metadata__": {"format": "mlx"}, **shard["header"]}
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)
+            with open(self.folder / fname, "wb") as out, open(shard["data"], "rb") as data:
+                out.write(len(raw).to_bytes(8, "little"))
+                out.write(raw)
+                shutil.copyfileobj(data, out, 64 << 20)
+            shard["data"].unlink()
+            for k in shard["header"]:
+                weight_map[k] = fname
+            total += shard["size"]
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return weight_map
+
+
 def save_weights(folder: Path, weights: Iterable[tuple[str, mx.array]],
-                 shard_bytes: int = 5 << 30) -> dict[str, str]:
-    """Write safetensors shards of at most `shard_bytes` plus the index; arrays are evaluated
-    (and freed) shard by shard. Returns the weight map."""
-    shards: list[dict[str, mx.array]] = [{}]
-    size = 0
+                 shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 on_bytes: Callable[[int], None] | None = None) -> dict[str, str]:
+    """Write `weights` as safetensors shards plus the index into `folder` (meant to be an
+    `atomic_dir`), one tensor in memory at a time; `on_bytes` is told each tensor's size
+    (progress bars). Returns the weight map."""
+    writer = ShardWriter(folder, shard_bytes)
     for name, arr in weights:
-        if size and size + arr.nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = arr
-        size += arr.nbytes
-    n = len(shards)
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        mx.save_safetensors(str(folder / fname), shard, metadata={"format": "mlx"})
-        for k, v in shard.items():
-            weight_map[k] = fname
-            total += v.nbytes
-        shards[i] = {}
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return weight_map
+        writer.add(name, arr)
+        if on_bytes is not None:
+            on_bytes(arr.nbytes)
+    return writer.close()
 
 
 def copy_tokenizer(src: Path, dst: Path) -> dict[str, list[str]]:

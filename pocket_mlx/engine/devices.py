@@ -1,9 +1,9 @@
 """Device selection: one generation stream per device, created on demand.
 
 mlx-lm creates its generation stream once, at import time, on whatever device was default then;
-a later `mx.set_default_device(mx.cpu)` does not move it (see FIELD_NOTES). Here each device gets
-its own stream and callers pass the device explicitly, so one loaded model can switch device
-between two generations.
+a later `mx.set_default_device(mx.cpu)` does not move it (seen on an H200 with MLX's CUDA
+backend: mlx-lm still decoded on the GPU). Here each device gets its own stream and callers
+pass the device explicitly, so one loaded model can switch device between two generations.
 """
 
 from __future__ import annotations

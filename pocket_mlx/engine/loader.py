@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,15 +15,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from pocket_mlx.config import (
-    DEFAULT_BITS,
-    DEFAULT_GROUP_SIZE,
     quantization,
     safetensors_header,
     weight_files,
 )
 from pocket_mlx.engine.hub import fetch, parse_repo_id
 from pocket_mlx.errors import PocketError
-from pocket_mlx.models import build_model
+from pocket_mlx.models import apply_quantization, build_model
 
 
 def default_model_path() -> Path:
@@ -95,20 +92,6 @@ def load_weights(path: Path) -> dict[str, mx.array]:
         except Exception as e:
             raise PocketError(f"cannot read {f.name}: {e}") from None
     return weights
-
-
-def apply_quantization(model: nn.Module, quant: dict,
-                       quantizable: Callable[[str, nn.Module], bool]) -> None:
-    """Quantize a model as mlx-lm's dict says: a module's own entry wins (its bits/group size,
-    or false), else `quantizable(path, module)` decides, at the dict's default bits/group size."""
-
-    def predicate(path: str, module: nn.Module):
-        if path in quant:
-            return quant[path]
-        return hasattr(module, "to_quantized") and quantizable(path, module)
-
-    nn.quantize(model, group_size=quant.get("group_size", DEFAULT_GROUP_SIZE),
-                bits=quant.get("bits", DEFAULT_BITS), class_predicate=predicate)
 
 
 def quantize_as_stored(model: nn.Module, quant: dict | None, weights: dict[str, mx.array]) -> None:

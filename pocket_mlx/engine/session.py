@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pocket_mlx.engine.generation import Response, SamplingParams, context_limit, stream_generate
 from pocket_mlx.engine.params import DEFAULT_MAX_TOKENS, check_max_tokens, checked
@@ -236,8 +236,3 @@ class ChatSession:
             self.cache_tokens = list(self._snap[0])
         else:
             self.reset()
-
-
-def copy_stats(r: Response):
-    """A frozen copy of a response's live stats (stream_generate mutates them in place)."""
-    return replace(r.stats)

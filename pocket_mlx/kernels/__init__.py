@@ -174,8 +174,9 @@ def get_threads() -> int:
 
 
 def set_mode(mode: str) -> None:
-    """'fast' (default: activations as int8 per group, integer dot products, bits 2/4/6/8; other
-    bits run EXACT) or 'exact' (float32 products, MLX's result up to summation order)."""
+    """'fast' (default: activations as int8 per group, integer dot products; x86 only, bits
+    2/4/6, and 8 with AVX-512 VNNI; other bits run EXACT) or 'exact' (float32 products, MLX's
+    result up to summation order)."""
     m = mode.lower()
     if m not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")

@@ -1,9 +1,11 @@
-"""Quantized matmul entry points used by every quantized layer of the model.
+"""The model's entry points to the optional C++ extension (`pocket_mlx.kernels`).
 
-The model never calls `mx.quantized_matmul` / `mx.gather_qmm` directly: it calls these two
-functions, so a faster CPU kernel (the optional C++ extension, `pocket_mlx.kernels`) can take over
-on the CPU device while the GPU keeps MLX's own kernels. Without the extension these are exactly
-MLX's ops.
+The model never calls the MLX ops these stand for directly (`mx.quantized_matmul`,
+`mx.gather_qmm`, `mx.fast.rms_norm`, `mx.fast.rope`, its depthwise conv and router): it calls the
+functions here, so the extension's faster CPU kernels take over when generating on the CPU with
+the extension built and enabled, while the GPU keeps MLX's own kernels. Without the extension
+each function is exactly its MLX form; `gated_delta`, `moe_block` and `linear_attn_step` return
+None instead, and the caller runs its own MLX code.
 """
 
 from __future__ import annotations

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from pocket_mlx.config import model_type
+from collections.abc import Callable
+
+import mlx.nn as nn
+
+from pocket_mlx.config import DEFAULT_BITS, DEFAULT_GROUP_SIZE, model_type
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import qwen3_5_moe
 
@@ -25,3 +29,17 @@ def build_model(config: dict):
     except TypeError as e:
         raise PocketError(f"config.json does not describe a valid model: {e}") from None
     return arch.Model(args)
+
+
+def apply_quantization(model: nn.Module, quant: dict,
+                       quantizable: Callable[[str, nn.Module], bool]) -> None:
+    """Quantize a model as mlx-lm's dict says: a module's own entry wins (its bits/group size,
+    or false), else `quantizable(path, module)` decides, at the dict's default bits/group size."""
+
+    def predicate(path: str, module: nn.Module):
+        if path in quant:
+            return quant[path]
+        return hasattr(module, "to_quantized") and quantizable(path, module)
+
+    nn.quantize(model, group_size=quant.get("group_size", DEFAULT_GROUP_SIZE),
+                bits=quant.get("bits", DEFAULT_BITS), class_predicate=predicate)

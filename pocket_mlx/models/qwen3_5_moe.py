@@ -569,14 +569,3 @@ class Model(nn.Module):
         if self.args.tie_word_embeddings:
             out.pop("language_model.lm_head.weight", None)
         return out
-
-    @property
-    def quant_predicate(self):
-        """mlx-lm's rule for this architecture: routers and the shared-expert gate at 8 bits."""
-
-        def predicate(path: str, _module) -> bool | dict:
-            if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
-                return {"group_size": 64, "bits": 8}
-            return True
-
-        return predicate

@@ -4,7 +4,10 @@ Why an interface: the macOS wired-limit helper runs `sysctl`, `sw_vers` and `sud
 run on the Linux machines where tests run. `Platform` turns those calls into two primitives
 (`run(argv)` and `read_text(path)`); `RealPlatform` executes them, `FakePlatform` answers them
 from outputs recorded on real Macs (`tests/fixtures/macos/*.txt`), so the parsing is tested
-against what macOS really prints.
+against what macOS really prints. `gpu_device_info` is MLX's description of the GPU, the one
+device fact the OS commands do not give.
+
+This module is the bottom of system/: wired.py and memory.py build on it; it imports neither.
 
 Test-only: setting `POCKET_MLX_FAKE_PLATFORM=<fixture file>` makes `get_platform()` return a
 `FakePlatform` fed by that file, so the CLI can be exercised end to end in a subprocess. Never set
@@ -13,12 +16,15 @@ it for real use: nothing is executed then.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import mlx.core as mx
 
 FAKE_PLATFORM_ENV = "POCKET_MLX_FAKE_PLATFORM"
 
@@ -49,8 +55,6 @@ class Platform:
 
     def gpu_device_info(self) -> dict:
         """MLX's description of the GPU device ({} when MLX has no GPU here)."""
-        from pocket_mlx.system.memory import gpu_device_info
-
         return gpu_device_info()
 
     # -- derived queries ------------------------------------------------------------------------
@@ -152,8 +156,6 @@ class FakePlatform(Platform):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **kwargs) -> FakePlatform:
-        import json
-
         responses: dict[str, CommandResult] = {}
         device_info: dict = {}
         cmd: str | None = None
@@ -237,6 +239,16 @@ def parse_meminfo_total(text: str) -> int | None:
     """MemTotal of /proc/meminfo, in bytes (the file says kB, meaning KiB)."""
     m = re.search(r"^MemTotal:\s+(\d+)\s*kB", text, re.MULTILINE)
     return int(m.group(1)) * 1024 if m else None
+
+
+def gpu_device_info() -> dict:
+    """MLX's info dict for the GPU device; {} when MLX has no GPU here (Linux CPU wheel)."""
+    try:
+        if not mx.is_available(mx.gpu):
+            return {}
+        return dict(mx.device_info(mx.gpu))
+    except Exception:  # noqa: BLE001 - any backend trouble means "no GPU info"
+        return {}
 
 
 def get_platform() -> Platform:

@@ -10,22 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+import mlx.core as mx
+
+from pocket_mlx.system.host import get_platform, gpu_device_info
 from pocket_mlx.system.wired import FIX_COMMAND, find_key, read_limit
 from pocket_mlx.units import MiB, size
 
 _warned = False
-
-
-def gpu_device_info() -> dict:
-    """MLX's info dict for the GPU device; {} when MLX has no GPU here (Linux CPU wheel)."""
-    try:
-        import mlx.core as mx
-
-        if not mx.is_available(mx.gpu):
-            return {}
-        return dict(mx.device_info(mx.gpu))
-    except Exception:  # noqa: BLE001 - any backend trouble means "no GPU info"
-        return {}
 
 
 def recommended_working_set(device_info: dict | None = None) -> int | None:
@@ -68,8 +59,6 @@ def wired_limit(
         )
     real = setter is None
     if real:
-        import mlx.core as mx
-
         setter = mx.set_wired_limit
     try:
         old = setter(max_rec)
@@ -81,8 +70,6 @@ def wired_limit(
         yield
     finally:
         if real:
-            import mlx.core as mx
-
             if streams:
                 for s in streams:
                     mx.synchronize(s)
@@ -100,8 +87,6 @@ def reset_warning() -> None:
 def wired_limit_status(platform=None) -> str | None:
     """Short label for the TUI: "wired 24.0 GiB (iogpu.wired_limit_mb)", "wired default (...)",
     or None where the platform has no such setting. Runs `sysctl`: call once, not per frame."""
-    from pocket_mlx.system.host import get_platform
-
     platform = platform or get_platform()
     key = find_key(platform)
     if key is None:
