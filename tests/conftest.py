@@ -10,6 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from pocket_mlx import kernels
+
 ROOT = Path(__file__).resolve().parent.parent
 ASSET = ROOT / "assets" / "pocket-tiny"
 sys.path.insert(0, str(ROOT / "tests"))
@@ -173,8 +175,6 @@ def exact_kernels():
 def kernels_ext():
     """For the C++ extension's own tests: skips without the extension, and fails instead under
     POCKET_MLX_REQUIRE_KERNELS=1 (.ci/run), where a build that broke must not pass as skipped."""
-    from pocket_mlx import kernels  # lazy like exact_kernels: conftest serves non-kernel tests too
-
     why = kernels.load_error()
     if why is not None:
         if kernels.required():
@@ -182,10 +182,3 @@ def kernels_ext():
         pytest.skip(why)
     return kernels
 
-
-def pytest_report_header(config) -> str:
-    """The kernel status on the first lines of every run (CI logs show what was tested)."""
-    from pocket_mlx import kernels
-
-    req = " (POCKET_MLX_REQUIRE_KERNELS=1)" if kernels.required() else ""
-    return f"pocket-mlx kernels: {kernels.info()}{req}"
