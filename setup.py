@@ -3,7 +3,8 @@
 All package metadata lives in pyproject.toml; this file only adds a CMake-driven build_ext.
 If the extension cannot be built (no compiler, no CMake, no MLX headers, nanobind ABI mismatch,
 or POCKET_MLX_BUILD_KERNELS=0), a warning is printed and the installation still succeeds: the
-package then runs on MLX's own kernels.
+package then runs on MLX's own kernels. With POCKET_MLX_REQUIRE_KERNELS=1 (CI, .ci/run) the same
+failure fails the installation, after the compiler's own output.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError
 
 ROOT = Path(__file__).resolve().parent
 EXT_NAME = "pocket_mlx._qkernels"
@@ -29,11 +31,27 @@ class CMakeExtension(Extension):
         self.source_dir = str(source_dir)
 
 
+def _kernels_required() -> bool:
+    """POCKET_MLX_REQUIRE_KERNELS=1: CI must not pass on a build that broke (same values as
+    pocket_mlx.kernels.required(), which this build cannot import)."""
+    return os.environ.get("POCKET_MLX_REQUIRE_KERNELS", "").strip().lower() in ("1", "true", "yes",
+                                                                               "on")
+
+
 def _warn(msg: str) -> None:
     bar = "=" * 78
     print(f"\n{bar}\nWARNING: pocket-mlx: {msg}\n"
           "The C++ CPU kernels were NOT built; pocket-mlx will use MLX's own (slower) CPU kernels."
+          "\n(POCKET_MLX_REQUIRE_KERNELS=1 makes this an error.)"
           f"\n{bar}\n", file=sys.stderr, flush=True)
+
+
+def _failed(msg: str) -> None:
+    """A failed build of the extension: fatal under POCKET_MLX_REQUIRE_KERNELS=1, else a warning."""
+    if _kernels_required():
+        raise CompileError(f"pocket-mlx: building the C++ extension failed: {msg} "
+                           "(POCKET_MLX_REQUIRE_KERNELS=1; the compiler's output is above)")
+    _warn(msg)
 
 
 def _target_python_query(code: str) -> str | None:
@@ -107,8 +125,10 @@ class BuildExt(build_ext):
     def run(self):
         try:
             super().run()
-        except Exception as e:  # never fail the install because of the optional extension
-            _warn(f"building the extension failed: {e}")
+        except CompileError:
+            raise  # _failed() under POCKET_MLX_REQUIRE_KERNELS=1
+        except Exception as e:  # otherwise never fail the install for the optional extension
+            _failed(f"building the extension failed: {e}")
 
     def build_extension(self, ext):
         if not isinstance(ext, CMakeExtension):
@@ -116,7 +136,7 @@ class BuildExt(build_ext):
         try:
             self._build_cmake(ext)
         except Exception as e:
-            _warn(str(e))
+            _failed(str(e))
 
     def _build_cmake(self, ext: CMakeExtension):
         if os.environ.get("POCKET_MLX_BUILD_KERNELS", "1") == "0":

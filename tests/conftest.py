@@ -10,6 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from pocket_mlx import kernels
+
 ROOT = Path(__file__).resolve().parent.parent
 ASSET = ROOT / "assets" / "pocket-tiny"
 sys.path.insert(0, str(ROOT / "tests"))
@@ -167,3 +169,16 @@ def exact_kernels():
         yield
     finally:
         kernels.set_mode(mode)
+
+
+@pytest.fixture
+def kernels_ext():
+    """For the C++ extension's own tests: skips without the extension, and fails instead under
+    POCKET_MLX_REQUIRE_KERNELS=1 (.ci/run), where a build that broke must not pass as skipped."""
+    why = kernels.load_error()
+    if why is not None:
+        if kernels.required():
+            pytest.fail(f"POCKET_MLX_REQUIRE_KERNELS=1, but: {why}", pytrace=False)
+        pytest.skip(why)
+    return kernels
+

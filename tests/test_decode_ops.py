@@ -15,12 +15,11 @@ import pytest
 from pocket_mlx import kernels
 from pocket_mlx.kernels import ops
 
-pytestmark = pytest.mark.skipif(kernels._ext is None, reason="C++ kernels not built")
 RNG = np.random.default_rng()
 
 
 @pytest.fixture(autouse=True)
-def _cpu():
+def _cpu(kernels_ext):  # skips without the extension, fails under POCKET_MLX_REQUIRE_KERNELS=1
     old = mx.default_device()
     mx.set_default_device(mx.cpu)
     kernels.set_enabled(True)

@@ -35,10 +35,10 @@ def test_chunked_equals_sequential(B, T, Hk, Hv, D, with_state):
 @pytest.mark.parametrize("B,T,Hk,Hv,Dk,Dv", [
     (1, 1, 16, 32, 128, 128), (1, 1, 2, 4, 40, 24), (1, 37, 2, 4, 32, 32), (2, 5, 1, 3, 12, 20), (1, 300, 2, 2, 64, 16),
 ])
-def test_cpu_kernel_equals_sequential_and_leaves_held_state_alone(B, T, Hk, Hv, Dk, Dv):
-    from pocket_mlx import kernels
-
-    if not kernels.enabled():
+def test_cpu_kernel_equals_sequential_and_leaves_held_state_alone(B, T, Hk, Hv, Dk, Dv,
+                                                                    kernels_ext):
+    kernels = kernels_ext
+    if not kernels.enabled():  # built, but switched off by POCKET_MLX_KERNELS=0
         pytest.skip(f"C++ kernels not active: {kernels.info().get('reason')}")
     rng = np.random.default_rng(Dk + T)
 

@@ -4,7 +4,7 @@ Fresh random data every run. Every bits x group size x activation dtype x layout
 gathered decode, gathered sorted), odd shapes, 1 and several threads, small and prefill-size M.
 EXACT mode must match MLX computed in float32 within a relative error of 1e-5 (relative to the
 largest output magnitude); float16/bfloat16 outputs are compared after rounding, within their
-precision. Skips when the extension is not built.
+precision. Skips when the extension is not built (fails under POCKET_MLX_REQUIRE_KERNELS=1).
 """
 
 from __future__ import annotations
@@ -18,12 +18,6 @@ import pytest
 
 from pocket_mlx import kernels
 
-pytestmark = pytest.mark.skipif(
-    kernels._ext is None,
-    reason=f"C++ kernels not built: {kernels.info().get('reason')} "
-    "(pip install -e . with a C++ compiler and cmake)",
-)
-
 BITS = (2, 3, 4, 5, 6, 8)
 GROUPS = (32, 64, 128)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -32,7 +26,9 @@ RNG = np.random.default_rng()  # fresh data each run
 
 
 @pytest.fixture(autouse=True)
-def _cpu_and_defaults():
+def _cpu_and_defaults(kernels_ext):
+    """Every test here: skips without the extension (fails under POCKET_MLX_REQUIRE_KERNELS=1,
+    see conftest.kernels_ext), runs on the CPU and leaves the kernels' settings as it found them."""
     old = mx.default_device()
     mx.set_default_device(mx.cpu)
     kernels.set_enabled(True)
@@ -314,8 +310,9 @@ def test_fast_mode_shapes(isa):
                 N = 37
                 w, s, b = _quantized((N, K), gs, bits, mx.float32)
                 x = _x((2, K), mx.float32)
-                # 8-bit FAST needs VNNI (maddubs would saturate): otherwise EXACT is used.
-                fast_here = bits != 8 or kernels.info()["isa"] == "avx512"
+                # The extension says which bits have FAST kernels here (8-bit needs VNNI: maddubs
+                # would saturate); the others run EXACT.
+                fast_here = bits in kernels.info()["fast_bits"]
                 ref = np.array(_fast_ref(x, w, s, b, gs, bits) if fast_here
                                else _ref_qmm(x, w, s, b, gs, bits))
                 kernels.set_mode("fast")

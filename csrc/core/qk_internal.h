@@ -167,6 +167,7 @@ struct IsaOps {
   RowsFn rows_exact;   // required
   RowsFn rows_fast;    // may be null (FAST falls back to EXACT)
   bool fast_bits[9];   // bits handled by rows_fast
+  const char* variant = nullptr;  // finer name for reports ("avx512-vnni"); nullptr: name
 };
 
 }  // namespace detail

@@ -386,6 +386,20 @@ int get_mode() { return g_mode.load(); }
 const char* isa() { return current_isa()->name; }
 const char* best_isa() { return detect_best()->name; }
 
+const char* isa_variant() {
+  const IsaOps* o = current_isa();
+  return o->variant ? o->variant : o->name;
+}
+
+int fast_bits_mask() {
+  const IsaOps* o = current_isa();
+  int mask = 0;
+  if (o->rows_fast)
+    for (int b = 0; b < 9; b++)
+      if (o->fast_bits[b]) mask |= 1 << b;
+  return mask;
+}
+
 bool force_isa(const char* name) {
   std::string n = name ? name : "auto";
   const IsaOps* o = (n == "auto") ? detect_best() : isa_by_name(n);

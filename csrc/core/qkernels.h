@@ -19,9 +19,9 @@ enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 // EXACT: dequantize each weight to float32 (scale * q + bias) and FMA with float32 activations.
 //        Equals MLX's quantized_matmul computed in float32 up to summation order.
 // FAST:  activations quantized to int8 per group (like llama.cpp's Q8 blocks), integer dot
-//        products. x86 only: bits 2/4/6 with AVX2 and AVX-512, 8 as well with AVX-512 VNNI/VBMI
-//        (IsaOps::fast_bits); other bits and ISAs (NEON, scalar) run EXACT. The core starts in
-//        EXACT; pocket_mlx.kernels switches to FAST when it loads (its DEFAULT_MODE).
+//        products, for the bit widths fast_bits_mask() names on the ISA in use (AVX2 and AVX-512:
+//        2/4/6, plus 8 with VNNI); every other case (other bits, NEON, scalar) runs EXACT.
+//        The core starts in EXACT; pocket_mlx.kernels switches to FAST when it loads.
 enum Mode : int { MODE_EXACT = 0, MODE_FAST = 1 };
 
 // One quantized matrix [E, N, K] (E = 1 for a plain linear layer), MLX affine format.
@@ -72,6 +72,12 @@ int get_mode();
 
 // Instruction set in use: "avx512", "avx2", "neon" or "scalar".
 const char* isa();
+// The variant of isa() in use, for reports: "avx512-vbmi", "avx512-vnni", "avx512", "avx2",
+// "neon" or "scalar".
+const char* isa_variant();
+// Bit widths that FAST mode runs with the ISA in use: bit b set for b-bit weights. 0 (NEON,
+// scalar): FAST falls back to EXACT for every matrix.
+int fast_bits_mask();
 // Best instruction set this CPU supports (what isa() is unless forced).
 const char* best_isa();
 // Force an instruction set ("avx512", "avx2", "neon", "scalar", or "auto"). Returns false if the

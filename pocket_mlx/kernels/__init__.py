@@ -8,11 +8,14 @@ Environment:
   POCKET_MLX_THREADS=N        worker threads (default: physical cores)
   POCKET_MLX_KERNEL_MODE=exact|fast  start mode (default: fast; see set_mode)
   POCKET_MLX_ISA=avx2|scalar  force an instruction set (testing)
+  POCKET_MLX_REQUIRE_KERNELS=1  CI: a failed build of the extension fails `pip install`, and the
+                              kernel tests fail instead of skipping when it is missing (required())
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -40,6 +43,17 @@ DEFAULT_MODE = "fast"
 if _ext is not None:
     _env_mode = os.environ.get("POCKET_MLX_KERNEL_MODE", "").strip().lower()
     _ext.set_mode(_MODES[_env_mode if _env_mode in _MODES else DEFAULT_MODE])
+
+
+def required() -> bool:
+    """POCKET_MLX_REQUIRE_KERNELS=1 (CI): a missing extension is an error, not a fallback."""
+    return os.environ.get("POCKET_MLX_REQUIRE_KERNELS", "").strip().lower() in ("1", "true", "yes",
+                                                                               "on")
+
+
+def load_error() -> str | None:
+    """Why the extension is not loaded (not built, or failed to import), or None when it is."""
+    return _import_error if _ext is None else None
 
 
 def _env_disabled() -> bool:
@@ -174,9 +188,10 @@ def get_threads() -> int:
 
 
 def set_mode(mode: str) -> None:
-    """'fast' (default: activations as int8 per group, integer dot products; x86 only, bits
-    2/4/6, and 8 with AVX-512 VNNI; other bits run EXACT) or 'exact' (float32 products, MLX's
-    result up to summation order)."""
+    """'fast' (default: activations as int8 per group, integer dot products, for the bit widths
+    the instruction set has FAST kernels for, info()["fast_bits"]: 2/4/6 on AVX2 and AVX-512, 8
+    too with VNNI, none on NEON or scalar; the rest runs EXACT) or 'exact' (float32 products,
+    MLX's result up to summation order)."""
     m = mode.lower()
     if m not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
@@ -185,6 +200,7 @@ def set_mode(mode: str) -> None:
 
 
 def get_mode() -> str:
+    """The mode asked for (set_mode / POCKET_MLX_KERNEL_MODE); info()["mode"] is the one that runs."""
     if _ext is None:
         return "exact"  # MLX's own ops
     return {v: k for k, v in _MODES.items()}[_ext.get_mode()]
@@ -195,20 +211,33 @@ def set_isa(name: str) -> bool:
     return bool(_ext is not None and _ext.force_isa(name))
 
 
+def active_info(isa: str, variant: str, fast_bits: Sequence[int], requested: str,
+                threads: int) -> dict:
+    """info() of an active extension from the facts it reports. "mode" is the mode that runs:
+    "fast" only where the instruction set has FAST kernels (NEON and scalar have none, so a
+    requested "fast" runs, and is reported, as "exact"); "fast_bits" are the bit widths the
+    instruction set has FAST kernels for (the others run EXACT in either mode)."""
+    return {
+        "active": True,
+        "isa": isa,
+        "variant": variant,
+        "threads": threads,
+        "mode": "fast" if requested == "fast" and len(fast_bits) > 0 else "exact",
+        "fast_bits": sorted(fast_bits),
+    }
+
+
 def info() -> dict:
-    """What runs the CPU quantized matmuls, for the TUI / `info` / `bench`."""
+    """What runs the CPU quantized matmuls, for the TUI / `info` / `bench`: the extension itself
+    says which instruction set variant it dispatched to and which bit widths FAST covers there."""
     if _ext is None:
         return {"active": False, "reason": _import_error}
     if _env_disabled():
         return {"active": False, "reason": "disabled by POCKET_MLX_KERNELS=0"}
     if not _user_enabled:
         return {"active": False, "reason": "disabled by set_enabled(False)"}
-    return {
-        "active": True,
-        "isa": _ext.isa(),
-        "threads": _ext.get_threads(),
-        "mode": get_mode(),
-    }
+    return active_info(_ext.isa(), _ext.isa_variant(), _ext.fast_bits(), get_mode(),
+                       _ext.get_threads())
 
 
 def label(status: dict | None = None) -> str:

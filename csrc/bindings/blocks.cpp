@@ -1,0 +1,226 @@
+// Whole decode blocks as one node each: the sparse MoE block (core/moe_block.cpp) and a Gated
+// DeltaNet token after its projections (core/linear_attn.cpp).
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "bindings/common.h"
+#include "bindings/ops.h"
+#include "mlx/ops.h"
+
+namespace pocket_ext {
+namespace {
+
+// A whole Qwen3.5-MoE sparse block (core/moe_block.cpp) as one node, for decode. Inputs: x
+// [..., D] float32, then (w, scales, biases) of router, shared_expert_gate, shared gate_proj
+// (or the fused gate_up), [shared up_proj,] shared down_proj, experts' gate, up, down.
+class PocketMoE : public CpuPrimitive {
+ public:
+  PocketMoE(mx::Stream s, std::vector<int> bits, std::vector<int> gs, int k, bool norm_topk)
+      : CpuPrimitive(s), bits_(std::move(bits)), gs_(std::move(gs)), k_(k), norm_(norm_topk) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    alloc(outputs[0]);
+    encode(stream(), inputs, outputs,
+           [inputs, out = outputs[0], bits = bits_, gs = gs_, k = k_, norm = norm_]() mutable {
+             std::vector<uint8_t> tx;
+             const mx::array& x = inputs[0];
+             const float* xp = static_cast<const float*>(contiguous_bytes(x, tx));
+             const bool fused = bits.size() == 7;
+             std::vector<std::vector<uint8_t>> tmp(3 * bits.size());
+             std::vector<pqk::QMatrix> mats(bits.size());
+             for (size_t i = 0; i < bits.size(); i++) {
+               const mx::array& w = inputs[1 + 3 * i];
+               const mx::array& sc = inputs[2 + 3 * i];
+               pqk::QMatrix& q = mats[i];
+               q.w = static_cast<const uint32_t*>(contiguous_bytes(w, tmp[3 * i]));
+               q.scales = contiguous_bytes(sc, tmp[3 * i + 1]);
+               q.biases = contiguous_bytes(inputs[3 + 3 * i], tmp[3 * i + 2]);
+               q.sdt = to_pqk(sc.dtype());
+               q.E = w.ndim() == 3 ? w.shape(0) : 1;
+               q.N = w.shape(-2);
+               q.K = (int64_t)w.shape(-1) * 32 / bits[i];
+               q.bits = bits[i];
+               q.group_size = gs[i];
+             }
+             pqk::MoeBlock b;
+             size_t i = 0;
+             b.router = mats[i++];
+             b.shared_gate = mats[i++];
+             b.shared_gate_proj = mats[i++];
+             if (!fused) b.shared_up = mats[i++];
+             b.shared_down = mats[i++];
+             b.expert_gate = mats[i++];
+             b.expert_up = mats[i++];
+             b.expert_down = mats[i++];
+             b.k = k;
+             b.norm_topk = norm;
+             const int64_t D = x.shape(-1);
+             pqk::moe_block(b, xp, (int64_t)x.size() / D, out.data<float>());
+           });
+  }
+
+  const char* name() const override { return "PocketMoE"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const PocketMoE*>(&other);
+    return o && o->bits_ == bits_ && o->gs_ == gs_ && o->k_ == k_ && o->norm_ == norm_;
+  }
+
+ private:
+  std::vector<int> bits_, gs_;
+  int k_;
+  bool norm_;
+};
+
+// One decode token of a Gated DeltaNet layer after its projections (core/linear_attn.cpp).
+// Inputs: qkv, z, b, a ([B, 1, n] each, last axis contiguous: views of one fused projection
+// are fine), conv_state, conv weight, A_log, dt_bias, norm weight, state. Outputs: out
+// [B, 1, Hv * Dv], new conv_state, new state.
+class PocketLinearAttn : public CpuPrimitive {
+ public:
+  PocketLinearAttn(mx::Stream s, int Hk, int Dk, int Hv, int Dv, float eps)
+      : CpuPrimitive(s), Hk_(Hk), Dk_(Dk), Hv_(Hv), Dv_(Dv), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& o : outputs) alloc(o);
+    encode(stream(), inputs, outputs,
+           [inputs, outputs, Hk = Hk_, Dk = Dk_, Hv = Hv_, Dv = Dv_, eps = eps_]() mutable {
+             std::vector<std::vector<uint8_t>> tmp(inputs.size());
+             // Rows of [B, 1, n] arrays: (pointer, batch stride in elements).
+             auto rows = [&](int i, int64_t& stride) {
+               const mx::array& x = inputs[i];
+               if (x.strides().back() == 1 && (x.shape(0) == 1 || x.strides()[1] == x.strides()[0])) {
+                 stride = x.strides()[0];
+                 return x.data<float>();
+               }
+               stride = x.shape(-1);
+               return static_cast<const float*>(contiguous_bytes(x, tmp[i]));
+             };
+             auto flat = [&](int i) {
+               return static_cast<const float*>(contiguous_bytes(inputs[i], tmp[i]));
+             };
+             pqk::LinearAttnStep st;
+             const mx::array& conv_state = inputs[4];
+             st.B = conv_state.shape(0);
+             st.kernel = conv_state.shape(1) + 1;
+             st.conv_dim = conv_state.shape(2);
+             st.Hk = Hk;
+             st.Hv = Hv;
+             st.Dk = Dk;
+             st.Dv = Dv;
+             int64_t ab2;
+             st.qkv = rows(0, st.qkv_stride);
+             st.z = rows(1, st.z_stride);
+             st.b = rows(2, st.ab_stride);
+             st.a = rows(3, ab2);
+             if (ab2 != st.ab_stride) {  // b and a must share one stride: pack a like b
+               st.a = static_cast<const float*>(contiguous_bytes(inputs[3], tmp[3]));
+               st.b = static_cast<const float*>(contiguous_bytes(inputs[2], tmp[2]));
+               st.ab_stride = Hv;
+             }
+             st.conv_state = flat(4);
+             st.conv_w = flat(5);
+             st.A_log = flat(6);
+             st.dt_bias = flat(7);
+             st.norm_w = flat(8);
+             st.state_in = flat(9);
+             st.norm_eps = eps;
+             st.out = outputs[0].data<float>();
+             st.new_conv_state = outputs[1].data<float>();
+             st.state = outputs[2].data<float>();
+             pqk::linear_attn_step(st);
+           });
+  }
+
+  const char* name() const override { return "PocketLinearAttn"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const PocketLinearAttn*>(&other);
+    return o && o->Hk_ == Hk_ && o->Dk_ == Dk_ && o->Hv_ == Hv_ && o->Dv_ == Dv_ && o->eps_ == eps_;
+  }
+
+ private:
+  int Hk_, Dk_, Hv_, Dv_;
+  float eps_;
+};
+
+}  // namespace
+
+// mats: 7 or 8 (w, scales, biases, bits, group_size) in PocketMoE's order.
+mx::array moe_block(const mx::array& x,
+                    const std::vector<std::tuple<mx::array, mx::array, mx::array, int, int>>& mats,
+                    int k, bool normalize, mx::StreamOrDevice s) {
+  const char* err = "pocket_mlx._qkernels.moe_block: ";
+  require_f32(x, "moe_block");
+  if (mats.size() != 7 && mats.size() != 8)
+    throw std::invalid_argument(std::string(err) + "7 or 8 matrices");
+  const bool fused = mats.size() == 7;
+  const int64_t D = x.ndim() ? x.shape(-1) : 0;
+  const mx::array& ew = std::get<0>(mats[mats.size() - 3]);  // experts' gate: [E, H, ...]
+  const int64_t E = ew.ndim() == 3 ? ew.shape(0) : 0;
+  const auto& sd = mats[fused ? 3 : 4];
+  const int64_t Hs = (int64_t)std::get<0>(sd).shape(-1) * 32 / std::get<3>(sd);
+  const auto& ed = mats[mats.size() - 1];
+  const int64_t H = (int64_t)std::get<0>(ed).shape(-1) * 32 / std::get<3>(ed);
+  std::vector<int> bits, gs;
+  std::vector<mx::array> inputs{x};
+  for (size_t i = 0; i < mats.size(); i++) {
+    const auto& [w, sc, bi, b, g] = mats[i];
+    const bool expert = i + 3 >= mats.size();
+    const bool down = i + 1 == mats.size() || i == (fused ? 3u : 4u);
+    const int64_t K = down ? (expert ? H : Hs) : D;
+    mx::array probe = mx::zeros({(int)K}, mx::float32);
+    check_common(probe, w, sc, bi, g, b, expert ? 3 : 2);
+    int64_t want = 0;
+    if (i == 0) want = E;
+    else if (i == 1) want = 1;
+    else if (i == 2) want = fused ? 2 * Hs : Hs;
+    else if (!fused && i == 3) want = Hs;
+    else if (down) want = D;
+    else want = H;  // experts' gate / up
+    if (w.shape(-2) != want || (expert && w.shape(0) != E))
+      throw std::invalid_argument(std::string(err) + "matrix " + std::to_string(i) + " has the wrong shape");
+    bits.push_back(b);
+    gs.push_back(g);
+    inputs.insert(inputs.end(), {w, sc, bi});
+  }
+  if (k <= 0 || k > E || D == 0)
+    throw std::invalid_argument(std::string(err) + "bad k or x");
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<PocketMoE>(cpu_stream(s), bits, gs, k, normalize), inputs);
+}
+
+std::vector<mx::array> linear_attn_step(const mx::array& qkv, const mx::array& z,
+                                        const mx::array& b, const mx::array& a,
+                                        const mx::array& conv_state, const mx::array& conv_w,
+                                        const mx::array& A_log, const mx::array& dt_bias,
+                                        const mx::array& norm_w, const mx::array& state, int Hk,
+                                        int Dk, int Hv, int Dv, float eps, mx::StreamOrDevice s) {
+  const char* err = "pocket_mlx._qkernels.linear_attn_step: ";
+  for (const auto* x : {&qkv, &z, &b, &a, &conv_state, &conv_w, &A_log, &dt_bias, &norm_w, &state})
+    if (x->dtype() != mx::float32) throw std::invalid_argument(std::string(err) + "float32 only");
+  const int64_t B = conv_state.ndim() == 3 ? conv_state.shape(0) : 0;
+  const int64_t C = conv_state.ndim() == 3 ? conv_state.shape(2) : 0;
+  const int64_t K = conv_state.ndim() == 3 ? conv_state.shape(1) + 1 : 0;
+  auto row = [&](const mx::array& x, int64_t n) {
+    return x.ndim() == 3 && x.shape(0) == B && x.shape(1) == 1 && x.shape(2) == n;
+  };
+  if (B == 0 || K < 2 || C != 2 * (int64_t)Hk * Dk + (int64_t)Hv * Dv || Hv % Hk != 0 ||
+      !row(qkv, C) || !row(z, (int64_t)Hv * Dv) || !row(b, Hv) || !row(a, Hv) ||
+      conv_w.size() != (size_t)(C * K) || conv_w.shape(0) != C || A_log.size() != (size_t)Hv ||
+      dt_bias.size() != (size_t)Hv || norm_w.size() != (size_t)Dv ||
+      state.shape() != mx::Shape{(int)B, Hv, Dv, Dk})
+    throw std::invalid_argument(std::string(err) + "shape mismatch");
+  return mx::array::make_arrays(
+      {mx::Shape{(int)B, 1, Hv * Dv}, conv_state.shape(), state.shape()},
+      {mx::float32, mx::float32, mx::float32},
+      std::make_shared<PocketLinearAttn>(cpu_stream(s), Hk, Dk, Hv, Dv, eps),
+      {qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state});
+}
+
+}  // namespace pocket_ext
