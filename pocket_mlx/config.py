@@ -179,6 +179,14 @@ def safetensors_header(file: Path) -> tuple[int, dict]:
     return n, header
 
 
+# Everything but the weights that running or converting a checkpoint reads from its folder:
+# what the Hub download fetches (engine/hub.py) and convert copies (convert/writer.py).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+    "chat_template.jinja", "chat_template.json", "generation_config.json", "vocab.json",
+    "merges.txt", "added_tokens.json",
+)
+METADATA_FILES = ("config.json", "pocket.json", *TOKENIZER_FILES)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -227,6 +235,11 @@ def weight_files(path: Path) -> list[Path]:
         if not f.is_file():
             raise PocketError(f"{path / INDEX} names {f.name}, which is not in {path}")
     return files
+
+
+def disk_bytes(folder: Path) -> int:
+    """Bytes of a folder's weight files on disk (headers included)."""
+    return sum(f.stat().st_size for f in weight_files(Path(folder)))
 
 
 def weights_bytes(folder: Path) -> int:

@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from rich.segment import Segments
+from rich.traceback import Traceback
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
@@ -33,8 +34,10 @@ from pocket_mlx import kernels
 from pocket_mlx.engine.conversations import Conversation, ConversationStore, new_id
 from pocket_mlx.engine.devices import describe, gpu_available
 from pocket_mlx.engine.generation import GenerationStats
+from pocket_mlx.engine.loader import load
 from pocket_mlx.engine.session import ChatSession, ContextOverflow, Settings
 from pocket_mlx.errors import PocketError
+from pocket_mlx.system.memory import wired_limit_status
 from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, finish_notice
 from pocket_mlx.tui.events import (
     ContextMeasured,
@@ -188,8 +191,6 @@ class ChatApp(App[None]):
         panel.device_label = describe(self.device)
         panel.kernels = kernels.label()
         try:
-            from pocket_mlx.system.memory import wired_limit_status
-
             panel.wired = wired_limit_status()
         except Exception:  # noqa: BLE001 - a missing sysctl must not stop the chat
             panel.wired = None
@@ -205,8 +206,6 @@ class ChatApp(App[None]):
         Textual prints a traceback with every frame's locals, which for this app is the whole
         conversation (messages, replies) dumped on the terminal. Overrides a private Textual
         method; the code and the error are still shown."""
-        from rich.traceback import Traceback
-
         self.bell()
         traceback = Traceback(show_locals=False, width=None)
         self._exit_renderables.append(
@@ -222,8 +221,6 @@ class ChatApp(App[None]):
         """Load the model, then serve generation jobs until the app closes."""
         worker = get_current_worker()
         try:
-            from pocket_mlx.engine.loader import load
-
             model, tokenizer = load(self.model_ref, device=self.device, fuse=True)
             info = model_info(model, self.model_name)
         except PocketError as e:

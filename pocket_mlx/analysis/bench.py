@@ -14,6 +14,8 @@ warm-up (at reduced size), then `repeats` times; with the mlx-lm comparison the 
 from __future__ import annotations
 
 import csv
+import importlib
+import importlib.metadata as md
 import io
 import json
 import os
@@ -26,9 +28,13 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
 from pocket_mlx import kernels, units
 from pocket_mlx.engine import devices
+from pocket_mlx.engine.generation import stream_generate
+from pocket_mlx.models.fusion import unfused_parameters
+from pocket_mlx.system.host import get_platform, total_ram_bytes
 
 TG_PROMPT = 4  # tokens before a tg test, as llama-bench's short prompt
 WARMUP_PP = 8  # warm-up sizes: enough to touch every code path, cheap on a slow CPU
@@ -56,17 +62,11 @@ def cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    from pocket_mlx.system.host import get_platform
-
     brand = get_platform().sysctl_read("machdep.cpu.brand_string")
     return brand or pyplatform.processor() or pyplatform.machine()
 
 
 def machine_info(bandwidth_gbps: float | None) -> dict:
-    import importlib.metadata as md
-
-    from pocket_mlx.system.host import get_platform, total_ram_bytes
-
     def version(pkg: str) -> str | None:
         try:
             return md.version(pkg)
@@ -148,8 +148,6 @@ class Runner:
 
 
 def pocket_runner(model, device: str, prefill_step: int = 512) -> Runner:
-    from pocket_mlx.engine.generation import stream_generate
-
     tok = NullTokenizer()
 
     def pp(ids: list[int]) -> float:
@@ -173,8 +171,6 @@ def mlx_lm_generate_module(device: str):
     device first and, if the module was already imported (a test or script did), point its
     module-level stream at the right device: `generate_step` reads that global at call time.
     """
-    import importlib
-
     dev = devices.mx_device(device)
     mx.set_default_device(dev)
     gen = importlib.import_module("mlx_lm.generate")
@@ -191,10 +187,8 @@ def mlx_lm_model(path, ours):
     arrays our model holds (same names, same values: mlx-lm's sanitize is the identity on an MLX
     checkpoint), so both run the same weights in the same dtype and RAM holds one copy.
     """
-    from mlx.utils import tree_flatten, tree_unflatten
+    # Lazy: importing mlx_lm imports transformers (0.9-2.3 s); only --vs-mlx-lm needs it.
     from mlx_lm.utils import load_model
-
-    from pocket_mlx.models.fusion import unfused_parameters
 
     theirs, _ = load_model(path, lazy=True)
     mine = dict(unfused_parameters(ours))  # views of our fused projections, if any

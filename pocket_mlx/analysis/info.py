@@ -16,9 +16,14 @@ import mlx.nn as nn
 
 from pocket_mlx import kernels
 from pocket_mlx.analysis.accounting import module_costs, weight_stats
-from pocket_mlx.config import read_pocket_json, recipe_label, weight_files, weights_bytes
+from pocket_mlx.config import disk_bytes, read_pocket_json, recipe_label, weights_bytes
+from pocket_mlx.convert import synthetic
 from pocket_mlx.convert.recipes import family as recipe_family
+from pocket_mlx.engine.loader import load_model, read_config, resolve_model_path
 from pocket_mlx.errors import PocketError
+from pocket_mlx.system import chips
+from pocket_mlx.system.host import get_platform
+from pocket_mlx.system.wired import default_reserve_bytes, kv_cache_bytes
 from pocket_mlx.units import GB, bandwidth, count, size
 
 FAMILIES = ("experts", "router", "attention", "linear_attention", "shared_expert", "embeddings",
@@ -43,9 +48,6 @@ def _dtype_of(config: dict) -> mx.Dtype:
 
 def open_source(model: str | None) -> Source:
     """`None` (bundled model), a folder or repo id, `synthetic:NAME[:RECIPE]`, or a config.json."""
-    from pocket_mlx.convert import synthetic
-    from pocket_mlx.engine.loader import load_model, read_config, resolve_model_path
-
     if (ref := synthetic.parse_ref(model)) is not None:
         # Described from its shape alone: nothing is written (generate & co. build the folder).
         name, recipe = ref
@@ -107,10 +109,6 @@ def quant_summary(model: nn.Module) -> dict[str, dict]:
 def describe(model: str | None = None, context: int | None = None,
              bandwidth_gbps: float | None = None, platform=None) -> dict:
     """Everything `pocket-mlx info` prints, as one JSON-ready dict."""
-    from pocket_mlx.system import chips
-    from pocket_mlx.system.host import get_platform
-    from pocket_mlx.system.wired import default_reserve_bytes, kv_cache_bytes
-
     src = open_source(model)
     platform = platform or get_platform()
     args = src.model.args
@@ -123,7 +121,7 @@ def describe(model: str | None = None, context: int | None = None,
     usable = total_ram - default_reserve_bytes(total_ram) if total_ram else None
     disk = None
     if src.path is not None:
-        disk = sum(f.stat().st_size for f in weight_files(src.path))
+        disk = disk_bytes(src.path)
     # The model's size as stored (tensor bytes): what `bench` and the chat show. A lazy load at
     # the checkpoint's dtypes holds exactly these, so a bare config's skeleton gives the same.
     size_bytes = weights_bytes(src.path) if src.path is not None else stats.bytes_total

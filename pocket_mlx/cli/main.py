@@ -3,6 +3,11 @@
 Each subcommand lives in `pocket_mlx/cli/<name>.py` and exposes
 `register(subparsers) -> argparse.ArgumentParser` whose parser has `func=run(args) -> int`.
 Errors a user can cause are `PocketError`s: printed as one line, exit code 2, no traceback.
+
+Every start builds every subcommand's parser, so the command modules import their machinery
+inside `run()`: MLX, Textual, the model stack and the converter at module level would cost each
+command, `wired` and `--help` included, ~0.37 s more (measured: importing them all takes
+~365 ms, building the whole parser ~40 ms).
 """
 
 from __future__ import annotations

@@ -12,9 +12,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from pocket_mlx.convert.prune import ExpertStats
+from pocket_mlx.convert.recipes import Recipe, Spec, glob_rule
 from pocket_mlx.errors import PocketError
 from pocket_mlx.progress import progress as progress_bar
 
@@ -160,10 +162,6 @@ def auto_recipe(model, chunks: list[list[int]], target_bpw: float, progress: boo
     the logits when one group alone is quantized at each width, then upgrade greedily the
     group with the best KL drop per extra bit until the budget is spent (KL assumed additive).
     `scale_bits`: width of the stored scales and biases (the output's float dtype)."""
-    import mlx.nn as nn
-
-    from pocket_mlx.convert.recipes import Recipe, Spec, glob_rule
-
     xs = [mx.array(c, mx.int32)[None] for c in chunks]
 
     def logprobs() -> list[mx.array]:
@@ -195,8 +193,6 @@ def auto_recipe(model, chunks: list[list[int]], target_bpw: float, progress: boo
     bits = {g: AUTO_BITS[0] for g in groups}
     spent = sum(size[g] * (bits[g] + overhead) for g in groups)
     if spent > budget:
-        from pocket_mlx.errors import PocketError
-
         lowest = (spent + fixed_bits) / total
         raise PocketError(f"--target-bpw {target_bpw:g} is below the lowest this recipe "
                           f"reaches ({lowest:.2f})")

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from pocket_mlx import __version__
 from pocket_mlx.analysis.accounting import weight_stats
-from pocket_mlx.config import module_quantization, quantization, text_config, weight_files
+from pocket_mlx.config import disk_bytes, module_quantization, quantization, text_config
 from pocket_mlx.convert.calibrate import auto_recipe, calibration_windows, collect_stats
 from pocket_mlx.convert.prune import (
     CRITERIA,
@@ -291,10 +291,6 @@ def convert(src: str, out: Path, opts: ConvertOptions,
     return ConvertResult(out, info)
 
 
-def disk_size(folder: Path) -> int:
-    return sum(f.stat().st_size for f in weight_files(Path(folder)))
-
-
 def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_info,
                  stats) -> dict:
     ws = weight_stats(load_model(tmp, new_cfg, lazy=True))
@@ -315,7 +311,7 @@ def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_
             "bytes_total": ws.bytes_total,
             "params_total": ws.params_total,
             "params_active": ws.params_active,
-            "size_on_disk": disk_size(tmp),
+            "size_on_disk": disk_bytes(tmp),
         },
     }
     if kept is not None:
@@ -353,4 +349,4 @@ def shard_bytes(gb: float | None) -> int:
 
 
 __all__ = ["ConvertOptions", "ConvertResult", "convert", "collect_router_stats", "summary",
-           "shard_bytes", "disk_size"]
+           "shard_bytes"]

@@ -19,10 +19,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from pocket_mlx.config import AFFINE_BITS, GROUP_SIZES
 from pocket_mlx.errors import PocketError
 
-VALID_BITS = (2, 3, 4, 5, 6, 8)
-VALID_GROUPS = (32, 64, 128)
+# Recipes give 2 bits or more: 1-bit experts need the quality work of issue 17 first.
+VALID_BITS = tuple(b for b in AFFINE_BITS if b >= 2)
+VALID_GROUPS = GROUP_SIZES
 DEFAULT_GROUP = 64
 
 

@@ -21,14 +21,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from pocket_mlx.config import TOKENIZER_FILES, text_config
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models.fusion import unfused_parameters
 
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-    "chat_template.jinja", "chat_template.json", "generation_config.json", "vocab.json",
-    "merges.txt", "added_tokens.json",
-)
 DEFAULT_SHARD_BYTES = 5 << 30  # mlx-lm's and transformers' default shard size
 _ST_DTYPES = {
     mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.float64: "F64",
@@ -238,7 +234,7 @@ def remote_code_note(removed: dict[str, list[str]]) -> str | None:
 def mlx_config(config: dict, quantization: dict | None = None) -> dict:
     """A flat text config with model_type `qwen3_5_moe`: the form mlx-lm's loader accepts.
     Remote-code keys are dropped (see REMOTE_CODE_KEYS)."""
-    text = strip_remote_code(dict(config.get("text_config") or config))[0]
+    text = strip_remote_code(text_config(config))[0]
     for k in ("quantization", "quantization_config", "text_config", "vision_config",
               "architectures"):
         text.pop(k, None)

@@ -12,7 +12,7 @@ The cache is looked at first and a complete snapshot is used without any request
 otherwise the missing files are downloaded with byte progress on stderr. Every Hub failure
 becomes one `PocketError` line that says what to do.
 
-huggingface_hub is imported inside the functions that need it: its import costs ~0.2 s, which
+huggingface_hub is imported inside the functions that need it: its import costs ~0.14 s, which
 the start-up of a local model should not pay.
 """
 
@@ -29,16 +29,9 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TextIO
 
-from pocket_mlx.config import INDEX, pick_weights, read_index, weight_files
+from pocket_mlx.config import INDEX, METADATA_FILES, pick_weights, read_index, weight_files
 from pocket_mlx.errors import PocketError
 
-# Everything but the weights that loading or converting reads (convert/writer.py's
-# TOKENIZER_FILES, which also lists generation_config.json, plus config and pocket.json).
-METADATA_FILES = (
-    "config.json", "generation_config.json", "pocket.json",
-    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json",
-)
 TOKENIZERS = ("tokenizer.json", "tokenizer.model")
 REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w.][\w./-]*))?$")
 LOGIN = "log in with `hf auth login` or set HF_TOKEN"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,7 +20,9 @@ from pocket_mlx.config import (
     safetensors_header,
     weight_files,
 )
+from pocket_mlx.engine.devices import policy_dtype, resolve_device
 from pocket_mlx.engine.hub import fetch, parse_repo_id
+from pocket_mlx.engine.tokenizer import load_tokenizer
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import apply_quantization, build_model
 
@@ -57,8 +60,6 @@ def resolve_model_path(path_or_repo: str | os.PathLike | None) -> Path:
 
 def _synthetic_path(ref: str) -> Path:
     # Lazy: the synthetic writer (numpy, the recipes) is only needed for synthetic:NAME.
-    import sys
-
     from pocket_mlx.convert import synthetic
 
     name, recipe = synthetic.parse_ref(ref)
@@ -188,8 +189,6 @@ def use_device(model: nn.Module, device: str) -> bool:
     unless `load(..., dtype=...)` fixed its dtype. Cheap when nothing changes; a switch casts
     the float parameters (the small non-quantized ones on a quantized model; milliseconds on
     the bundled model) and evaluates them. Returns True when parameters were cast."""
-    from pocket_mlx.engine.devices import policy_dtype, resolve_device
-
     device = resolve_device(device)
     model.device = device
     if getattr(model, "dtype_override", None) is not None or not hasattr(model, "stored_dtypes"):
@@ -250,9 +249,6 @@ def load(path_or_repo: str | os.PathLike | None = None, device: str | None = Non
     "bfloat16", "float16") fixes it instead. `fuse=True` (for generation and evaluation, fewer
     matmuls per token) fuses projections: see `load_model`.
     """
-    from pocket_mlx.engine.devices import policy_dtype, resolve_device
-    from pocket_mlx.engine.tokenizer import load_tokenizer
-
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise PocketError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
     device = resolve_device(device)

@@ -29,6 +29,8 @@ class Tokenizer:
     def __init__(self, path: Path, config: dict | None = None):
         self.path = Path(path)
         tcfg = _read_json(self.path / "tokenizer_config.json")
+        # Each backend is imported when a model needs it: the other one would cost every start
+        # ~20 ms for nothing.
         if (self.path / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as HFTokenizer
 

@@ -15,15 +15,13 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from pocket_mlx import kernels
+
 
 def _cpu_kernels():
     """The extension's kernels when generating on the CPU (the device of the current stream) and
     they are built and enabled, else None."""
     if mx.default_device() != mx.cpu:
-        return None
-    try:
-        from pocket_mlx import kernels
-    except ImportError:
         return None
     return kernels if kernels.enabled() else None
 
