@@ -1,7 +1,7 @@
-"""Options shared by `generate` and `chat`, and the argparse type functions that refuse bad values
-before anything loads: argparse then reports them on one line with exit code 2 (see
-`cli/main.py`). Each `check_*` takes a parsed value and raises `ValueError` with the sentence to
-show, so that values from elsewhere (a resumed conversation's settings) get the same checks."""
+"""Options shared by the commands that run a model, and the argparse type functions that refuse
+bad values before anything loads: argparse then reports them on one line with exit code 2 (see
+`cli/main.py`). The ranges themselves are engine/params.py's `check_*` functions, the same ones
+the Python API, the chat settings and saved conversations use."""
 
 from __future__ import annotations
 
