@@ -179,6 +179,27 @@ def test_bad_quantization_refused_by_every_command(tmp_path, override):
         assert "config.json: quantization" in proc.stderr, (argv[0], proc.stderr)
 
 
+@pytest.mark.parametrize("key, value", [("max_position_embeddings", "x"),
+                                        ("num_attention_heads", 0), ("hidden_size", "abc"),
+                                        ("num_experts", True), ("rms_norm_eps", -1.0)])
+def test_bad_model_size_in_config_is_one_line(tmp_path, key, value):
+    """A hand-edited size or rate in config.json: one line naming it, exit 2, before any layer
+    is built (it used to end in a ZeroDivisionError, TypeError or ValueError traceback)."""
+    model = tmp_path / "m"
+    shutil.copytree(BUNDLED, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg[key] = value
+    (model / "config.json").write_text(json.dumps(cfg))
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    proc = subprocess.run([sys.executable, "-m", "pocket_mlx", "generate", "--model", str(model),
+                           "--prompt", "hi", "-n", "2"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert f"config: {key} must be" in proc.stderr
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
 # -- safetensors -----------------------------------------------------------------------------------
 def test_weights_bytes_counts_tensors_not_headers(tmp_path):
     mx.save_safetensors(str(tmp_path / "model-00001-of-00002.safetensors"),

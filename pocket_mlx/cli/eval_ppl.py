@@ -31,6 +31,7 @@ def run(args) -> int:
 
     from pocket_mlx.analysis.perplexity import file_perplexity
     from pocket_mlx.engine.devices import resolve_device, stream_for
+    from pocket_mlx.engine.generation import context_limit
     from pocket_mlx.engine.loader import load
     from pocket_mlx.progress import progress as progress_bar
 
@@ -41,7 +42,7 @@ def run(args) -> int:
     device = resolve_device(args.device)
     # The shared dtype policy (devices.policy_dtype): float32 on the CPU.
     model, tokenizer = load(args.model, device=device, fuse=True)
-    context = int(model.args.max_position_embeddings)
+    context = context_limit(model)
     if args.window > context:
         # Past its context a model reads positions it was never trained on: the number
         # would look like a perplexity and mean nothing.

@@ -57,13 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pocket-mlx {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"pocket_mlx.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name and e.name.endswith(f"cli.{name}"):
-                continue  # subcommand not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"pocket_mlx.cli.{name}").register(sub)
     return parser
 
 

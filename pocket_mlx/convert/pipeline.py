@@ -41,6 +41,7 @@ from pocket_mlx.convert.writer import (
     save_weights,
     strip_remote_code,
 )
+from pocket_mlx.engine.devices import policy_dtype
 from pocket_mlx.engine.loader import (
     check_shapes,
     load_model,
@@ -190,6 +191,11 @@ def source_info(src: str, path: Path) -> dict:
     return {"source": str(src), "path": str(path.resolve())}
 
 
+def _run_dtype() -> str | None:
+    """The dtype policy (devices.policy_dtype) for the device convert computes on."""
+    return policy_dtype("cpu" if mx.default_device() == mx.cpu else "gpu")
+
+
 def collect_router_stats(path: Path, config: dict, files: list[Path], window: int,
                          max_tokens: int, progress: bool = True
                          ) -> tuple[ExpertStats, list[dict]]:
@@ -197,8 +203,7 @@ def collect_router_stats(path: Path, config: dict, files: list[Path], window: in
     choosing which experts to keep; also what each calibration file contributed."""
     tokenizer = load_tokenizer(path, config)
     chunks, infos = calibration_windows(files, tokenizer, window, max_tokens)
-    dtype = "float32" if mx.default_device() == mx.cpu else None
-    model = load_model(path, config, dtype=dtype, lazy=True)
+    model = load_model(path, config, dtype=_run_dtype(), lazy=True)
     stats = collect_stats(model, chunks, progress=progress)
     return stats, [i.as_dict() for i in infos]
 
@@ -209,7 +214,7 @@ def auto_for(path: Path, config: dict, opts: ConvertOptions) -> tuple[Recipe, di
     tokenizer = load_tokenizer(path, config)
     per_file = max(2, min(opts.calib_tokens, 256 // len(opts.calib)))
     chunks, _ = calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)
-    dtype = "float32" if mx.default_device() == mx.cpu else None
+    dtype = _run_dtype()
     out_dtype = getattr(mx, opts.dtype) if opts.dtype else next(
         (v.dtype for v in load_weights(path).values()
          if v.ndim == 2 and mx.issubdtype(v.dtype, mx.floating)), mx.bfloat16)

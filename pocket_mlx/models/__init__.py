@@ -24,11 +24,13 @@ def get_architecture(config: dict):
 def build_model(config: dict):
     """A model skeleton for a config: lazy arrays only, nothing is computed or read yet."""
     arch = get_architecture(config)
+    # A hand-edited config can hold any value ("abc" for a size, 0 heads): whatever building the
+    # skeleton raises on it is the config's fault, said in one line.
     try:
-        args = arch.ModelArgs.from_config(config)
-    except TypeError as e:
-        raise PocketError(f"config.json does not describe a valid model: {e}") from None
-    return arch.Model(args)
+        return arch.Model(arch.ModelArgs.from_config(config))
+    except (TypeError, ValueError, ZeroDivisionError, KeyError) as e:
+        raise PocketError(f"config.json does not describe a valid model: "
+                          f"{type(e).__name__}: {e}") from None
 
 
 def apply_quantization(model: nn.Module, quant: dict,

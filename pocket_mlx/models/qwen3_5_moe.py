@@ -17,6 +17,7 @@ Differences from mlx-lm that matter:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from functools import partial
@@ -64,6 +65,16 @@ class ModelArgs:
     partial_rotary_factor: float = 0.25
 
     def __post_init__(self):
+        # A hand-edited config may hold anything: sizes must be positive integers, rates and
+        # factors finite numbers, before any of them is used to build a layer.
+        for name, f in self.__dataclass_fields__.items():
+            value = getattr(self, name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)
+                                    or value < 1):
+                raise PocketError(f"config: {name} must be a positive integer, got {value!r}")
+            if f.type == "float" and (not isinstance(value, int | float) or isinstance(value, bool)
+                                      or not math.isfinite(value) or value < 0):
+                raise PocketError(f"config: {name} must be a number >= 0, got {value!r}")
         self.layer_types = resolve_layer_types(self.num_hidden_layers, self.layer_types,
                                                self.full_attention_interval)
         if self.linear_num_value_heads % self.linear_num_key_heads:
