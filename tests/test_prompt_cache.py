@@ -26,6 +26,7 @@ from pocket_mlx.engine.prompt_cache import (
     model_fingerprint,
     restore,
 )
+from pocket_mlx.engine.session import ChatSession, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ("The old lighthouse keeper climbed the stairs each night, counting the steps and "
@@ -366,3 +367,33 @@ def test_concurrent_stores_and_fetches_keep_consistent_stats(tiny, ids, tmp_path
         cache, got = store.fetch(ids[:n + 1])
         assert got == n
         assert_same_state(cache, caches[n])
+
+
+def test_chat_session_resumes_from_the_store(tiny, tmp_path, exact_kernels):
+    """The chat's use: a session stores its cache after each reply; a new session (a resumed
+    conversation, after a restart: a new store on the same folder) prefills only the new turn
+    and replies as a session without the store does."""
+    model, tok = tiny
+    settings = Settings(max_tokens=6)
+
+    def reply(session, messages):
+        text, last = "", None
+        for r, _ in session.generate(messages, settings, "cpu"):
+            text, last = text + r.text, r
+        return text, last.stats
+
+    first = ChatSession(model, tok, PromptCache(model, 1 << 30, tmp_path))
+    turn1 = [{"role": "user", "content": "Tell me a fortune"}]
+    a, _ = reply(first, turn1)
+    assert first.plan_kind == "fresh" and first.prompt_cache.stats()["stores"] == 1
+    held = len(first.cache_tokens)
+    first.prompt_cache.flush()
+
+    turn2 = turn1 + [{"role": "assistant", "content": a}, {"role": "user", "content": "Another"}]
+    resumed = ChatSession(model, tok, PromptCache(model, 1 << 30, tmp_path))
+    b, s = reply(resumed, turn2)
+    want, s_cold = reply(ChatSession(model, tok), turn2)
+    base = resumed.prompt_cache.stats()["tokens_served"]
+    assert resumed.plan_kind == "stored" and base == held  # the prompt and reply of turn 1
+    assert s.prompt_tokens == s_cold.prompt_tokens - base
+    assert b == want
