@@ -397,3 +397,17 @@ def test_chat_session_resumes_from_the_store(tiny, tmp_path, exact_kernels):
     assert resumed.plan_kind == "stored" and base == held  # the prompt and reply of turn 1
     assert s.prompt_tokens == s_cold.prompt_tokens - base
     assert b == want
+
+
+def test_storing_again_brings_a_spilled_entry_back_to_ram(tiny, ids, tmp_path):
+    model, _ = tiny
+    per = entry_bytes(model, ids[:20])
+    store = PromptCache(model, int(per * 1.5), tmp_path)
+    store.store(ids[:20], prefilled(model, ids[:20]))
+    store.store(ids[:21], prefilled(model, ids[:21]))  # spills the first
+    assert store.stats()["entries_ram"] == 1 and store.stats()["spills"] == 1
+    assert not store.store(ids[:20], prefilled(model, ids[:20]))  # known: no new entry
+    st = store.stats()
+    assert st["stores"] == 2 and st["entries"] == 2
+    assert store.fetch(ids[:21])[1] == 20
+    assert store.stats()["restores"] == 0  # served from RAM, not read back from disk

@@ -234,7 +234,9 @@ class PromptCache:
         """(cache, tokens it holds): a fresh copy of the longest stored snapshot whose tokens
         are a proper prefix of `tokens` (at least one token is left to feed: the model needs
         one to give the next logits), or `(model.make_cache(), 0)`. The caller may extend the
-        copy; the stored snapshot does not change."""
+        copy; the stored snapshot does not change. So that a repeat of the same prompt hits
+        too, store a prompt without its last token (what the prefill leaves in the cache before
+        the first decoding step) rather than the whole prompt."""
         tokens = list(tokens)
         dtype = run_dtype(self.model)
         hashes = _prefix_hashes(tokens)
@@ -273,13 +275,15 @@ class PromptCache:
         dtype = run_dtype(self.model)
         key = (dtype, len(tokens), _prefix_hashes(tokens)[-1])
         with self._lock:
-            if key in self._entries:
-                self._touch(self._entries[key])
+            if (e := self._entries.get(key)) is not None and e.states is not None:
+                self._touch(e)
                 return False
         states = capture(cache, detach=True)  # outside the lock: it computes
         with self._lock:
-            if key in self._entries:
-                self._touch(self._entries[key])
+            if (e := self._entries.get(key)) is not None:
+                self._touch(e)
+                if e.states is None and e.tokens == tokens:  # on disk only: back in RAM
+                    self._admit(e, states)
                 return False
             self._clock += 1
             e = _Entry(dtype, tokens, key, self._clock)
@@ -439,7 +443,9 @@ class PromptCache:
             for i, (kind, offset) in enumerate(layers):
                 names = ("k", "v") if kind == "kv" else ("conv", "state")
                 pair = tuple(arrays.get(f"{i}.{n}") for n in names)
-                if kind == "kv" and offset and (pair[0] is None or pair[0].shape[2] != offset):
+                if offset and any(a is None for a in pair):
+                    raise ValueError(f"layer {i} lacks its arrays")
+                if kind == "kv" and offset and pair[0].shape[2] != offset:
                     raise ValueError(f"layer {i} does not hold {offset} positions")
                 states.append(LayerState(kind, int(offset), pair))
             mx.eval([a for s in states for a in s.arrays if a is not None])
