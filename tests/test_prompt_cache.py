@@ -411,3 +411,14 @@ def test_storing_again_brings_a_spilled_entry_back_to_ram(tiny, ids, tmp_path):
     assert st["stores"] == 2 and st["entries"] == 2
     assert store.fetch(ids[:21])[1] == 20
     assert store.stats()["restores"] == 0  # served from RAM, not read back from disk
+
+
+def test_the_disk_order_of_use_survives_a_restart(tiny, ids, tmp_path):
+    model, _ = tiny
+    store = PromptCache(model, 0, tmp_path)  # everything on disk
+    for n in (20, 21):
+        store.store(ids[:n], prefilled(model, ids[:n]))
+    assert store.fetch(ids[:21])[1] == 20  # 20 is now the more recently used
+    one = max(f.stat().st_size for f in (tmp_path / store.fingerprint).glob("*.safetensors"))
+    again = PromptCache(model, 0, tmp_path, disk_bytes=int(one * 1.5))  # room for one
+    assert len(again) == 1 and again.fetch(ids[:22])[1] == 20

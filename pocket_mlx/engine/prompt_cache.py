@@ -34,6 +34,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,6 +218,7 @@ class PromptCache:
         self._entries: dict[tuple[str, int, int], _Entry] = {}
         self._lengths: dict[str, dict[int, int]] = {}  # dtype -> length -> entries of it
         self._clock = 0
+        self._last_ns = 0
         self.ram_used = 0
         self.disk_used = 0
         self.hits = self.misses = self.tokens_served = 0
@@ -345,10 +347,17 @@ class PromptCache:
         self._clock += 1
         e.used = self._clock
         if e.path is not None:
-            try:
-                os.utime(e.path)  # the disk tier's order survives a restart
-            except OSError:
-                pass
+            self._stamp(e.path)
+
+    def _stamp(self, path: Path) -> None:
+        """Set the file's time to now, strictly after the last one set: the disk tier's order
+        of use survives a restart (the file system's own clock is coarse: two writes in one
+        tick would tie)."""
+        self._last_ns = max(time.time_ns(), self._last_ns + 1)
+        try:
+            os.utime(path, ns=(self._last_ns, self._last_ns))
+        except OSError:
+            pass
 
     def _admit(self, e: _Entry, states: list[LayerState]) -> None:
         """Hold `states` in RAM for `e`, then spill the coldest over the budget."""
@@ -423,6 +432,7 @@ class PromptCache:
             log.warning("prompt cache: cannot write %s: %s", final, err)
             tmp.unlink(missing_ok=True)
             return False
+        self._stamp(final)
         e.path, e.disk_bytes = final, final.stat().st_size
         self.disk_used += e.disk_bytes
         return True
@@ -467,7 +477,7 @@ class PromptCache:
             try:
                 if f.suffix != SUFFIX or not f.is_file():
                     raise ValueError("not a prompt-cache file")
-                found.append((f.stat().st_mtime, f, *self._read_index(f)))
+                found.append((f.stat().st_mtime_ns, f, *self._read_index(f)))
             except (OSError, ValueError, KeyError, TypeError, PocketError) as err:
                 log.warning("prompt cache: skipping %s: %s", f, err)
         for _, f, dtype, tokens, size in sorted(found, key=lambda x: x[0]):
