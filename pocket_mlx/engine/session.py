@@ -3,8 +3,11 @@
 Why: each turn should prefill only what the cache lacks. The conversation is re-tokenized with
 the chat template every turn; when the tokens the cache holds are a prefix of it, only the rest is
 fed. Regenerate rewinds to a snapshot taken before the last turn (KV caches trim; linear-attention
-caches cannot, but their arrays are immutable, so keeping references is a snapshot). Anything else
-(an edited system prompt, another conversation) gets a fresh cache and a full prefill.
+caches cannot, but their arrays are immutable, so keeping references is a snapshot: see
+`prompt_cache.capture`). With a shared `PromptCache`, the cache after each reply is stored there,
+and a conversation this session does not hold (another one, or one resumed after a restart)
+starts from the longest stored prefix of it. Anything else (an edited system prompt, another
+conversation) gets a fresh cache and a full prefill.
 
 At the context limit: a turn is sent only with room for a reply (`reply_room`). When the
 conversation no longer fits, the oldest turns are dropped from what the model sees (the window;
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 from pocket_mlx.engine.generation import Response, SamplingParams, context_limit, stream_generate
 from pocket_mlx.engine.params import DEFAULT_MAX_TOKENS, check_max_tokens, checked
+from pocket_mlx.engine.prompt_cache import LayerState, PromptCache, capture, restore
 from pocket_mlx.errors import PocketError
 
 REPLY_SHARE = 4  # a reply's room is max_tokens, but at most a quarter of the context
@@ -63,19 +67,6 @@ class Settings:
                    max_tokens=int(d.get("max_tokens", base.max_tokens)))
 
 
-def _capture(cache: list) -> list[tuple]:
-    return [("linear", c.conv_state, c.state, c.offset) if hasattr(c, "conv_state")
-            else ("kv", c.offset) for c in cache]
-
-
-def _restore(cache: list, snap: list[tuple]) -> None:
-    for c, s in zip(cache, snap):
-        if s[0] == "linear":
-            c.conv_state, c.state, c.offset = s[1], s[2], s[3]
-        else:
-            c.trim(c.offset - s[1])
-
-
 @dataclass
 class Window:
     """The part of a conversation the model sees: messages[start:] after the system prompt."""
@@ -93,19 +84,21 @@ def _role_content(messages: list[dict]) -> list[dict]:
 class TurnPlan:
     feed: list[int]  # ids to pass to stream_generate
     base: int  # tokens already in the cache before this turn
-    reused: str  # "cache" | "snapshot" | "fresh"
+    reused: str  # "cache" | "snapshot" | "stored" | "fresh"
 
 
 class ChatSession:
     """A loaded model plus the cache of the conversation it last served."""
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, prompt_cache: PromptCache | None = None):
         self.model = model
         self.tokenizer = tokenizer
+        self.prompt_cache = prompt_cache
         self.cache: list | None = None
         self.cache_tokens: list[int] = []
-        self._snap: tuple[list[int], list[tuple]] | None = None
-        self.plan_kind = ""  # how the last turn started: "cache" | "snapshot" | "fresh"
+        self._snap: tuple[list[int], list[LayerState]] | None = None
+        # How the last turn started: "cache" | "snapshot" | "stored" | "fresh".
+        self.plan_kind = ""
         # The messages left out of the model's context, as role/content: the window starts
         # after them as long as the conversation still begins with them.
         self.dropped: list[dict] = []
@@ -178,16 +171,17 @@ class ChatSession:
             return len(held) < len(ids) and ids[: len(held)] == held
 
         if self.cache is not None and is_prefix(self.cache_tokens):
-            self._snap = (list(self.cache_tokens), _capture(self.cache))
+            self._snap = (list(self.cache_tokens), capture(self.cache))
             return TurnPlan(ids[len(self.cache_tokens):], len(self.cache_tokens), "cache")
         if self.cache is not None and self._snap is not None and is_prefix(self._snap[0]):
-            _restore(self.cache, self._snap[1])
+            restore(self.cache, self._snap[1])
             self.cache_tokens = list(self._snap[0])
             return TurnPlan(ids[len(self.cache_tokens):], len(self.cache_tokens), "snapshot")
-        self.cache = self.model.make_cache()
-        self.cache_tokens = []
-        self._snap = ([], _capture(self.cache))
-        return TurnPlan(list(ids), 0, "fresh")
+        self.cache, n = (self.prompt_cache.fetch(ids) if self.prompt_cache is not None
+                         else (self.model.make_cache(), 0))
+        self.cache_tokens = list(ids[:n])
+        self._snap = (list(self.cache_tokens), capture(self.cache))
+        return TurnPlan(list(ids[n:]), n, "stored" if n else "fresh")
 
     def generate(
         self,
@@ -231,8 +225,11 @@ class ChatSession:
         """Record what the cache holds after a call, or roll back to the snapshot."""
         if last is not None and last.fed_tokens is not None:
             self.cache_tokens = self.cache_tokens + list(last.fed_tokens)
+            if self.prompt_cache is not None and self.cache_tokens:
+                # The end of a reply: where the next turn of this conversation starts.
+                self.prompt_cache.store(self.cache_tokens, self.cache)
         elif self._snap is not None and self.cache is not None:
-            _restore(self.cache, self._snap[1])  # stopped mid-prefill: back to a known state
+            restore(self.cache, self._snap[1])  # stopped mid-prefill: back to a known state
             self.cache_tokens = list(self._snap[0])
         else:
             self.reset()

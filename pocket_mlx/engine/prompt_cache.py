@@ -1,0 +1,518 @@
+"""A store of model-cache snapshots keyed by the exact tokens they hold, shared by all requests.
+
+Why: on a CPU, prefill is the cost (a 4k-token prompt takes minutes). A request whose prompt
+extends a stored sequence (the same system prompt, the previous turn of a conversation) copies
+that snapshot and prefills only the rest.
+
+What is stored: the cache as it holds exactly a token sequence, taken at reusable boundaries
+(the end of a prompt, the end of a reply). The hybrid model's Gated DeltaNet state cannot be
+trimmed back to an earlier position, so a snapshot is only ever reused whole: `fetch` finds the
+longest stored sequence that is a proper prefix of the prompt (hash of every prefix, one pass;
+then the stored lengths are checked from the longest down).
+
+Tiers: snapshots live in RAM (LRU within `ram_bytes`, counted as the arrays' bytes, KV trimmed
+to its positions); the coldest are spilled to `disk_dir` as safetensors (token ids, layer kinds
+and offsets in the file) and restored on demand. The disk tier has its own LRU budget and is
+indexed again by a new process, so the cache survives a restart. Files live under a folder
+named by the model's fingerprint (config + a sample of the weight files), so another model's
+snapshots are never used; each file also records the activation dtype it was made in, and only
+snapshots of the model's current dtype match (a bfloat16 GPU cache does not feed a float32 CPU
+run, whose greedy output must equal a cold run's).
+
+Threads: one lock guards the index, both tiers and the statistics (disk I/O included: simple,
+and the server has one engine thread doing the model work). Snapshots are evaluated when
+stored and arrays read from disk when restored, so what `fetch` hands out is materialized and
+usable on any thread; `store` must run on the thread whose stream computed the cache (MLX
+streams are per thread), which is the engine thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from pocket_mlx.config import safetensors_header, weight_files
+from pocket_mlx.errors import PocketError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "pocket-prompt-cache/1"
+SUFFIX = ".safetensors"
+_TMP = ".tmp-"  # in the names of files still being written (never indexed)
+_MOD = (1 << 61) - 1  # prefix hashes: polynomial, modulo a Mersenne prime
+_BASE = 1_000_003
+_SAMPLES = 8  # blocks of each weight file hashed into the fingerprint
+_BLOCK = 1 << 12
+
+
+# --- the state of a model cache -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerState:
+    """One layer of a captured cache. `arrays` is (keys, values) for a KV layer, (conv_state,
+    state) for a linear-attention layer; a KV layer captured without `detach` keeps only its
+    offset (arrays None): the live cache's positions below it are never rewritten."""
+
+    kind: str  # "kv" | "linear"
+    offset: int
+    arrays: tuple[mx.array | None, mx.array | None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays if a is not None)
+
+
+def layer_kind(c) -> str:
+    return "linear" if hasattr(c, "conv_state") else "kv"
+
+
+def _handle(a: mx.array | None) -> mx.array | None:
+    # A new array object over the same (evaluated) data, so that an in-place update of one
+    # (KVCache writes with `keys[...] = new`, which rebinds the object it is called on) never
+    # reaches the other; MLX copies rather than reuse a buffer another array holds. Not
+    # mx.array(a): that is a lazy copy, bound to this thread's stream.
+    return None if a is None else a.reshape(a.shape)
+
+
+def capture(cache: list, *, detach: bool = False) -> list[LayerState]:
+    """The state of a live cache. Without `detach`: a rewind point for `restore` into the same
+    cache (the chat's regenerate; KV layers by offset, linear layers by reference: the model
+    rebinds new arrays rather than writing into them). With `detach`: an independent snapshot
+    (KV positions copied out, compact, up to the offset), evaluated, that any cache of the same
+    model can be set to (the prompt cache)."""
+    out = []
+    for c in cache:
+        if layer_kind(c) == "linear":
+            out.append(LayerState("linear", c.offset, (c.conv_state, c.state)))
+        elif not detach or c.keys is None or c.offset == 0:
+            out.append(LayerState("kv", c.offset, (None, None)))
+        else:
+            k, v = (a[..., :c.offset, :] for a in (c.keys, c.values))
+            if c.offset < c.keys.shape[2]:
+                k, v = mx.contiguous(k), mx.contiguous(v)  # do not pin the preallocated room
+            out.append(LayerState("kv", c.offset, (k, v)))
+    if detach:
+        mx.eval([a for s in out for a in s.arrays if a is not None])
+    return out
+
+
+def restore(cache: list, states: list[LayerState]) -> list:
+    """Set `cache` to captured `states` (in place; returns it): rewinds a live cache to a point
+    `capture` took, or fills a fresh `model.make_cache()` from a detached snapshot, which stays
+    unchanged whatever the cache does next."""
+    if len(cache) != len(states):
+        raise ValueError(f"a cache of {len(cache)} layers cannot take {len(states)} layer states")
+    for c, s in zip(cache, states):
+        if layer_kind(c) != s.kind:
+            raise ValueError(f"a {layer_kind(c)} layer cannot take a {s.kind} state")
+        if s.kind == "linear":
+            c.conv_state, c.state = (_handle(a) for a in s.arrays)
+            c.offset = s.offset
+        elif s.arrays[0] is None:  # a rewind point (or an empty layer)
+            if c.offset < s.offset:
+                raise ValueError(f"cannot rewind a KV layer of {c.offset} positions to {s.offset}")
+            c.trim(c.offset - s.offset)
+        else:
+            c.keys, c.values = (_handle(a) for a in s.arrays)
+            c.offset = s.offset
+    return cache
+
+
+def cache_offset(cache: list) -> int:
+    return max((c.offset for c in cache), default=0)
+
+
+# --- model identity -------------------------------------------------------------------------
+
+def model_fingerprint(model) -> str:
+    """A short hash of what makes a cache valid for a model: its config and its weights (each
+    weight file's name, size, header and a few blocks of its data: hashing all of a 20 GB
+    checkpoint at every start is not worth it). Models built in memory without a folder
+    fall back to their config and parameter shapes."""
+    h = hashlib.sha256()
+    config = getattr(model, "config", None)
+    if config is None and hasattr(model, "args"):
+        config = vars(model.args)
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    path = getattr(model, "path", None)
+    files: list[Path] = []
+    if path is not None:
+        try:
+            files = weight_files(Path(path))
+        except (OSError, PocketError):
+            files = []
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(_BLOCK * 4))  # the header and the first tensors
+            for i in range(1, _SAMPLES + 1):
+                fh.seek(max(0, size * i // (_SAMPLES + 1)))
+                h.update(fh.read(_BLOCK))
+    if not files:
+        from mlx.utils import tree_flatten  # only for in-memory models (tests, tools)
+
+        h.update(repr([(k, v.shape, str(v.dtype)) for k, v in
+                       tree_flatten(model.parameters())]).encode())
+    return h.hexdigest()[:20]
+
+
+def run_dtype(model) -> str:
+    """The activation dtype a cache of `model` is made in now (see loader.cast_model)."""
+    return str(getattr(model, "run_dtype", None) or "native")
+
+
+def _prefix_hashes(tokens) -> list[int]:
+    out = [0] * (len(tokens) + 1)
+    h = 0
+    for i, t in enumerate(tokens):
+        h = (h * _BASE + int(t) + 1) % _MOD
+        out[i + 1] = h
+    return out
+
+
+# --- the store ------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Entry:
+    dtype: str
+    tokens: tuple[int, ...]
+    key: tuple[str, int, int]  # (dtype, length, prefix hash)
+    used: int  # recency: larger is more recent
+    states: list[LayerState] | None = None  # in RAM
+    nbytes: int = 0  # bytes of the arrays (when in RAM)
+    path: Path | None = None  # on disk
+    disk_bytes: int = 0
+
+
+class PromptCache:
+    """Snapshots of `model`'s cache by token sequence: RAM (LRU within `ram_bytes`), then, with
+    `disk_dir`, safetensors files (LRU within `disk_bytes`) that a later process finds again.
+    `write_through` writes each snapshot to disk as it is stored (it survives a crash, at the
+    cost of a write per store); otherwise they reach disk when spilled or on `flush()`."""
+
+    def __init__(self, model, ram_bytes: int, disk_dir: str | os.PathLike | None = None, *,
+                 disk_bytes: int = 16 << 30, write_through: bool = False,
+                 fingerprint: str | None = None):
+        if ram_bytes < 0 or disk_bytes < 0:
+            raise PocketError("prompt cache budgets must be >= 0 bytes")
+        self.model = model
+        self.ram_budget = int(ram_bytes)
+        self.disk_budget = int(disk_bytes) if disk_dir is not None else 0
+        self.write_through = write_through
+        self.fingerprint = fingerprint or model_fingerprint(model)
+        self.kinds = [layer_kind(c) for c in model.make_cache()]
+        self.dir = Path(disk_dir).expanduser() / self.fingerprint if disk_dir is not None \
+            else None
+        self._lock = threading.RLock()
+        self._entries: dict[tuple[str, int, int], _Entry] = {}
+        self._lengths: dict[str, dict[int, int]] = {}  # dtype -> length -> entries of it
+        self._clock = 0
+        self._last_ns = 0
+        self.ram_used = 0
+        self.disk_used = 0
+        self.hits = self.misses = self.tokens_served = 0
+        self.spills = self.restores = self.evictions = self.stores = 0
+        if self.dir is not None:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise PocketError(f"cannot use {self.dir} for the prompt cache: {e}") from None
+            self._index_disk()
+
+    # -- public -----------------------------------------------------------------------------
+
+    def fetch(self, tokens) -> tuple[list, int]:
+        """(cache, tokens it holds): a fresh copy of the longest stored snapshot whose tokens
+        are a proper prefix of `tokens` (at least one token is left to feed: the model needs
+        one to give the next logits), or `(model.make_cache(), 0)`. The caller may extend the
+        copy; the stored snapshot does not change. So that a repeat of the same prompt hits
+        too, store a prompt without its last token (what the prefill leaves in the cache before
+        the first decoding step) rather than the whole prompt."""
+        tokens = list(tokens)
+        dtype = run_dtype(self.model)
+        hashes = _prefix_hashes(tokens)
+        with self._lock:
+            lengths = sorted((n for n in self._lengths.get(dtype, {}) if n < len(tokens)),
+                             reverse=True)
+            for n in lengths:
+                e = self._entries.get((dtype, n, hashes[n]))
+                if e is None or list(e.tokens) != tokens[:n]:
+                    continue
+                states = e.states
+                if states is None:
+                    states = self._read(e)
+                    if states is None:
+                        continue  # unreadable: dropped, try a shorter one
+                    self.restores += 1
+                self._touch(e)
+                if e.states is None:
+                    self._admit(e, states)
+                self.hits += 1
+                self.tokens_served += n
+                return restore(self.model.make_cache(), states), n
+            self.misses += 1
+        return self.model.make_cache(), 0
+
+    def store(self, tokens, cache: list) -> bool:
+        """Snapshot `cache`, which holds exactly `tokens` (its offset must be len(tokens)).
+        Returns False when that sequence is already stored (then it only counts as used)."""
+        tokens = tuple(int(t) for t in tokens)
+        if not tokens:
+            return False
+        if len(cache) != len(self.kinds) or [layer_kind(c) for c in cache] != self.kinds:
+            raise ValueError("the cache is not one of this store's model")
+        if (off := cache_offset(cache)) != len(tokens):
+            raise ValueError(f"the cache holds {off} positions, not the {len(tokens)} tokens given")
+        dtype = run_dtype(self.model)
+        key = (dtype, len(tokens), _prefix_hashes(tokens)[-1])
+        with self._lock:
+            if (e := self._entries.get(key)) is not None and e.states is not None:
+                self._touch(e)
+                return False
+        states = capture(cache, detach=True)  # outside the lock: it computes
+        with self._lock:
+            if (e := self._entries.get(key)) is not None:
+                self._touch(e)
+                if e.states is None and e.tokens == tokens:  # on disk only: back in RAM
+                    self._admit(e, states)
+                return False
+            self._clock += 1
+            e = _Entry(dtype, tokens, key, self._clock)
+            self._entries[key] = e
+            by_len = self._lengths.setdefault(dtype, {})
+            by_len[len(tokens)] = by_len.get(len(tokens), 0) + 1
+            self.stores += 1
+            self._admit(e, states)
+            if self.write_through and e.states is not None:
+                self._write(e)
+                self._shrink_disk()
+            return True
+
+    def flush(self) -> int:
+        """Write every snapshot held only in RAM to disk, the most recent first, within the disk
+        budget (the server calls this when it stops). Returns the number written."""
+        if self.dir is None:
+            return 0
+        written = 0
+        with self._lock:
+            for e in sorted((e for e in self._entries.values()
+                             if e.states is not None and e.path is None),
+                            key=lambda e: -e.used):
+                if self._write(e):
+                    written += 1
+                    self._shrink_disk()
+                    if e.path is None:  # itself the oldest on disk: older ones will not fit
+                        break
+        return written
+
+    close = flush
+
+    def clear(self) -> None:
+        """Forget every snapshot, in RAM and on disk."""
+        with self._lock:
+            for e in list(self._entries.values()):
+                self._forget(e)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def stats(self) -> dict:
+        """Counters and gauges for /metrics."""
+        with self._lock:
+            ram = sum(1 for e in self._entries.values() if e.states is not None)
+            disk = sum(1 for e in self._entries.values() if e.path is not None)
+            return {"hits": self.hits, "misses": self.misses,
+                    "tokens_served": self.tokens_served, "stores": self.stores,
+                    "spills": self.spills, "restores": self.restores,
+                    "evictions": self.evictions,
+                    "ram_bytes": self.ram_used, "ram_budget_bytes": self.ram_budget,
+                    "disk_bytes": self.disk_used, "disk_budget_bytes": self.disk_budget,
+                    "entries": len(self._entries), "entries_ram": ram, "entries_disk": disk}
+
+    # -- tiers (the lock is held) -----------------------------------------------------------
+
+    def _touch(self, e: _Entry) -> None:
+        self._clock += 1
+        e.used = self._clock
+        if e.path is not None:
+            self._stamp(e.path)
+
+    def _stamp(self, path: Path) -> None:
+        """Set the file's time to now, strictly after the last one set: the disk tier's order
+        of use survives a restart (the file system's own clock is coarse: two writes in one
+        tick would tie)."""
+        self._last_ns = max(time.time_ns(), self._last_ns + 1)
+        try:
+            os.utime(path, ns=(self._last_ns, self._last_ns))
+        except OSError:
+            pass
+
+    def _admit(self, e: _Entry, states: list[LayerState]) -> None:
+        """Hold `states` in RAM for `e`, then spill the coldest over the budget."""
+        e.states, e.nbytes = states, sum(s.nbytes for s in states)
+        self.ram_used += e.nbytes
+        while self.ram_used > self.ram_budget:
+            victim = min((x for x in self._entries.values() if x.states is not None),
+                         key=lambda x: x.used)
+            if victim.path is None and self._write(victim):
+                self.spills += 1
+            self.ram_used -= victim.nbytes
+            victim.states, victim.nbytes = None, 0
+            if victim.path is None:
+                self._forget(victim)
+            else:
+                self._shrink_disk()
+
+    def _shrink_disk(self) -> None:
+        while self.disk_used > self.disk_budget:
+            victim = min((x for x in self._entries.values() if x.path is not None),
+                         key=lambda x: x.used)
+            self._unlink(victim)
+            if victim.states is None:
+                self._forget(victim)
+
+    def _forget(self, e: _Entry) -> None:
+        if e.states is not None:
+            self.ram_used -= e.nbytes
+            e.states, e.nbytes = None, 0
+        if e.path is not None:
+            self._unlink(e)
+        if self._entries.pop(e.key, None) is not None:
+            by_len = self._lengths[e.dtype]
+            by_len[len(e.tokens)] -= 1
+            if not by_len[len(e.tokens)]:
+                del by_len[len(e.tokens)]
+            self.evictions += 1
+
+    def _unlink(self, e: _Entry) -> None:
+        try:
+            e.path.unlink(missing_ok=True)
+        except OSError as err:
+            log.warning("prompt cache: cannot remove %s: %s", e.path, err)
+        self.disk_used -= e.disk_bytes
+        e.path, e.disk_bytes = None, 0
+
+    def _file(self, e: _Entry) -> Path:
+        name = hashlib.sha256(f"{e.dtype}:{','.join(map(str, e.tokens))}".encode()).hexdigest()
+        return self.dir / (name[:32] + SUFFIX)
+
+    def _write(self, e: _Entry) -> bool:
+        """Write `e`'s snapshot to the disk tier (temp name, then rename). False when there is
+        no disk tier, it cannot fit, or the write fails (logged)."""
+        if self.dir is None or e.states is None:
+            return False
+        if e.nbytes + 4 * len(e.tokens) > self.disk_budget:
+            return False
+        arrays = {"tokens": mx.array(e.tokens, mx.uint32)}
+        for i, s in enumerate(e.states):
+            names = ("k", "v") if s.kind == "kv" else ("conv", "state")
+            for name, a in zip(names, s.arrays):
+                if a is not None:
+                    arrays[f"{i}.{name}"] = a
+        meta = {"format": FORMAT, "model": self.fingerprint, "dtype": e.dtype,
+                "layers": json.dumps([[s.kind, s.offset] for s in e.states])}
+        final = self._file(e)
+        tmp = final.with_name(f"{final.stem}{_TMP}{os.getpid()}-{threading.get_ident()}{SUFFIX}")
+        try:
+            mx.save_safetensors(str(tmp), arrays, metadata=meta)
+            os.replace(tmp, final)
+        except (OSError, RuntimeError, ValueError) as err:
+            log.warning("prompt cache: cannot write %s: %s", final, err)
+            tmp.unlink(missing_ok=True)
+            return False
+        self._stamp(final)
+        e.path, e.disk_bytes = final, final.stat().st_size
+        self.disk_used += e.disk_bytes
+        return True
+
+    def _read(self, e: _Entry) -> list[LayerState] | None:
+        """`e`'s snapshot from its file, evaluated; None (and the entry's file dropped, with a
+        warning) when the file is gone, damaged or not what the index says."""
+        try:
+            arrays, meta = mx.load(str(e.path), return_metadata=True)
+            layers = json.loads(meta["layers"])
+            if meta.get("format") != FORMAT or meta.get("model") != self.fingerprint:
+                raise ValueError("made for another model or format")
+            if [k for k, _ in layers] != self.kinds:
+                raise ValueError("layer kinds differ from the model's")
+            if arrays["tokens"].tolist() != list(e.tokens):
+                raise ValueError("token ids differ from the index")
+            states = []
+            for i, (kind, offset) in enumerate(layers):
+                names = ("k", "v") if kind == "kv" else ("conv", "state")
+                pair = tuple(arrays.get(f"{i}.{n}") for n in names)
+                if offset and any(a is None for a in pair):
+                    raise ValueError(f"layer {i} lacks its arrays")
+                if kind == "kv" and offset and pair[0].shape[2] != offset:
+                    raise ValueError(f"layer {i} does not hold {offset} positions")
+                states.append(LayerState(kind, int(offset), pair))
+            mx.eval([a for s in states for a in s.arrays if a is not None])
+        except Exception as err:  # noqa: BLE001 - any damage to a cache file is a miss
+            log.warning("prompt cache: skipping %s: %s", e.path, err)
+            self._unlink(e)
+            if e.states is None:
+                self._forget(e)
+            return None
+        return states
+
+    def _index_disk(self) -> None:
+        """Index the snapshots a previous process left in this model's folder (their order of
+        use from the files' times); files that are not ours or are damaged are skipped."""
+        found = []
+        for f in self.dir.iterdir():
+            if _TMP in f.name:
+                continue
+            try:
+                if f.suffix != SUFFIX or not f.is_file():
+                    raise ValueError("not a prompt-cache file")
+                found.append((f.stat().st_mtime_ns, f, *self._read_index(f)))
+            except (OSError, ValueError, KeyError, TypeError, PocketError) as err:
+                log.warning("prompt cache: skipping %s: %s", f, err)
+        for _, f, dtype, tokens, size in sorted(found, key=lambda x: x[0]):
+            key = (dtype, len(tokens), _prefix_hashes(tokens)[-1])
+            if key in self._entries:
+                continue
+            self._clock += 1
+            self._entries[key] = _Entry(dtype, tokens, key, self._clock, path=f, disk_bytes=size)
+            by_len = self._lengths.setdefault(dtype, {})
+            by_len[len(tokens)] = by_len.get(len(tokens), 0) + 1
+            self.disk_used += size
+        self._shrink_disk()
+
+    def _read_index(self, f: Path) -> tuple[str, tuple[int, ...], int]:
+        """(dtype, token ids, bytes) of a cache file, from its header and its token array only."""
+        n, header = safetensors_header(f)
+        meta = header.get("__metadata__") or {}
+        if meta.get("format") != FORMAT:
+            raise ValueError("not a prompt-cache file")
+        if meta.get("model") != self.fingerprint:
+            raise ValueError("made for another model")
+        kinds = [k for k, _ in json.loads(meta["layers"])]
+        if kinds != self.kinds:
+            raise ValueError("layer kinds differ from the model's")
+        info = header["tokens"]
+        if info["dtype"] != "U32" or len(info["shape"]) != 1:
+            raise ValueError("bad token array")
+        start, end = info["data_offsets"]
+        with open(f, "rb") as fh:
+            fh.seek(8 + n + start)
+            raw = fh.read(end - start)
+        if len(raw) != 4 * info["shape"][0] or not raw:
+            raise ValueError("bad token array")
+        ids = array("I")  # 4-byte items on every platform MLX runs on
+        ids.frombytes(raw)
+        if sys.byteorder == "big":  # pragma: no cover - safetensors is little-endian
+            ids.byteswap()
+        return str(meta["dtype"]), tuple(ids), f.stat().st_size
