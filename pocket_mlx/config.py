@@ -31,6 +31,39 @@ def text_config(config: dict) -> dict:
     return {**outer, **inner} if isinstance(inner, dict) else outer
 
 
+def read_config(path: Path) -> dict:
+    """config.json of a model folder, as a dict; PocketError (one line) when it is missing,
+    unreadable, not JSON or not a JSON object."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        raise PocketError(f"{path} has no config.json; is it a model folder?")
+    try:
+        config = json.loads(cfg.read_text())
+    except OSError as e:
+        raise PocketError(f"cannot read {cfg}: {e.strerror or e}") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise PocketError(f"{cfg} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise PocketError(f"{cfg} is not a JSON object")
+    return config
+
+
+def checkpoint_dtype(config: dict) -> str:
+    """The float dtype a checkpoint declares (`torch_dtype` or `dtype`, else bfloat16): the
+    dtype its activations, K/V cache and conv state take on the GPU (engine.devices'
+    policy_dtype keeps it there; the CPU runs float32)."""
+    text = text_config(config)
+    return str(text.get("torch_dtype") or text.get("dtype") or "bfloat16").replace("torch.", "")
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a float dtype by name; 2 (the 16-bit checkpoints') if unknown."""
+    return DTYPE_BYTES.get(name, 2)
+
+
 def model_type(config: dict) -> str | None:
     """The outer `model_type` (the checkpoint's), else the text part's."""
     return config.get("model_type") or text_config(config).get("model_type")
@@ -284,8 +317,7 @@ def recipe_name(config: dict, pocket: dict | None = None) -> str:
         if len(bits) == 1 and not any(e is False for e in q.values()):
             return f"uniform-{bits[0]}"
         return "mixed-" + "/".join(map(str, bits))
-    text = text_config(config)
-    dtype = str(text.get("torch_dtype") or text.get("dtype") or "bfloat16").replace("torch.", "")
+    dtype = checkpoint_dtype(config)
     return _DTYPE_NAMES.get(dtype, dtype)
 
 

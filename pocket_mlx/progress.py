@@ -3,9 +3,10 @@
 A bar redraws itself with `\\r`, which is garbage in a log file or a pipe; and printing nothing
 in a pipe leaves a user (or CI) looking at minutes of silence during a conversion. So when the
 stream is not a terminal, progress is one plain line after the first step, one every
-`interval` seconds ($POCKET_MLX_PROGRESS_INTERVAL, default 10), and one when it is complete.
-Nothing is printed before the first step: a task that fails at once leaves its error alone on
-stderr (one line), not mixed with progress.
+`interval` seconds ($POCKET_MLX_PROGRESS_INTERVAL, default 10), and one when it is complete;
+each says how far, how fast and, with a total, how long is left. Nothing is printed before the
+first step: a task that fails at once leaves its error alone on stderr (one line), not mixed
+with progress. Byte counts (unit "B" with unit_scale) read as everywhere else: units.size (IEC).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from pocket_mlx import units
+
 DEFAULT_INTERVAL = 10.0
 
 
@@ -28,13 +31,32 @@ def _interval() -> float:
         return DEFAULT_INTERVAL
 
 
-def _amount(n: float, unit: str, scale: bool) -> str:
-    if not scale:
-        return f"{n:g}"
-    for suffix, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= div:
-            return f"{n / div:.1f}{suffix}"
-    return f"{n:g}"
+def _is_bytes(unit: str, scale: bool) -> bool:
+    return scale and unit == "B"
+
+
+def _amount(n: float, total: float | None, unit: str, scale: bool) -> str:
+    """How far: '1.20 MiB/3.11 MiB' (bytes), '12/40 it', '1.50M/2.00M tok' (a scaled count);
+    without a total just the first figure."""
+    if _is_bytes(unit, scale):
+        return f"{units.size(n)}/{units.size(total)}" if total else units.size(n)
+
+    def num(v: float) -> str:
+        return units.count(v) if scale else f"{v:g}"
+
+    return f"{num(n)}/{num(total)} {unit}" if total else f"{num(n)} {unit}"
+
+
+def _clock(seconds: float) -> str:
+    """'0:42', '12:05', '1:02:03'."""
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def _rate(per_s: float, unit: str, scale: bool) -> str:
+    if _is_bytes(unit, scale):
+        return f"{units.size(per_s)}/s"
+    return f"{units.count(per_s) if per_s >= 1000 else f'{per_s:.3g}'} {unit}/s"
 
 
 class PlainProgress:
@@ -52,15 +74,27 @@ class PlainProgress:
         self.interval = _interval() if interval is None else interval
         self.t0 = self.last = time.monotonic()
         self.closed = self.started = False
+        self.postfix = ""
 
     def _line(self, note: str = "") -> None:
-        done = _amount(self.n, self.unit, self.unit_scale)
-        of = f"/{_amount(self.total, self.unit, self.unit_scale)}" if self.total else ""
-        pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
+        scaled = self.unit_scale
+        done = _amount(self.n, self.total, self.unit, scaled)
+        if self.total:
+            done += f" ({100 * self.n / self.total:.0f}%)"
         elapsed = time.monotonic() - self.t0
-        tail = f", {note}" if note else ""
-        print(f"{self.desc}: {done}{of} {self.unit}{pct}, {elapsed:.0f} s{tail}",
-              file=self.file, flush=True)
+        parts = [f"{self.desc}: {done}", f"{elapsed:.0f} s"]
+        if self.n > 0 and elapsed >= 0.5:  # before that a rate is noise
+            rate = self.n / elapsed
+            parts.append(_rate(rate, self.unit, scaled))
+            if self.total and self.n < self.total:
+                parts.append(f"{_clock((self.total - self.n) / rate)} left")
+        if note or self.postfix:  # the item in hand, or how it ended
+            parts.append(note or self.postfix)
+        print(", ".join(parts), file=self.file, flush=True)
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        """What the lines end with (tqdm's name): the item being worked on."""
+        self.postfix = s
 
     def update(self, n: float = 1) -> None:
         self.n += n
@@ -92,18 +126,38 @@ class PlainProgress:
         self.close()
 
 
+class _ByteBar(tqdm):
+    """A tqdm bar whose byte counts and rate read as units.size writes them (IEC, with the
+    unit's name: '4.66 GiB/18.6 GiB', '40.0 MiB/s'), not tqdm's own '5.00G/20.0GB'."""
+
+    BAR_FORMAT = ("{desc}: {percentage:3.0f}%|{bar}| {done}/{all} "
+                  "[{elapsed}<{remaining}, {speed}{postfix}]")
+
+    @property
+    def format_dict(self) -> dict:
+        d = super().format_dict
+        rate = d["rate"] or (d["n"] / d["elapsed"] if d["elapsed"] else None)
+        d.update(done=units.size(d["n"]), all=units.size(d["total"]) if d["total"] else "?",
+                 speed=f"{units.size(rate)}/s" if rate else "? B/s")
+        return d
+
+
 def progress(iterable: Iterable | None = None, *, total: float | None = None, desc: str = "",
              unit: str = "it", unit_scale: bool = False, enabled: bool = True,
              file: IO[str] | None = None) -> Any:
     """A progress tracker for `iterable` (or for `update(n)` calls up to `total`).
 
     `enabled=False` (a --quiet flag) shows nothing. Otherwise: a transient tqdm bar when
-    `file` (default stderr) is a terminal, plain periodic lines when it is not.
+    `file` (default stderr) is a terminal, plain periodic lines when it is not. Both take
+    `update(n)`, `set_postfix_str(s)` and `close()`.
     """
     file = file or sys.stderr
     if enabled and not _isatty(file):
         return PlainProgress(iterable, total=total, desc=desc, unit=unit,
                              unit_scale=unit_scale, file=file)
+    if enabled and _is_bytes(unit, unit_scale):
+        return _ByteBar(iterable, total=total, desc=desc, unit=unit, leave=False, file=file,
+                        bar_format=_ByteBar.BAR_FORMAT)
     return tqdm(iterable, total=total, desc=desc, unit=unit, unit_scale=unit_scale,
                 disable=not enabled, leave=False, file=file)
 

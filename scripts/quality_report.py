@@ -25,11 +25,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pocket_mlx.analysis.perplexity import perplexity  # noqa: E402
+from pocket_mlx.config import read_config  # noqa: E402
 from pocket_mlx.convert.calibrate import read_documents, token_stream, windows  # noqa: E402
 from pocket_mlx.convert.pipeline import ConvertOptions, collect_router_stats, convert  # noqa: E402
 from pocket_mlx.convert.prune import ExpertStats  # noqa: E402
 from pocket_mlx.convert.recipes import load_recipe  # noqa: E402
-from pocket_mlx.engine.loader import load_model, read_config  # noqa: E402
+from pocket_mlx.engine.loader import load_model  # noqa: E402
 from pocket_mlx.engine.tokenizer import load_tokenizer  # noqa: E402
 
 SRC = ROOT / "assets" / "pocket-tiny-bf16"

@@ -17,6 +17,8 @@ import pytest
 from conftest import ROOT, tiny_config, write_checkpoint
 
 from pocket_mlx.cli.main import main
+from pocket_mlx.config import safetensors_header
+from pocket_mlx.convert import writer
 from pocket_mlx.convert.recipes import Spec, load_recipe, parse_recipe
 from pocket_mlx.engine.loader import load_model
 from pocket_mlx.errors import PocketError
@@ -170,6 +172,105 @@ def test_requantizing_a_quantized_source(tmp_path, make_ckpt):
     assert np.isfinite(logits(m)).all()
 
 
+# ---- the shard writer --------------------------------------------------------------------------
+BUNDLED = ROOT / "assets" / "pocket-tiny"
+
+
+def _written() -> int | None:
+    """Bytes this process has passed to write() so far (Linux), None where unknown."""
+    try:
+        lines = Path("/proc/self/io").read_text().splitlines()
+    except OSError:
+        return None
+    return next((int(x.split()[1]) for x in lines if x.startswith("wchar:")), None)
+
+
+def _check_loads(file: Path, expect: dict[str, mx.array]) -> None:
+    """The same tensors through mx.load, the safetensors package and pocket's header reader."""
+    from safetensors import safe_open
+
+    n, header = safetensors_header(file)
+    assert set(header) - {"__metadata__"} == set(expect)
+    loaded = mx.load(str(file))
+    with safe_open(str(file), "numpy") as st:
+        assert set(st.keys()) == set(expect)
+        for k, v in expect.items():
+            assert loaded[k].dtype == v.dtype and mx.array_equal(loaded[k], v).item(), k
+            if v.dtype != mx.bfloat16:  # numpy has no bfloat16
+                np.testing.assert_array_equal(st.get_tensor(k), np.array(v))
+
+
+@pytest.mark.parametrize("reserve", [None, 16])
+def test_save_model_writes_each_byte_once_and_loads_everywhere(tmp_path, monkeypatch, reserve):
+    """The usual shard is written in place (its header padded with spaces into the reserved
+    room); a header that does not fit (reserve 16) takes the copy path. Both load in mx.load,
+    safetensors, pocket-mlx and mlx-lm with the logits of the model saved."""
+    from mlx_lm.utils import load_model as lm_load
+
+    from pocket_mlx.models.fusion import unfused_parameters
+
+    if reserve is not None:
+        monkeypatch.setattr(writer, "header_reserve_for", lambda shard_bytes: reserve)
+    model = load_model(BUNDLED)
+    config = json.loads((BUNDLED / "config.json").read_text())
+    out = tmp_path / "out"
+    before = _written()
+    writer.save_model(model, config, out, src=BUNDLED,
+                      quantization=config.get("quantization"))
+    after = _written()
+    files = sorted(out.iterdir())
+    assert [f.name for f in files if f.name.startswith(".")] == []
+    shard = out / "model.safetensors"
+    n = int.from_bytes(shard.read_bytes()[:8], "little")
+    raw = shard.read_bytes()[8:8 + n]
+    entries = len(raw.rstrip(b" "))
+    if reserve is None:
+        assert n == writer.header_reserve_for(writer.DEFAULT_SHARD_BYTES) - 8 > entries
+        if before is not None:  # every byte on disk written once (the copy path: twice)
+            on_disk = sum(f.stat().st_size for f in files)
+            assert on_disk <= after - before <= on_disk + (64 << 10), (after - before, on_disk)
+    else:
+        assert n > reserve - 8 and n - entries < 8 and (8 + n) % 8 == 0  # exact, 8-aligned
+    _check_loads(shard, dict(unfused_parameters(model)))
+    a = logits(model)
+    np.testing.assert_array_equal(logits(load_model(out)), a)
+    np.testing.assert_allclose(logits(lm_load(out)[0]), a, atol=1e-4 * max(1.0, np.abs(a).max()))
+
+
+def test_shard_writer_falls_back_per_shard(tmp_path):
+    """A shard whose header fits is written in place, the next one (many entries) is copied:
+    each still holds its own tensors, named and indexed as mlx-lm names them."""
+    big = {"big": mx.arange(64, dtype=mx.float32)}  # 256 bytes: a shard of its own
+    small = {f"s{i:02d}": (mx.arange(4) + i).astype(mx.bfloat16 if i % 2 else mx.int32)
+             for i in range(20)}
+    w = writer.ShardWriter(tmp_path, shard_bytes=256, header_reserve=256)
+    for k, v in {**big, **small}.items():
+        w.add(k, v)
+    wmap = w.close()
+    one, two = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    assert wmap == {"big": one, **dict.fromkeys(small, two)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [one, two,
+                                                          "model.safetensors.index.json"]
+    assert int.from_bytes((tmp_path / one).read_bytes()[:8], "little") == 256 - 8  # in place
+    assert (tmp_path / one).stat().st_size == 256 + 256
+    n = int.from_bytes((tmp_path / two).read_bytes()[:8], "little")
+    assert n > 256 - 8 and (tmp_path / two).stat().st_size == 8 + n + 20 * 4 * 4 - 10 * 4 * 2
+    _check_loads(tmp_path / one, big)
+    _check_loads(tmp_path / two, small)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 256 + 10 * 16 + 10 * 8
+    with pytest.raises(ValueError, match="multiple of 8"):
+        writer.ShardWriter(tmp_path, header_reserve=100)
+    # Less data than padding: copied too, so a small shard carries no padding.
+    (tmp_path / "s").mkdir()
+    w = writer.ShardWriter(tmp_path / "s", header_reserve=4096)
+    w.add("x", mx.ones((8,)))
+    w.close()
+    n = int.from_bytes((tmp_path / "s" / "model.safetensors").read_bytes()[:8], "little")
+    assert n < 200 and (tmp_path / "s" / "model.safetensors").stat().st_size == 8 + n + 32
+    _check_loads(tmp_path / "s" / "model.safetensors", {"x": mx.ones((8,))})
+
+
 # ---- bad inputs: real subprocesses, one line, exit 2 -------------------------------------------
 def test_bad_inputs_are_one_line_errors(tmp_path, make_ckpt):
     src = str(make_ckpt("src"))
@@ -233,7 +334,7 @@ def test_killed_conversion_leaves_no_out(tmp_path, sig):
     deadline = time.time() + 60
     caught = False
     while time.time() < deadline and p.poll() is None:
-        if any(tmp_path.glob(".out.tmp-*/.shard-*.data")):
+        if any(tmp_path.glob(".out.tmp-*/.shard-*")):
             os.kill(p.pid, sig)
             caught = True
             break

@@ -81,8 +81,9 @@ def test_download_then_cache_then_offline(hub, tmp_path):
     assert first.stdout == local.stdout  # the same model, loaded fine
     assert hub.downloaded() == FETCHED  # not consolidated.safetensors, README.md
     # Progress in bytes, as plain lines: stderr is a pipe here.
-    assert "downloading pocket/tiny: 9 files, 10.1 MB" in first.stderr
-    assert "downloaded pocket/tiny: 10.1 MB in" in first.stderr
+    assert "downloading pocket/tiny: 9 files, 9.64 MiB\n" in first.stderr
+    assert "downloading pocket/tiny: 9.64 MiB/9.64 MiB (100%), " in first.stderr
+    assert first.stderr.count(", done\n") == 1
     assert "\r" not in first.stderr
 
     hub.requests.clear()
@@ -142,7 +143,7 @@ def test_interrupted_download_names_the_file_and_a_rerun_continues(hub, tmp_path
     rerun = cli(["info", "--model", REPO], hub, tmp_path / "hf")
     assert rerun.returncode == 0, rerun.stderr
     assert hub.downloaded() == {"model.safetensors"}  # the finished files were kept
-    assert "downloading pocket/tiny: 1 file, 9.3 MB" in rerun.stderr
+    assert "downloading pocket/tiny: 1 file, 8.88 MiB" in rerun.stderr
 
 
 def test_unreachable_hub_is_one_line(tmp_path):
@@ -190,28 +191,42 @@ def test_weight_choice_and_broken_indexes(tmp_path):
 
 
 # -- progress -------------------------------------------------------------------------------
-def test_progress_lines_in_a_pipe():
+def test_progress_lines_in_a_pipe(monkeypatch):
+    monkeypatch.setenv("POCKET_MLX_PROGRESS_INTERVAL", "0")
     out = io.StringIO()
-    p = DownloadProgress(REPO, 600_000_000, 2, stream=out, interval=0.0, tty=False)
-    bar = p.bar_class("model-00001.safetensors", 480_000_000)
-    with bar(total=480_000_000, initial=0, desc="model-00001.safetensors", unit="B") as b:
+    p = DownloadProgress(REPO, 600_000_000, 2, stream=out)
+    p.bar.t0 -= 10  # as if 10 s had passed: the lines say how fast and how long is left
+    with p.bar_class("model-00001.safetensors")(total=480_000_000, initial=0) as b:
         b.update(120_000_000)
-    p.close(True)
+        b.update(360_000_000)
+    p.bar_class("model-00002.safetensors")(total=120_000_000, initial=0).update(120_000_000)
+    p.close()
     lines = out.getvalue().splitlines()
-    assert lines[0] == "downloading pocket/tiny: 2 files, 600 MB"
-    assert lines[1].startswith("downloading model-00001.safetensors: 120/480 MB "
-                               "(all files 120/600 MB")
-    assert lines[-1].startswith("downloaded pocket/tiny: 120 MB in ")
+    assert lines[0] == "downloading pocket/tiny: 2 files, 572 MiB"
+    assert lines[1] == ("downloading pocket/tiny: 114 MiB/572 MiB (20%), 10 s, 11.4 MiB/s, "
+                        "0:40 left, model-00001.safetensors")
+    assert lines[2].startswith("downloading pocket/tiny: 458 MiB/572 MiB (80%), 10 s, 45.8 "
+                               "MiB/s, 0:02 left, model-00001.safetensors")
+    assert lines[3] == "downloading pocket/tiny: 572 MiB/572 MiB (100%), 10 s, 57.2 MiB/s, done"
+    assert len(lines) == 4
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
 
 
 def test_progress_bar_on_a_terminal():
-    out = io.StringIO()
-    p = DownloadProgress(REPO, 20_000_000_000, 1, stream=out, tty=True)
-    p.bar_class("model.safetensors", None)(total=20_000_000_000).update(5_000_000_000)
-    p.show()
-    p.close(False)  # a failed download ends the bar's line for the error that follows
+    out = _Terminal()
+    p = DownloadProgress(REPO, 20_000_000_000, 1, stream=out)
+    p.bar_class("model.safetensors")(total=20_000_000_000).update(5_000_000_000)
+    p.bar.refresh()
     text = out.getvalue()
-    assert "\r\033[K[######------------------] 5.0/20.0 GB" in text and text.endswith("\n")
+    assert text.startswith("downloading pocket/tiny: 1 file, 18.6 GiB\n")
+    assert "\rdownloading pocket/tiny:  25%|" in text
+    assert "| 4.66 GiB/18.6 GiB [" in text and "model.safetensors]" in text
+    p.close()  # a failed download: the bar is cleared for the error that follows
+    assert out.getvalue().endswith("\r")
 
 
 def test_repo_id_resolves_from_the_hf_cache_offline(tmp_path, monkeypatch):

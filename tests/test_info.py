@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pocket_mlx.analysis import info
+from pocket_mlx.engine import devices
 from pocket_mlx.system import chips
 from pocket_mlx.system.host import CommandResult, FakePlatform
 
@@ -36,8 +37,11 @@ def _q(out_dim: int, in_dim: int, bits: int, gs: int = 64, scale_bytes: int = 2)
     return out_dim * in_dim * bits // 8 + 2 * out_dim * (in_dim // gs) * scale_bytes
 
 
-def test_bundled_model_by_hand():
-    """assets/pocket-tiny-bf16: bf16 matrices, float32 (1 + w) norms, no quantization."""
+@pytest.mark.parametrize("gpu", [False, True])
+def test_bundled_model_by_hand(monkeypatch, gpu):
+    """assets/pocket-tiny-bf16: bf16 matrices, float32 (1 + w) norms, no quantization. The
+    cache is sized for the device a run would take: float32 on the CPU, bf16 on a GPU."""
+    monkeypatch.setattr(devices, "gpu_available", lambda: gpu)
     d = info.describe(str(ROOT / "assets" / "pocket-tiny-bf16"), context=1024,
                       platform=_Host(24 * GiB))
     H, V, L, n_lin, n_full = 256, 8192, 8, 6, 2
@@ -60,10 +64,13 @@ def test_bundled_model_by_hand():
     f32_elems = L * 2 * H + n_full * 2 * hd + H  # the float32 norms
     assert d["params_total"] == (d["weights_bytes"] - f32 * f32_elems) // bf + f32_elems
     assert d["params_active"] == d["params_total"] - params_experts * (E - k) // E
-    # RAM: weights + bf16 K/V of the 2 full layers at 1024 tokens + f32 delta state and bf16
-    # conv window of the 6 linear layers.
-    kv = n_full * 2 * nkv * hd * 1024 * 2
-    state = n_lin * (vh * vd * kd * 4 + (conv_k - 1) * conv_dim * 2)
+    # RAM: weights + K/V of the 2 full layers at 1024 tokens + f32 delta state and conv window
+    # of the 6 linear layers; K/V and conv window in the activation dtype.
+    act = bf if gpu else f32
+    assert (d["device"], d["activation_dtype"]) == (("gpu", "bfloat16") if gpu
+                                                   else ("cpu", "float32"))
+    kv = n_full * 2 * nkv * hd * 1024 * act
+    state = n_lin * (vh * vd * kd * 4 + (conv_k - 1) * conv_dim * act)
     assert (d["kv_cache_bytes"], d["linear_state_bytes"]) == (kv, state)
     assert d["ram_needed_bytes"] == d["weights_bytes"] + kv + state
     assert d["fits"] is True
@@ -102,8 +109,9 @@ def test_synthetic_35b_by_hand():
         - embed_row + V * embed_row
     assert d["weights_bytes"] == weights
     assert 1.40e9 < per_token < 1.60e9 and 11.0e9 < weights < 12.5e9
-    kv = n_full * 2 * nkv * hd * 4096 * 2
-    state = n_lin * (vh * vd * kd * 4 + (conv_k - 1) * conv_dim * 2)
+    act = 2 if devices.gpu_available() else 4  # bf16 on a GPU, float32 on the CPU
+    kv = n_full * 2 * nkv * hd * 4096 * act
+    state = n_lin * (vh * vd * kd * 4 + (conv_k - 1) * conv_dim * act)
     assert d["ram_needed_bytes"] == weights + kv + state
     # 16 GiB host: 4 GiB reserve -> 12 GiB usable; 11.x GB of weights fits at 4096 tokens.
     assert d["ram_usable_bytes"] == 12 * GiB and d["fits"] is (weights + kv + state <= 12 * GiB)

@@ -10,9 +10,10 @@ import pytest
 from conftest import ROOT
 
 from pocket_mlx.cli.main import main
+from pocket_mlx.config import read_config
 from pocket_mlx.convert.pipeline import collect_router_stats
 from pocket_mlx.convert.prune import ExpertStats, batch_stats, select_experts
-from pocket_mlx.engine.loader import load_model, read_config
+from pocket_mlx.engine.loader import load_model
 
 CALIB = ROOT / "assets" / "text" / "en.calib.txt"
 

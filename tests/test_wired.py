@@ -216,6 +216,18 @@ def test_kv_cache_35b_shape_nested_text_config():
     assert kv_cache_bytes(QWEN35_35B_TEXT, context=4096).full_bytes == 10 * 2 * 2 * 256 * 4096 * 2
 
 
+def test_kv_cache_in_the_activation_dtype():
+    """K, V and the conv window take the activation dtype's size (float32 on the CPU); the
+    delta-rule state is float32 whatever it is; None means the checkpoint's dtype."""
+    bf16, f32 = (kv_cache_bytes(QWEN35_35B_TEXT, 4096, n) for n in (2, 4))
+    assert f32.full_bytes == 2 * bf16.full_bytes and (bf16.act_bytes, f32.act_bytes) == (2, 4)
+    conv = 30 * 3 * (2 * 16 * 128 + 32 * 128)
+    assert f32.linear_bytes - bf16.linear_bytes == conv * 2
+    assert kv_cache_bytes(QWEN35_35B_TEXT, 4096) == bf16  # no dtype key: bfloat16
+    assert kv_cache_bytes({**QWEN35_35B_TEXT, "torch_dtype": "float32"}, 4096) == f32
+    assert kv_cache_bytes({"text_config": {**QWEN35_35B_TEXT, "dtype": "float16"}}, 4096) == bf16
+
+
 def test_kv_cache_without_layer_types():
     cfg = {k: v for k, v in QWEN35_35B_TEXT.items() if k != "layer_types"}
     kv = kv_cache_bytes({**cfg, "full_attention_interval": 4})
@@ -242,6 +254,7 @@ def test_model_footprint_and_show(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"text_config": QWEN35_35B_TEXT}))
     fp = model_footprint(tmp_path)
     assert fp.weight_bytes == 1024
+    assert fp.kv.act_bytes == 2  # GPU wired memory: the checkpoint's bf16, on any host
     assert fp.total == 1024 + fp.kv.total
     rc, out, _ = wired(["--model", str(tmp_path), "--context", "8192"], fake("macos14-32gb"))
     assert rc == 0
@@ -271,6 +284,9 @@ def test_model_errors(tmp_path):
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {"a": mx.zeros((1,))})
     rc, out, _ = wired(["--model", str(tmp_path)], fake("linux-64gb"))
     assert rc == 0 and "unknown (no config.json)" in out
+    (tmp_path / "config.json").write_text("{")  # read by config.read_config, as everywhere
+    assert "config.json is not valid JSON" in refused(["--model", str(tmp_path)],
+                                                      fake("linux-64gb"))
 
 
 @pytest.mark.skipif(not REFERENCE.is_dir(), reason="bundled bf16 model not present")

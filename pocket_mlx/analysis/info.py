@@ -16,10 +16,19 @@ import mlx.nn as nn
 
 from pocket_mlx import kernels
 from pocket_mlx.analysis.accounting import module_costs, weight_stats
-from pocket_mlx.config import disk_bytes, read_pocket_json, recipe_label, weights_bytes
+from pocket_mlx.config import (
+    checkpoint_dtype,
+    disk_bytes,
+    dtype_bytes,
+    read_config,
+    read_pocket_json,
+    recipe_label,
+    weights_bytes,
+)
 from pocket_mlx.convert import synthetic
 from pocket_mlx.convert.recipes import family as recipe_family
-from pocket_mlx.engine.loader import load_model, read_config, resolve_model_path
+from pocket_mlx.engine.devices import policy_dtype, resolve_device
+from pocket_mlx.engine.loader import load_model, resolve_model_path
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system import chips
 from pocket_mlx.system.host import get_platform
@@ -42,8 +51,7 @@ class Source:
 
 
 def _dtype_of(config: dict) -> mx.Dtype:
-    name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    return getattr(mx, name.replace("torch.", ""), mx.bfloat16)
+    return getattr(mx, checkpoint_dtype(config), mx.bfloat16)
 
 
 def open_source(model: str | None) -> Source:
@@ -115,7 +123,11 @@ def describe(model: str | None = None, context: int | None = None,
     stats = weight_stats(src.model)
     if context is not None and context <= 0:
         raise PocketError(f"--context must be > 0, got {context}")
-    kv = kv_cache_bytes(src.config, context)
+    # The cache is sized for the device a run here would use, in its activation dtype (the
+    # dtype policy: float32 on the CPU, the checkpoint's own on the GPU).
+    device = resolve_device(None)
+    act_dtype = policy_dtype(device) or checkpoint_dtype(src.config)
+    kv = kv_cache_bytes(src.config, context, dtype_bytes(act_dtype))
     ram_needed = stats.bytes_total + kv.total
     total_ram = platform.total_ram_bytes()
     usable = total_ram - default_reserve_bytes(total_ram) if total_ram else None
@@ -158,6 +170,8 @@ def describe(model: str | None = None, context: int | None = None,
         "disk_bytes": disk,
         "bytes_per_token": stats.bytes_per_token,
         "context": kv.context,
+        "device": device,
+        "activation_dtype": act_dtype,
         "kv_cache_bytes": kv.full_bytes,
         "linear_state_bytes": kv.linear_bytes,
         "ram_needed_bytes": ram_needed,
@@ -202,8 +216,9 @@ def format_text(d: dict) -> str:
     lines += [
         f"size             {size(d['size_bytes'])} of weights (the tensors as stored)",
         f"per token        {size(d['bytes_per_token'])} of weights read per decoded token",
-        f"RAM needed       {size(d['ram_needed_bytes'])} at {d['context']} tokens (weights + "
-        f"KV {size(d['kv_cache_bytes'])} + linear state {size(d['linear_state_bytes'])})",
+        f"RAM needed       {size(d['ram_needed_bytes'])} at {d['context']} tokens on the "
+        f"{d['device']} (weights + KV {size(d['kv_cache_bytes'])} + linear state "
+        f"{size(d['linear_state_bytes'])}, {d['activation_dtype']} cache)",
         f"fits this host   {fit} ({size(d['ram_total_bytes'])} RAM, "
         f"{size(d['ram_usable_bytes'])} usable)",
     ]

@@ -11,7 +11,7 @@ import sys
 import time
 
 from pocket_mlx import units
-from pocket_mlx.config import read_pocket_json, recipe_label, weights_bytes
+from pocket_mlx.config import read_config, read_pocket_json, recipe_label, weights_bytes
 from pocket_mlx.errors import PocketError
 
 
@@ -72,7 +72,7 @@ def run(args) -> int:
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
 
     from pocket_mlx.analysis.accounting import weight_stats
-    from pocket_mlx.engine.loader import load, read_config, resolve_model_path
+    from pocket_mlx.engine.loader import load, resolve_model_path
 
     if args.synthetic:
         from pocket_mlx.convert import synthetic

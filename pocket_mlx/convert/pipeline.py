@@ -21,7 +21,13 @@ import mlx.core as mx
 
 from pocket_mlx import __version__
 from pocket_mlx.analysis.accounting import weight_stats
-from pocket_mlx.config import disk_bytes, module_quantization, quantization, text_config
+from pocket_mlx.config import (
+    disk_bytes,
+    module_quantization,
+    quantization,
+    read_config,
+    text_config,
+)
 from pocket_mlx.convert.calibrate import auto_recipe, calibration_windows, collect_stats
 from pocket_mlx.convert.prune import (
     CRITERIA,
@@ -47,7 +53,6 @@ from pocket_mlx.engine.loader import (
     load_model,
     load_weights,
     quantize_as_stored,
-    read_config,
     resolve_model_path,
 )
 from pocket_mlx.engine.tokenizer import load_tokenizer

@@ -26,6 +26,16 @@ from pocket_mlx.errors import PocketError
 from pocket_mlx.models.fusion import unfused_parameters
 
 DEFAULT_SHARD_BYTES = 5 << 30  # mlx-lm's and transformers' default shard size
+# Room kept at the start of each shard for its JSON header, so the data is written once, in
+# place. ~100 bytes a tensor: 1 MiB holds ~10k tensor entries, far more than a 5 GB shard of a
+# POCKET model has; a longer header costs one copy of that shard (ShardWriter._finish). Small
+# shards reserve less (1/64 of the shard, 4 KiB at least) so tiny models stay tiny on disk.
+HEADER_RESERVE = 1 << 20
+
+
+def header_reserve_for(shard_bytes: int) -> int:
+    """The header room for shards of `shard_bytes`: a multiple of 8 (8-aligned data)."""
+    return max(4096, min(HEADER_RESERVE, shard_bytes // 64)) // 8 * 8
 _ST_DTYPES = {
     mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.float64: "F64",
     mx.uint32: "U32", mx.int32: "I32", mx.uint8: "U8", mx.int8: "I8", mx.int64: "I64",
@@ -247,21 +257,35 @@ def mlx_config(config: dict, quantization: dict | None = None) -> dict:
 
 class ShardWriter:
     """Streams tensors into safetensors shards of at most `shard_bytes` (a tensor larger than
-    that gets a shard of its own). Each tensor's bytes are appended to a raw `.shard-N.data`
-    file as it comes; `close` writes each shard (header, then the data copied over), names them
-    as mlx-lm and transformers do and writes the index. Memory use: the tensor being written."""
+    that gets a shard of its own), writing each weight byte once: a shard is written in place
+    to a hidden `.shard-N.safetensors` file whose first `header_reserve` bytes are left for the
+    header and whose tensor data follows from there as it comes. `close` writes the 8-byte
+    length and the JSON header padded with spaces (safetensors allows it) to fill that region
+    exactly, renames the shards as mlx-lm and transformers name them and writes the index. A
+    header too long for the region (more tensors than it was sized for), or a shard with less
+    data than the padding, falls back, for that shard only, to writing a new file (exact
+    header, then the data copied over).
+    Memory use: the tensor being written."""
 
-    def __init__(self, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES):
+    def __init__(self, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 header_reserve: int | None = None):
+        if header_reserve is None:
+            header_reserve = header_reserve_for(shard_bytes)
+        if header_reserve < 16 or header_reserve % 8:
+            raise ValueError(f"header_reserve must be a multiple of 8 from 16, got "
+                             f"{header_reserve}")  # 8-aligned data, room for "{}"
         self.folder, self.shard_bytes = Path(folder), shard_bytes
-        self.shards: list[dict] = []  # {"data": Path, "header": {}, "size": int}
+        self.header_reserve = header_reserve
+        self.shards: list[dict] = []  # {"file": Path, "header": {}, "size": int}
         self._f = None
 
     def _new_shard(self) -> None:
         if self._f:
             self._f.close()
-        data = self.folder / f".shard-{len(self.shards)}.data"
-        self.shards.append({"data": data, "header": {}, "size": 0})
-        self._f = open(data, "wb")
+        file = self.folder / f".shard-{len(self.shards)}.safetensors"
+        self.shards.append({"file": file, "header": {}, "size": 0})
+        self._f = open(file, "wb")
+        self._f.seek(self.header_reserve)  # the header goes here at close (a hole until then)
 
     def add(self, name: str, arr: mx.array) -> None:
         """Evaluate `arr` and append it to the current shard (starting a new one when full)."""
@@ -284,8 +308,30 @@ class ShardWriter:
                                  "data_offsets": [start, start + nbytes]}
         shard["size"] += nbytes
 
+    def _finish(self, shard: dict, dest: Path) -> None:
+        """Put the header in front of a shard's data and move it to `dest`."""
+        header = {"__metadata__": {"format": "mlx"}, **shard["header"]}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        room = self.header_reserve - 8
+        # The usual case: fill the reserved room, no data moves. A shard with less data than
+        # the padding would take is copied instead: fewer bytes written, and no padding.
+        if len(raw) <= room and shard["size"] >= room - len(raw):
+            with open(shard["file"], "r+b") as f:
+                f.write(room.to_bytes(8, "little"))
+                f.write(raw + b" " * (room - len(raw)))
+            shard["file"].rename(dest)
+            return
+        raw += b" " * (-len(raw) % 8)  # too long: a new file, the data copied after it
+        with open(dest, "wb") as out, open(shard["file"], "rb") as data:
+            out.write(len(raw).to_bytes(8, "little"))
+            out.write(raw)
+            data.seek(self.header_reserve)
+            shutil.copyfileobj(data, out, 64 << 20)
+        shard["file"].unlink()
+
     def close(self) -> dict[str, str]:
-        """Write the shards and `model.safetensors.index.json`; returns the weight map."""
+        """Write the shards' headers and `model.safetensors.index.json`; returns the weight
+        map."""
         if self._f:
             self._f.close()
             self._f = None
@@ -293,14 +339,7 @@ class ShardWriter:
         weight_map, total = {}, 0
         for i, shard in enumerate(self.shards):
             fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            header = {"__metadata__": {"format": "mlx"}, **shard["header"]}
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)
-            with open(self.folder / fname, "wb") as out, open(shard["data"], "rb") as data:
-                out.write(len(raw).to_bytes(8, "little"))
-                out.write(raw)
-                shutil.copyfileobj(data, out, 64 << 20)
-            shard["data"].unlink()
+            self._finish(shard, self.folder / fname)
             for k in shard["header"]:
                 weight_map[k] = fname
             total += shard["size"]
@@ -311,11 +350,13 @@ class ShardWriter:
 
 def save_weights(folder: Path, weights: Iterable[tuple[str, mx.array]],
                  shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 on_bytes: Callable[[int], None] | None = None) -> dict[str, str]:
+                 on_bytes: Callable[[int], None] | None = None,
+                 header_reserve: int | None = None) -> dict[str, str]:
     """Write `weights` as safetensors shards plus the index into `folder` (meant to be an
-    `atomic_dir`), one tensor in memory at a time; `on_bytes` is told each tensor's size
-    (progress bars). Returns the weight map."""
-    writer = ShardWriter(folder, shard_bytes)
+    `atomic_dir`), one tensor in memory at a time, each byte written once; `on_bytes` is told
+    each tensor's size (progress bars); `header_reserve`: see ShardWriter (None: sized from
+    `shard_bytes`). Returns the weight map."""
+    writer = ShardWriter(folder, shard_bytes, header_reserve)
     for name, arr in weights:
         writer.add(name, arr)
         if on_bytes is not None:

@@ -23,14 +23,15 @@ import logging
 import os
 import re
 import sys
-import time
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TextIO
 
+from pocket_mlx import units
 from pocket_mlx.config import INDEX, METADATA_FILES, pick_weights, read_index, weight_files
 from pocket_mlx.errors import PocketError
+from pocket_mlx.progress import progress
 
 TOKENIZERS = ("tokenizer.json", "tokenizer.model")
 REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w.][\w./-]*))?$")
@@ -119,89 +120,32 @@ def _quiet_hub_logs():
 
 
 # -- progress -------------------------------------------------------------------------------
-def _size(n: float, total: float | None = None) -> str:
-    """`n/total MB` ("120/480 MB"), or `n MB` alone; GB from 10 GB on, decimals under 100."""
-    top = n if total is None else total
-    unit, scale = ("GB", 1e9) if top >= 10e9 else ("MB", 1e6)
-    digits = 0 if top / scale >= 100 else 1
-    of = "" if total is None else f"/{total / scale:.{digits}f}"
-    return f"{n / scale:.{digits}f}{of} {unit}"
-
-
-def _clock(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
 class DownloadProgress:
-    """Bytes downloaded over all files of one fetch: a bar redrawn in place on a terminal, plain
-    lines every `interval` seconds when stderr is a pipe or a file (logs stay readable)."""
+    """Bytes downloaded over all files of one fetch, shown by the one progress helper
+    (pocket_mlx.progress: a bar on a terminal, plain lines every $POCKET_MLX_PROGRESS_INTERVAL
+    seconds in a pipe or a file), after one line that says what is coming."""
 
-    def __init__(self, repo: str, total: int, n_files: int, stream: TextIO | None = None,
-                 interval: float = 5.0, tty: bool | None = None):
-        self.repo, self.total, self.n_files = repo, max(total, 1), n_files
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty() if tty is None else tty
-        self.interval = interval if not self.tty else 0.1
-        self.done = 0
-        self.file, self.file_done, self.file_total = "", 0, 0
-        self.t0 = self.last = time.monotonic()  # the first line after `interval`, not at once
-        self.drawn = False  # a bar is on the terminal's current line
-        self._write(f"downloading {repo}: {n_files} file{'s' * (n_files != 1)}, "
-                    f"{_size(self.total)}\n")
+    def __init__(self, repo: str, total: int, n_files: int, stream: TextIO | None = None):
+        stream = stream or sys.stderr
+        stream.write(f"downloading {repo}: {n_files} file{'s' * (n_files != 1)}, "
+                     f"{units.size(total)}\n")
+        stream.flush()
+        self.bar = progress(total=total or None, desc=f"downloading {repo}", unit="B",
+                            unit_scale=True, file=stream)
 
-    def _write(self, text: str) -> None:
-        self.stream.write(text)
-        self.stream.flush()
-
-    def start(self, name: str, size: int | None) -> None:
-        self.file, self.file_done, self.file_total = name, 0, size or 0
+    def start(self, name: str) -> None:
+        self.bar.set_postfix_str(name)
 
     def advance(self, n: int) -> None:
-        self.done += n
-        self.file_done += n
-        now = time.monotonic()
-        if now - self.last >= self.interval:
-            self.last = now
-            self.show(now)
+        self.bar.update(n)
 
-    def _eta(self, now: float) -> str:
-        elapsed = now - self.t0
-        if self.done <= 0 or elapsed < 0.5:
-            return ""
-        rate = self.done / elapsed
-        left = max(self.total - self.done, 0) / rate
-        return f", {rate / 1e6:.1f} MB/s, {_clock(left)} left"
+    def close(self) -> None:
+        """The closing line when every byte came; a failed download's error follows alone."""
+        self.bar.close()
 
-    def show(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        eta = self._eta(now)
-        if self.tty:
-            width = 24
-            filled = int(width * min(self.done / self.total, 1.0))
-            bar = "#" * filled + "-" * (width - filled)
-            self._write(f"\r\033[K[{bar}] {_size(self.done, self.total)}{eta}  {self.file}")
-            self.drawn = True
-        else:
-            part = (f"{self.file}: {_size(self.file_done, self.file_total)}"
-                    if self.file_total else self.file)
-            self._write(f"downloading {part} (all files {_size(self.done, self.total)}{eta})\n")
-
-    def close(self, complete: bool) -> None:
-        """The closing line: the total when every file came, else just end the bar's line (the
-        error that stopped the download follows on its own line)."""
-        if not complete:
-            if self.drawn:
-                self._write("\n")
-            return
-        secs = time.monotonic() - self.t0
-        end = "\r\033[K" if self.tty else ""
-        self._write(f"{end}downloaded {self.repo}: {_size(self.done)} "
-                    f"in {secs:.1f} s\n")
-
-    def bar_class(self, name: str, size: int | None) -> type:
+    def bar_class(self, name: str) -> type:
         """The `tqdm_class` for one file: its byte counts come here."""
-        return _tqdm_like(lambda total: self.start(name, total or size), self.advance)
+        return _tqdm_like(lambda total: self.start(name), self.advance)
 
 
 def _tqdm_like(start: Callable[[int | None], None], advance: Callable[[int], None]) -> type:
@@ -333,8 +277,8 @@ def _download(repo: str, revision: str | None, stream: TextIO | None) -> Path:
     if not any(t in sizes for t in TOKENIZERS):
         raise PocketError(f"{repo} has no tokenizer.json or tokenizer.model on the Hub")
 
-    def get(name: str, progress: DownloadProgress | None = None) -> Path:
-        bar = progress.bar_class(name, sizes.get(name)) if progress else _SILENT
+    def get(name: str, shown: DownloadProgress | None = None) -> Path:
+        bar = shown.bar_class(name) if shown else _SILENT
         try:
             return Path(hf_hub_download(repo, name, revision=commit, tqdm_class=bar))
         except network as e:
@@ -357,18 +301,16 @@ def _download(repo: str, revision: str | None, stream: TextIO | None) -> Path:
                           "have")
     todo = [n for n in METADATA_FILES if n in sizes] + weights
     todo = [n for n in todo if not cached(n)]
-    progress = None
+    shown = None
     if todo and not constants.HF_HUB_DISABLE_PROGRESS_BARS:
         total = sum(sizes.get(n) or 0 for n in todo)
-        progress = DownloadProgress(repo, total, len(todo), stream)
-    complete = False
+        shown = DownloadProgress(repo, total, len(todo), stream)
     try:
         for name in todo:
-            get(name, progress)
-        complete = True
+            get(name, shown)
     finally:
-        if progress is not None:
-            progress.close(complete)
+        if shown is not None:
+            shown.close()
     snapshot = get("config.json").parent  # cached by now: no request
     _write_ref(snapshot, wanted_rev, snapshot.name)
     return snapshot

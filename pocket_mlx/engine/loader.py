@@ -6,7 +6,6 @@ layer at a time, so peak memory while loading stays near the model's own size.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from pocket_mlx.config import (
     quantization,
+    read_config,
     safetensors_header,
     weight_files,
 )
@@ -64,19 +64,6 @@ def _synthetic_path(ref: str) -> Path:
 
     name, recipe = synthetic.parse_ref(ref)
     return synthetic.build(name, recipe, progress=sys.stderr.isatty())
-
-
-def read_config(path: Path) -> dict:
-    cfg = path / "config.json"
-    if not cfg.is_file():
-        raise PocketError(f"{path} has no config.json; is it a model folder?")
-    try:
-        config = json.loads(cfg.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PocketError(f"{cfg} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise PocketError(f"{cfg} is not a JSON object")
-    return config
 
 
 def load_weights(path: Path) -> dict[str, mx.array]:

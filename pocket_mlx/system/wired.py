@@ -9,12 +9,19 @@ The value resets at reboot; a LaunchDaemon can re-apply it. Sizes here are binar
 
 from __future__ import annotations
 
-import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from pocket_mlx.config import layer_types, text_config, weight_files, weights_bytes
+from pocket_mlx.config import (
+    checkpoint_dtype,
+    dtype_bytes,
+    layer_types,
+    read_config,
+    text_config,
+    weight_files,
+    weights_bytes,
+)
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system.host import Platform, parse_sysctl_int
 from pocket_mlx.units import GiB, MiB, size
@@ -188,14 +195,20 @@ class KVEstimate:
     linear_layers: int
     full_bytes: int  # K and V of all full-attention layers at `context` tokens
     linear_bytes: int  # recurrent + conv state of all linear-attention layers
+    act_bytes: int  # bytes per element of K, V and the conv state (the activation dtype)
 
     @property
     def total(self) -> int:
         return self.full_bytes + self.linear_bytes
 
 
-def kv_cache_bytes(config: dict, context: int | None = None) -> KVEstimate:
-    """KV cache at `context` tokens (default max_position_embeddings), bf16 K/V, f32 state."""
+def kv_cache_bytes(config: dict, context: int | None = None,
+                   act_bytes: int | None = None) -> KVEstimate:
+    """KV cache at `context` tokens (default max_position_embeddings). K, V and the conv
+    window are in the activation dtype, `act_bytes` per element: 4 on the CPU (float32 under
+    engine.devices.policy_dtype), the checkpoint's dtype on the GPU (None: that one, e.g. 2
+    for bf16); the delta-rule state is float32 on both."""
+    act = act_bytes or dtype_bytes(checkpoint_dtype(config))
     cfg = text_config(config)
     types = layer_types(config)
     linear = sum(1 for t in types if t == "linear_attention")
@@ -206,19 +219,19 @@ def kv_cache_bytes(config: dict, context: int | None = None) -> KVEstimate:
         if full:
             kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
             head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-            full_bytes = full * 2 * kv_heads * head_dim * ctx * 2
+            full_bytes = full * 2 * kv_heads * head_dim * ctx * act
         linear_bytes = 0
         if linear:
             kh, kd = int(cfg["linear_num_key_heads"]), int(cfg["linear_key_head_dim"])
             vh, vd = int(cfg["linear_num_value_heads"]), int(cfg["linear_value_head_dim"])
             kernel = int(cfg["linear_conv_kernel_dim"])
             conv_dim = 2 * kh * kd + vh * vd
-            linear_bytes = linear * (vh * vd * kd * 4 + (kernel - 1) * conv_dim * 2)
+            linear_bytes = linear * (vh * vd * kd * 4 + (kernel - 1) * conv_dim * act)
     except KeyError as e:
         raise PocketError(f"config.json lacks {e.args[0]!r}: cannot size the KV cache") from None
     except (TypeError, ValueError) as e:
         raise PocketError(f"config.json has an unexpected value: {e}") from None
-    return KVEstimate(ctx, full, linear, full_bytes, linear_bytes)
+    return KVEstimate(ctx, full, linear, full_bytes, linear_bytes, act)
 
 
 @dataclass(frozen=True)
@@ -233,7 +246,8 @@ class ModelFootprint:
 
 
 def model_footprint(model: str | Path, context: int | None = None) -> ModelFootprint:
-    """Weights (tensor bytes of its *.safetensors) plus KV cache, from a local model directory."""
+    """Weights (tensor bytes of its *.safetensors) plus KV cache, from a local model directory.
+    The KV cache is sized in the checkpoint's dtype: GPU wired memory is what this is about."""
     path = Path(model).expanduser()
     if not path.is_dir():
         raise PocketError(f"--model {model}: not a local model directory")
@@ -242,11 +256,7 @@ def model_footprint(model: str | Path, context: int | None = None) -> ModelFootp
         raise PocketError(f"--model {model}: no *.safetensors files there")
     weights = weights_bytes(path)
     kv = None
-    config_file = path / "config.json"
-    if config_file.is_file():
-        try:
-            config = json.loads(config_file.read_text())
-        except (OSError, ValueError) as e:
-            raise PocketError(f"{config_file}: unreadable ({e})") from None
-        kv = kv_cache_bytes(config, context)
+    if (path / "config.json").is_file():
+        config = read_config(path)
+        kv = kv_cache_bytes(config, context, dtype_bytes(checkpoint_dtype(config)))
     return ModelFootprint(path, weights, kv)
