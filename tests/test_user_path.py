@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -18,8 +19,15 @@ from conftest import ASSET, ROOT
 from mlx.utils import tree_flatten
 
 from pocket_mlx import kernels
-from pocket_mlx.engine.generation import cast_cache, generate, stream_generate
-from pocket_mlx.engine.loader import cast_model, load, load_model, use_device
+from pocket_mlx.engine.generation import generate, stream_generate
+from pocket_mlx.engine.loader import (
+    cache_dtypes,
+    cast_cache,
+    cast_model,
+    load,
+    load_model,
+    use_device,
+)
 from pocket_mlx.engine.session import ChatSession, Settings
 from pocket_mlx.errors import PocketError
 
@@ -123,12 +131,70 @@ def test_chat_continues_across_a_dtype_switch(exact_kernels):
     got = turn(switched, m2)
     assert model.run_dtype == "float32"
     assert switched.plan_kind == "cache" and got == want
-    # A cache filled in bf16 (on the GPU) is cast with the weights: float32 nodes at once.
+    # A cache filled in bf16 (on the GPU, by a model whose activations are bf16) is cast with
+    # the weights: float32 nodes at once.
     cast_model(model, None)
-    cast_cache(switched.cache, mx.bfloat16)
+    for c in switched.cache:
+        for name in ("keys", "values", "conv_state"):
+            if getattr(c, name, None) is not None:
+                setattr(c, name, getattr(c, name).astype(mx.bfloat16))
     m3 = m2 + [{"role": "assistant", "content": got}, {"role": "user", "content": "Why?"}]
     assert turn(switched, m3) and switched.plan_kind == "cache"
     assert all(a.dtype == mx.float32 for c in switched.cache for a in c.arrays)
+
+
+CACHE_ARRAYS = ("keys", "values", "conv_state", "state")
+
+
+def cache_kinds(cache: list) -> set[tuple[str, mx.Dtype]]:
+    """(array name, dtype) over a conversation's cache."""
+    return {(n, getattr(c, n).dtype) for c in cache for n in CACHE_ARRAYS
+            if isinstance(getattr(c, n, None), mx.array)}
+
+
+@pytest.fixture(scope="module")
+def bf16_ckpt(tmp_path_factory):
+    """The bundled model written back as an MLX-layout checkpoint with every float in bf16, norms
+    included (as mlx-lm converts one): in its own dtypes it runs bf16 throughout, so its KV and
+    conv window are bf16 (the bundled one keeps float32 norms, which promote them to float32)."""
+    src = ASSET
+    out = tmp_path_factory.mktemp("bf16") / "pocket-tiny-mlx-bf16"
+    out.mkdir()
+    model = load_model(src, lazy=True)
+    mx.save_safetensors(str(out / "model.safetensors"), {
+        k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v
+        for k, v in tree_flatten(model.parameters())})
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+              "generation_config.json"):
+        shutil.copy(src / f, out / f)
+    return out
+
+
+def test_a_switch_casts_the_cache_both_ways(bf16_ckpt):
+    """CPU (float32) -> the checkpoint's dtypes (the GPU's policy: cast_model(model, None) and
+    the cache cast use_device does) -> CPU: the KV and the conv window follow the model both
+    ways, the delta-rule state stays float32, and a new conversation would hold the same."""
+    model, tok = load(bf16_ckpt, device="cpu", fuse=True)
+    cache = model.make_cache()
+    first = list(stream_generate(model, tok, "Tell me a fortune.", max_tokens=4, cache=cache))
+    f32, bf16 = mx.float32, mx.bfloat16
+    everything_f32 = {("keys", f32), ("values", f32), ("conv_state", f32), ("state", f32)}
+    assert cache_kinds(cache) == everything_f32
+
+    assert cast_model(model, None) > 0  # what use_device(model, "gpu") does to the model
+    assert cast_cache(model, cache) > 0  # ... and to the conversation's cache
+    gpu_kinds = {("keys", bf16), ("values", bf16), ("conv_state", bf16), ("state", f32)}
+    assert cache_kinds(cache) == gpu_kinds
+    assert cache_kinds(cache) == {(n, d) for layer in cache_dtypes(model) for n, d in layer.items()}
+    mx.eval(model(mx.array([[first[-1].fed_tokens[-1]]]), cache=cache))  # a token in bf16
+    assert cache_kinds(cache) == gpu_kinds  # the model itself keeps the cache in these dtypes
+
+    assert use_device(model, "cpu", cache) is True  # the switch back, cache included
+    assert cache_kinds(cache) == everything_f32
+    assert cast_cache(model, cache) == 0  # nothing left to do
+    assert list(stream_generate(model, tok, [11, 12], max_tokens=2, cache=cache))[-1].fed_tokens
+    assert cache_kinds(cache) == everything_f32
+
 
 
 # -- start-up ---------------------------------------------------------------------------------

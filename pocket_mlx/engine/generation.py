@@ -19,10 +19,9 @@ from dataclasses import InitVar, asdict, dataclass, field
 
 import mlx.core as mx
 
-from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.engine import devices
 from pocket_mlx.engine import sampling as _sampling
-from pocket_mlx.engine.loader import use_device
+from pocket_mlx.engine.loader import model_weight_stats, use_device
 from pocket_mlx.engine.params import (
     check_min_p,
     check_repetition_penalty,
@@ -263,9 +262,7 @@ def stream_generate(
     dev = devices.resolve_device(device or getattr(model, "device", None))
     stream = devices.stream_for(dev)
     ids = prompt_tokens(tokenizer, prompt, system=system, raw=raw)
-    with mx.stream(stream):  # a switch's casts run on the device's own stream (this thread's)
-        if use_device(model, dev) and cache is not None and model.run_dtype:
-            cast_cache(cache, getattr(mx, model.run_dtype))
+    use_device(model, dev, cache)  # the model's dtypes, and the cache's, follow the device
     if cache is None:
         cache = model.make_cache()
     start_pos = _cache_offset(cache)
@@ -280,7 +277,7 @@ def stream_generate(
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
 
-    weights = weight_stats(model)
+    weights = model_weight_stats(model)
     stats = GenerationStats(prompt_tokens=len(ids), bytes_per_token=weights.bytes_per_token,
                             device=dev)
     # On the GPU, wire the model's memory for the duration (restored when the generator ends).
@@ -375,18 +372,6 @@ class _StopText:
         """Everything held back, at the end of a reply that no stop string cut."""
         tail, self.pending = self.pending + self.detok.flush(), ""
         return tail
-
-
-def cast_cache(cache: list, dtype: mx.Dtype) -> None:
-    """A conversation's cache after a device switch: its float arrays in the new activation
-    dtype, so the next token runs the CPU extension's float32 nodes at once (a KV cache would
-    also follow by itself, see models/cache.py). Cheaper than re-prefilling the conversation."""
-    for c in cache:
-        for name in ("keys", "values", "conv_state", "state"):
-            a = getattr(c, name, None)
-            if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating) \
-                    and a.dtype != dtype:
-                setattr(c, name, a.astype(dtype))
 
 
 def _cache_arrays(c) -> list[mx.array]:
