@@ -196,6 +196,27 @@ def test_a_switch_casts_the_cache_both_ways(bf16_ckpt):
     assert cache_kinds(cache) == everything_f32
 
 
+def test_regenerate_after_a_switch_restores_the_new_dtypes(bf16_ckpt, exact_kernels):
+    """Turn 1 in the checkpoint's dtypes (as on the GPU), turn 2 after a switch to the CPU, then
+    a regenerate of turn 2: the snapshot it restores was taken after the cache's cast, so the
+    regenerated reply runs on float32 arrays and equals the first one."""
+    model, tok = load(bf16_ckpt, device="cpu", fuse=True)
+    settings = Settings(max_tokens=8)
+    session = ChatSession(model, tok)
+    m1 = [{"role": "user", "content": "Tell me a fortune."}]
+    a1 = "".join(r.text for r, _ in session.generate(m1, settings, "cpu"))
+    cast_model(model, None)  # what a GPU turn leaves behind: its model and its cache
+    cast_cache(model, session.cache)
+    assert ("conv_state", mx.bfloat16) in cache_kinds(session.cache)
+    m2 = m1 + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And then?"}]
+    want = "".join(r.text for r, _ in session.generate(m2, settings, "cpu"))
+    assert session.plan_kind == "cache" and model.run_dtype == "float32"
+    snapshot = [a for s in session._snap[1] for a in s[1:3] if s[0] == "linear"]
+    assert snapshot and all(a.dtype == mx.float32 for a in snapshot)
+    got = "".join(r.text for r, _ in session.generate(m2, settings, "cpu"))
+    assert session.plan_kind == "snapshot" and got == want
+    assert {d for _, d in cache_kinds(session.cache)} == {mx.float32}
+
 
 # -- start-up ---------------------------------------------------------------------------------
 def test_generate_path_imports_neither_transformers_nor_mlx_lm():

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pocket_mlx.engine.generation import Response, SamplingParams, context_limit, stream_generate
+from pocket_mlx.engine.loader import use_device
 from pocket_mlx.engine.params import DEFAULT_MAX_TOKENS, check_max_tokens, checked
 from pocket_mlx.errors import PocketError
 
@@ -209,6 +210,9 @@ class ChatSession:
         if win.dropped and trimmed:
             trimmed(win.dropped, win.start)
         ids = win.ids
+        # Switch device (casting the cache with the model) before `plan` snapshots the cache:
+        # a regenerate must restore arrays in the dtypes the model now runs in.
+        use_device(self.model, device, self.cache)
         plan = self.plan(ids)
         self.plan_kind = plan.reused
         prog = (lambda done, total: progress(done, total, plan.base + done)) if progress else None
