@@ -19,6 +19,8 @@ from conftest import ASSET, ROOT
 from mlx.utils import tree_flatten
 
 from pocket_mlx import kernels
+from pocket_mlx.analysis.accounting import weight_stats
+from pocket_mlx.engine import loader
 from pocket_mlx.engine.generation import generate, stream_generate
 from pocket_mlx.engine.loader import (
     cache_dtypes,
@@ -26,6 +28,7 @@ from pocket_mlx.engine.loader import (
     cast_model,
     load,
     load_model,
+    model_weight_stats,
     use_device,
 )
 from pocket_mlx.engine.session import ChatSession, Settings
@@ -216,6 +219,23 @@ def test_regenerate_after_a_switch_restores_the_new_dtypes(bf16_ckpt, exact_kern
     got = "".join(r.text for r, _ in session.generate(m2, settings, "cpu"))
     assert session.plan_kind == "snapshot" and got == want
     assert {d for _, d in cache_kinds(session.cache)} == {mx.float32}
+
+
+def test_weight_stats_once_per_model_and_dtype(monkeypatch):
+    """Every generation reports bytes per token: the walk over every module runs once per
+    model and dtype (not per chat turn or bench run), and again after a cast."""
+    model, tok = load(ASSET, device="cpu", fuse=True)
+    calls = []
+    monkeypatch.setattr(loader, "weight_stats", lambda m: calls.append(1) or weight_stats(m))
+    runs = [list(stream_generate(model, tok, "hi", max_tokens=2))[-1] for _ in range(3)]
+    assert len(calls) == 1
+    assert {r.stats.bytes_per_token for r in runs} == {weight_stats(model).bytes_per_token}
+    f32 = model_weight_stats(model)
+    cast_model(model, None)  # the checkpoint's dtypes: fewer bytes
+    stored = model_weight_stats(model)
+    assert len(calls) == 2 and stored == weight_stats(model)
+    assert stored.bytes_total < f32.bytes_total
+    assert use_device(model, "cpu") and model_weight_stats(model) == f32 and len(calls) == 3
 
 
 # -- start-up ---------------------------------------------------------------------------------

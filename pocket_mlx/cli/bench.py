@@ -71,8 +71,7 @@ def run(args) -> int:
     mx.set_default_device(devices.mx_device(device))
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
 
-    from pocket_mlx.analysis.accounting import weight_stats
-    from pocket_mlx.engine.loader import load, read_config, resolve_model_path
+    from pocket_mlx.engine.loader import load, model_weight_stats, read_config, resolve_model_path
 
     if args.synthetic:
         from pocket_mlx.convert import synthetic
@@ -102,7 +101,7 @@ def run(args) -> int:
     # Said after loading: a checkpoint that fails its load check leaves one error line.
     log(f"loaded {path} ({model.run_dtype or 'checkpoint dtype'}) on {devices.describe(device)} in "
         f"{time.perf_counter() - t0:.1f} s")
-    stats = weight_stats(model)
+    stats = model_weight_stats(model)  # computed once: every run below reuses it
     scales = [v for k, v in _flat(model) if k.endswith("scales")]
     shown_dtype = model.run_dtype or (str(scales[0].dtype).split(".")[-1] if scales else "float")
 
