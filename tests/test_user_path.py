@@ -265,6 +265,8 @@ def test_generate_and_eval_ppl_take_synthetic_models(synth_cache, tmp_path):
     assert out["finish_reason"] in ("length", "eos") and out["device"] == "cpu"
     folder = os.path.join(synth_cache["POCKET_MLX_CACHE"], "synthetic", "tiny-pocket-2bit")
     assert os.path.isfile(os.path.join(folder, "config.json"))  # the folder bench writes
+    # Built in a pipe: plain progress lines, not minutes of silence on a big model.
+    assert re.search(r"^writing tiny-pocket-2bit: .*, done$", r.stderr, re.M), r.stderr
     data = tmp_path / "d.txt"
     data.write_text("In the beginning God created the heaven and the earth. " * 8)
     r = cli("eval-ppl", "--model", "synthetic:tiny:uniform-4", "--data", str(data),

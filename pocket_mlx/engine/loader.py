@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -64,7 +63,9 @@ def _synthetic_path(ref: str) -> Path:
     from pocket_mlx.convert import synthetic
 
     name, recipe = synthetic.parse_ref(ref)
-    return synthetic.build(name, recipe, progress=sys.stderr.isatty())
+    # Always on: a multi-GB build takes minutes, and in a pipe progress.py prints plain lines
+    # (nothing at all when the folder is already built).
+    return synthetic.build(name, recipe, progress=True)
 
 
 def read_config(path: Path) -> dict:
