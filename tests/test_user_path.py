@@ -74,11 +74,22 @@ def test_cpu_load_runs_float32_with_scales_as_stored():
 
 
 def test_generate_decode_graph_is_bench_graph():
-    """`generate`/`chat`/`load()` and `bench` load the same way now: the same decode graph, the
-    extension's nodes in it, far smaller than the checkpoint-dtype (bf16) graph."""
-    user, _ = load(ASSET, device="cpu", fuse=True)  # what cli/generate.py and the chat call
-    bench, _ = load(ASSET, device="cpu", dtype=None, fuse=True)  # cli/bench.py, dtype auto
-    stored, _ = load(ASSET, device="cpu", dtype="bfloat16", fuse=True)  # the old user path
+    """`generate` (and so `chat` and `load()`) and `bench` load the same way: the models their
+    own loading code builds (cli/generate.load_for, cli/bench.load_for with --dtype auto, from
+    their parsed command lines) have the same parameters and decode graph, the extension's nodes
+    in it, far smaller than the checkpoint-dtype (bf16) graph."""
+    from pocket_mlx.cli import bench as bench_cmd
+    from pocket_mlx.cli import generate as generate_cmd
+    from pocket_mlx.cli.main import build_parser
+
+    parser = build_parser()
+    g_args = parser.parse_args(["generate", "--model", str(ASSET), "--prompt", "hi"])
+    b_args = parser.parse_args(["bench", "--model", str(ASSET)])
+    assert b_args.dtype == "auto"
+    device, user, _ = generate_cmd.load_for(g_args)
+    bench = bench_cmd.load_for(b_args, ASSET, device)
+    stored, _ = load(ASSET, device=device, dtype="bfloat16", fuse=True)  # the old user path
+    assert same_params(user, bench)
     a, b, c = decode_nodes(user), decode_nodes(bench), decode_nodes(stored)
     assert a == b
     if kernels.enabled():
