@@ -250,8 +250,8 @@ def stream_generate(
     reply, or cancelled). Sampling comes as `sampling=SamplingParams(...)` or as its keywords
     (`temperature=` or mlx-lm's `temp=`, `top_p=`, `seed=`, ...). Pass `cache` (from
     `model.make_cache()`) to continue a conversation: only the new tokens are prefilled. A
-    `device` other than the model's switches it (its float dtype follows, see
-    `loader.use_device`). `warn` receives one-off warnings (the GPU memory one); default:
+    `device` other than the model's switches it (its float dtype follows, and the cache's
+    with it, see `loader.use_device`). `warn` receives one-off warnings (the GPU memory one); default:
     stderr."""
     if sampling is not None and sampling_kwargs:
         raise PocketError("give sampling=SamplingParams(...) or sampling keywords, not both")
