@@ -129,10 +129,80 @@ def test_cache_reuse_prefills_only_the_new_turn(tiny, exact_kernels):
 
 @pytest.mark.parametrize("bad,msg", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top-p"), (dict(top_p=1.5), "top-p"),
+    (dict(repetition_context=0), "repetition context must be an integer >= 1"),
 ])
 def test_bad_sampling_is_refused(bad, msg):
     with pytest.raises(PocketError, match=msg):
         SamplingParams(**bad).validate()
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (dict(max_tokens="5"), "max tokens must be an integer >= 1, got '5'"),
+    (dict(max_tokens=0), "max tokens must be an integer >= 1, got 0"),
+    (dict(max_tokens=2.0), "max tokens must be an integer >= 1"),
+    (dict(prefill_step=0), r"prefill step must be an integer >= 1 \(prompt tokens per chunk\), got 0"),
+    (dict(prefill_step="64"), "prefill step must be an integer >= 1"),
+    (dict(repetition_context=0, repetition_penalty=1.2), "repetition context must be"),
+    (dict(repetition_context="20"), "repetition context must be"),
+])
+def test_bad_api_values_are_one_line_errors(tiny, bad, msg):
+    """The Python API refuses a bad value with the sentence the CLI would show, before any
+    work (not a TypeError from deep in the loop, nor a 0 taken to mean something)."""
+    model, tok = tiny
+    with pytest.raises(PocketError, match=msg) as e:
+        generate(model, tok, "hi", **bad)
+    assert "\n" not in str(e.value)
+
+
+def test_processors_see_only_the_history_they_read(tiny):
+    """generate_step keeps the last `history_size` tokens (the repetition context), not the
+    whole prompt and reply: bounded work per token on a long conversation."""
+    from pocket_mlx.engine import devices, sampling
+    from pocket_mlx.engine.generation import generate_step
+
+    model, tok = tiny
+    ids = tok.encode("Tell me of the kings of old, and of the sea.")
+    seen: list[list[int]] = []
+
+    def record(tokens, logits):
+        seen.append(tokens.tolist())
+        return logits
+
+    steps = [t for t, _ in generate_step(model, ids, model.make_cache(), sampler=sampling.greedy,
+                                         processors=[record], max_tokens=6, history_size=4,
+                                         stream=devices.stream_for("cpu"))]
+    everything = ids + steps
+    assert seen == [everything[: len(ids) + i][-4:] for i in range(6)]
+
+
+def test_repetition_penalty_replies_as_mlx_lm(tiny, exact_kernels):
+    """With a penalty strong enough to change the reply and a short context, the reply is mlx-lm's (which keeps the whole history
+    and reads its tail): keeping only the tail changes nothing."""
+    from mlx_lm.generate import generate_step as lm_generate_step
+    from mlx_lm.sample_utils import make_logits_processors as lm_processors
+    from mlx_lm.utils import load_model as lm_load
+
+    model, tok = tiny
+    ids = tok.encode("Tell me a fortune.")
+    eos, tok.eos_token_ids = tok.eos_token_ids, []
+    try:
+        ours = [r.token for r in stream_generate(model, tok, ids, max_tokens=24,
+                                                 repetition_penalty=4.0, repetition_context=4)
+                if r.token is not None]
+        plain = [r.token for r in stream_generate(model, tok, ids, max_tokens=24)
+                 if r.token is not None]
+    finally:
+        tok.eos_token_ids = eos
+    lm_model, _ = lm_load(ASSET)
+    flat = dict(tree_flatten(lm_model.parameters()))
+    stored = {k: v.dtype for k, v in flat.items()}
+    lm_model.update(tree_unflatten([
+        (k, v.astype(_cast_dtype(k, v.dtype, v.ndim, stored, mx.float32)))
+        for k, v in flat.items()]))
+    theirs = [int(t) for t, _ in lm_generate_step(
+        mx.array(ids), lm_model, max_tokens=24,
+        logits_processors=lm_processors(repetition_penalty=4.0, repetition_context_size=4))]
+    assert ours == theirs and ours != plain
 
 
 def test_gpu_request_without_gpu_names_cpu_flag(tiny):

@@ -134,6 +134,28 @@ def test_send_shows_reply_and_stats(home):
     assert saved.messages[1]["stats"]["generation_tokens"] == app.last_stats.generation_tokens
 
 
+def test_chat_command_gives_the_app_the_folder_it_resolved(tmp_path, monkeypatch):
+    """cli/chat.py resolves --model (and checks its chat template) before the UI; the app loads
+    that folder and does not resolve the ref again (for synthetic:tiny that would build a model
+    into the cache), while new conversations save the ref as the user gave it."""
+    from pocket_mlx.cli.chat import make_app
+    from pocket_mlx.cli.main import build_parser
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("POCKET_MLX_CACHE", str(cache))
+    bundled = default_model_path()
+    app = make_app(build_parser().parse_args(["chat", "--model", str(bundled), "-n", "4"]))
+    assert app.model_path == bundled and app.model_ref == str(bundled)
+
+    async def reply(app, pilot):
+        await send(app, pilot, "hi")
+
+    done = run(reply, model="synthetic:tiny", path=bundled, model_name="tiny")
+    assert done.last_stats is not None and done.last_stats.generation_tokens > 0
+    assert not cache.exists()  # synthetic:tiny was never resolved (built)
+    assert done.conversation.model == "synthetic:tiny"
+
+
 def test_second_turn_prefills_only_new_tokens():
     from pocket_mlx.engine.loader import default_model_path
     from pocket_mlx.engine.tokenizer import load_tokenizer

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import NamedTuple
 
 from rich.segment import Segments
@@ -129,9 +130,13 @@ class ChatApp(App[None]):
 
     def __init__(self, model: str | None = None, *, device: str = "cpu",
                  settings: Settings | None = None, conversation: Conversation | None = None,
-                 store: ConversationStore | None = None, model_name: str | None = None) -> None:
+                 store: ConversationStore | None = None, model_name: str | None = None,
+                 path: Path | None = None) -> None:
         super().__init__()
-        self.model_ref = model
+        self.model_ref = model  # as the user named it: saved with new conversations (--resume)
+        # Its folder when the caller resolved it already (cli/chat.py): loaded as is, not
+        # resolved (a hub lookup, a synthetic build) a second time.
+        self.model_path = path
         self.model_name = model_name or (str(model).rstrip("/").split("/")[-1] if model
                                          else "pocket-tiny")
         self.device = device
@@ -221,7 +226,8 @@ class ChatApp(App[None]):
         """Load the model, then serve generation jobs until the app closes."""
         worker = get_current_worker()
         try:
-            model, tokenizer = load(self.model_ref, device=self.device, fuse=True)
+            model, tokenizer = load(self.model_path or self.model_ref, device=self.device,
+                                    fuse=True)
             info = model_info(model, self.model_name)
         except PocketError as e:
             self.post_message(ModelFailed(str(e)))

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pocket_mlx import units
-from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.config import read_pocket_json, recipe_label, weights_bytes
 from pocket_mlx.engine.generation import context_limit
+from pocket_mlx.engine.loader import model_weight_stats
 
 
 @dataclass
@@ -37,7 +37,7 @@ def model_info(model, name: str | None = None) -> ModelInfo:
     """The header's facts about a loaded model (its folder is `model.path`)."""
     path = Path(getattr(model, "path", "."))
     config = getattr(model, "config", {}) or {}
-    ws = weight_stats(model)
+    ws = model_weight_stats(model)  # the chat's generations reuse it
     return ModelInfo(
         name=name or path.name, params_total=ws.params_total, params_active=ws.params_active,
         top_k=ws.top_k, recipe=recipe_label(config, read_pocket_json(path)),

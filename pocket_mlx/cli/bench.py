@@ -49,6 +49,17 @@ def register(sub) -> argparse.ArgumentParser:
     return p
 
 
+def load_for(args, path, device: str):
+    """The model as `bench` measures it: --dtype (auto: the dtype policy every entry point
+    shares, devices.policy_dtype), fused projections. tests/test_user_path.py compares its
+    decode graph with generate's."""
+    from pocket_mlx.engine.loader import load
+
+    dtype = None if args.dtype == "auto" else args.dtype
+    model, _ = load(path, device=device, dtype=dtype, fuse=True)
+    return model
+
+
 def run(args) -> int:
     for flag, v in (("-r", args.repetitions), ("-p", args.n_prompt), ("-n", args.n_gen)):
         if v < (1 if flag == "-r" else 0):
@@ -71,8 +82,7 @@ def run(args) -> int:
     mx.set_default_device(devices.mx_device(device))
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
 
-    from pocket_mlx.analysis.accounting import weight_stats
-    from pocket_mlx.engine.loader import load, resolve_model_path
+    from pocket_mlx.engine.loader import model_weight_stats, resolve_model_path
 
     if args.synthetic:
         from pocket_mlx.convert import synthetic
@@ -95,14 +105,12 @@ def run(args) -> int:
     if args.threads and not kinfo["active"]:
         log(f"note: --threads {args.threads} has no effect: MLX runs CPU ops on one thread "
             "and the pocket kernels are not active")
-    # auto: the dtype policy every entry point shares (devices.policy_dtype).
-    dtype = None if args.dtype == "auto" else args.dtype
     t0 = time.perf_counter()
-    model, _ = load(path, device=device, dtype=dtype, fuse=True)
+    model = load_for(args, path, device)
     # Said after loading: a checkpoint that fails its load check leaves one error line.
     log(f"loaded {path} ({model.run_dtype or 'checkpoint dtype'}) on {devices.describe(device)} in "
         f"{time.perf_counter() - t0:.1f} s")
-    stats = weight_stats(model)
+    stats = model_weight_stats(model)  # computed once: every run below reuses it
     scales = [v for k, v in _flat(model) if k.endswith("scales")]
     shown_dtype = model.run_dtype or (str(scales[0].dtype).split(".")[-1] if scales else "float")
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from pocket_mlx.cli import args as argtypes
 from pocket_mlx.cli.args import add_model_args
+
+if TYPE_CHECKING:
+    from pocket_mlx.tui.app import ChatApp
 
 
 def register(sub) -> argparse.ArgumentParser:
@@ -32,6 +36,21 @@ def register(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    app = make_app(args)
+    app.run()
+    code = app.return_code or 0
+    # Workaround: after MLX ran on a worker thread (the app's engine), the interpreter's exit
+    # often aborts in MLX's C++ teardown ("terminate called without an active exception",
+    # SIGABRT). Everything is saved (atomic writes) and the terminal restored by now, so leave
+    # without running the native destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def make_app(args) -> ChatApp:
+    """The chat app of the command line, its model resolved and its chat template checked
+    here (one error line before the UI), not started."""
     from pocket_mlx.engine.conversations import ConversationStore
     from pocket_mlx.engine.devices import resolve_device
     from pocket_mlx.engine.loader import resolve_model_path
@@ -60,14 +79,7 @@ def run(args) -> int:
 
     name = args.model or (conv.model if conv else None)
     name = str(name).rstrip("/").split("/")[-1] if name else path.name
-    app = ChatApp(model, device=device, settings=settings, conversation=conv, store=store,
-                  model_name=name)
-    app.run()
-    code = app.return_code or 0
-    # Workaround: after MLX ran on a worker thread (the app's engine), the interpreter's exit
-    # often aborts in MLX's C++ teardown ("terminate called without an active exception",
-    # SIGABRT). Everything is saved (atomic writes) and the terminal restored by now, so leave
-    # without running the native destructors.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # The folder resolved above, so the app does not resolve (or build, or fetch) it again;
+    # the ref as given is what new conversations save.
+    return ChatApp(model, path=path, device=device, settings=settings, conversation=conv,
+                   store=store, model_name=name)

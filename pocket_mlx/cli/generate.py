@@ -22,6 +22,17 @@ def sampling_from_args(args):
     return s
 
 
+def load_for(args):
+    """(device, model, tokenizer) as `generate` runs them: the device's dtype policy, fused
+    projections. tests/test_user_path.py compares its decode graph with bench's."""
+    from pocket_mlx.engine.devices import resolve_device
+    from pocket_mlx.engine.loader import load
+
+    device = resolve_device(args.device)
+    model, tokenizer = load(args.model, device=device, fuse=True)
+    return device, model, tokenizer
+
+
 def register(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text from a prompt",
                        description="Generate a reply to one prompt and print it as it streams.")
@@ -57,12 +68,9 @@ def run(args) -> int:
     if not prompt.strip():
         raise PocketError("the prompt is empty; pass some text with --prompt")
     sampling = sampling_from_args(args)
-    from pocket_mlx.engine.devices import resolve_device
     from pocket_mlx.engine.generation import stream_generate
-    from pocket_mlx.engine.loader import load
 
-    device = resolve_device(args.device)
-    model, tokenizer = load(args.model, device=device, fuse=True)
+    device, model, tokenizer = load_for(args)
     text, stats = [], None
     for r in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                              sampling=sampling, stop=args.stop, device=device,

@@ -15,16 +15,21 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import InitVar, asdict, dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
-from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.engine import devices
 from pocket_mlx.engine import sampling as _sampling
-from pocket_mlx.engine.loader import use_device
+from pocket_mlx.engine.loader import model_weight_stats, use_device
 from pocket_mlx.engine.params import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PREFILL_STEP,
+    DEFAULT_REPETITION_CONTEXT,
+    check_max_tokens,
     check_min_p,
+    check_prefill_step,
+    check_repetition_context,
     check_repetition_penalty,
     check_seed,
     check_temperature,
@@ -43,22 +48,13 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    repetition_context: int = 64
+    repetition_context: int = DEFAULT_REPETITION_CONTEXT
     seed: int | None = None
-    # mlx-lm's and the CLI's name for the temperature; a temperature left at its default counts
-    # as not given (stream_generate's keywords tell both apart exactly).
-    temp: InitVar[float | None] = None
-
-    def __post_init__(self, temp: float | None) -> None:
-        if temp is not None:
-            if self.temperature not in (0.0, temp):
-                raise PocketError(f"temp={temp} and temperature={self.temperature} disagree: "
-                                  "give one of them")
-            self.temperature = temp
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> SamplingParams:
-        """From keywords (`temp` or `temperature`, not both with different values)."""
+        """From keywords: `temperature` or mlx-lm's `temp` (not both with different values),
+        and the other fields by name. The one place `temp` is understood."""
         kwargs = dict(kwargs)
         if "temp" in kwargs and "temperature" in kwargs:
             temp, temperature = kwargs.pop("temp"), kwargs["temperature"]
@@ -67,8 +63,7 @@ class SamplingParams:
                                   "give one of them")
         elif "temp" in kwargs:
             kwargs["temperature"] = kwargs.pop("temp")
-        names = set(cls.__dataclass_fields__) - {"temp"}
-        unknown = sorted(set(kwargs) - names)
+        unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))
         if unknown:
             raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
         return cls(**kwargs)
@@ -80,6 +75,7 @@ class SamplingParams:
         checked(check_top_k, self.top_k)
         checked(check_min_p, self.min_p)
         checked(check_repetition_penalty, self.repetition_penalty)
+        checked(check_repetition_context, self.repetition_context)
         if self.seed is not None:
             checked(check_seed, self.seed)
 
@@ -172,9 +168,10 @@ def generate_step(
     processors: list | tuple = (),
     max_tokens: int,
     stream: mx.Stream,
-    prefill_step: int = 512,
+    prefill_step: int = DEFAULT_PREFILL_STEP,
     on_prefill: Callable[[int], bool] | None = None,
     fed: list[int] | None = None,
+    history_size: int | None = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token, logprobs [1, vocab]) for up to `max_tokens` sampled tokens after `ids`.
 
@@ -184,8 +181,10 @@ def generate_step(
     still-lazy token before the current one is read, so building it in Python overlaps the
     device's work (as mlx-lm does). `fed`, when given, receives every token the cache consumed
     (the prompt, then each sampled token whose successor was queued), so a caller that stops
-    early knows what the cache holds."""
-    history = mx.array(ids, mx.uint32)
+    early knows what the cache holds. `processors` get the last `history_size` tokens (all of
+    them when None): the repetition penalty reads only its context, so only that is kept."""
+    keep = len(ids) + max_tokens if history_size is None else history_size
+    history = mx.array(ids[-keep:], mx.uint32)
     if fed is not None:
         fed.extend(ids)
 
@@ -214,7 +213,7 @@ def generate_step(
         y_next = None
         if n + 1 < max_tokens:
             if processors:
-                history = mx.concatenate([history, y.astype(mx.uint32)])
+                history = mx.concatenate([history, y.astype(mx.uint32)])[-keep:]
             with mx.stream(stream):
                 y_next, logprobs_next = step(y.astype(mx.uint32))
                 mx.async_eval(y_next, logprobs_next)
@@ -233,14 +232,14 @@ def stream_generate(
     tokenizer,
     prompt: str | list[dict] | list[int],
     *,
-    max_tokens: int = 256,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     sampling: SamplingParams | None = None,
     stop: list[str] | None = None,
     device: str | None = None,
     system: str | None = None,
     raw: bool = False,
     cache: list | None = None,
-    prefill_step: int = 512,
+    prefill_step: int = DEFAULT_PREFILL_STEP,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     warn: Callable[[str], object] | None = None,
@@ -251,21 +250,19 @@ def stream_generate(
     reply, or cancelled). Sampling comes as `sampling=SamplingParams(...)` or as its keywords
     (`temperature=` or mlx-lm's `temp=`, `top_p=`, `seed=`, ...). Pass `cache` (from
     `model.make_cache()`) to continue a conversation: only the new tokens are prefilled. A
-    `device` other than the model's switches it (its float dtype follows, see
-    `loader.use_device`). `warn` receives one-off warnings (the GPU memory one); default:
+    `device` other than the model's switches it (its float dtype follows, and the cache's
+    with it, see `loader.use_device`). `warn` receives one-off warnings (the GPU memory one); default:
     stderr."""
     if sampling is not None and sampling_kwargs:
         raise PocketError("give sampling=SamplingParams(...) or sampling keywords, not both")
     sampling = sampling or SamplingParams.from_kwargs(sampling_kwargs)
     sampling.validate()
-    if max_tokens < 0:
-        raise PocketError(f"max tokens must be >= 0, got {max_tokens}")
+    checked(check_max_tokens, max_tokens)
+    checked(check_prefill_step, prefill_step)
     dev = devices.resolve_device(device or getattr(model, "device", None))
     stream = devices.stream_for(dev)
     ids = prompt_tokens(tokenizer, prompt, system=system, raw=raw)
-    with mx.stream(stream):  # a switch's casts run on the device's own stream (this thread's)
-        if use_device(model, dev) and cache is not None and model.run_dtype:
-            cast_cache(cache, getattr(mx, model.run_dtype))
+    use_device(model, dev, cache)  # the model's dtypes, and the cache's, follow the device
     if cache is None:
         cache = model.make_cache()
     start_pos = _cache_offset(cache)
@@ -280,7 +277,7 @@ def stream_generate(
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
 
-    weights = weight_stats(model)
+    weights = model_weight_stats(model)
     stats = GenerationStats(prompt_tokens=len(ids), bytes_per_token=weights.bytes_per_token,
                             device=dev)
     # On the GPU, wire the model's memory for the duration (restored when the generator ends).
@@ -309,7 +306,8 @@ def stream_generate(
         t0 = time.perf_counter()
         steps = generate_step(model, ids, cache, sampler=sampler, processors=processors,
                               max_tokens=min(max_tokens, room), stream=stream,
-                              prefill_step=prefill_step, on_prefill=on_prefill, fed=fed)
+                              prefill_step=prefill_step, on_prefill=on_prefill, fed=fed,
+                              history_size=sampling.repetition_context)
         for token, _ in steps:
             if t_decode is None:
                 t_decode = time.perf_counter()
@@ -375,18 +373,6 @@ class _StopText:
         """Everything held back, at the end of a reply that no stop string cut."""
         tail, self.pending = self.pending + self.detok.flush(), ""
         return tail
-
-
-def cast_cache(cache: list, dtype: mx.Dtype) -> None:
-    """A conversation's cache after a device switch: its float arrays in the new activation
-    dtype, so the next token runs the CPU extension's float32 nodes at once (a KV cache would
-    also follow by itself, see models/cache.py). Cheaper than re-prefilling the conversation."""
-    for c in cache:
-        for name in ("keys", "values", "conv_state", "state"):
-            a = getattr(c, name, None)
-            if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating) \
-                    and a.dtype != dtype:
-                setattr(c, name, a.astype(dtype))
 
 
 def _cache_arrays(c) -> list[mx.array]:

@@ -7,20 +7,20 @@ layer at a time, so peak memory while loading stays near the model's own size.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from pocket_mlx.analysis.accounting import WeightStats, weight_stats
 from pocket_mlx.config import (
     quantization,
     read_config,
     safetensors_header,
     weight_files,
 )
-from pocket_mlx.engine.devices import policy_dtype, resolve_device
+from pocket_mlx.engine.devices import policy_dtype, resolve_device, stream_for
 from pocket_mlx.engine.hub import fetch, parse_repo_id
 from pocket_mlx.engine.tokenizer import load_tokenizer
 from pocket_mlx.errors import PocketError
@@ -63,7 +63,9 @@ def _synthetic_path(ref: str) -> Path:
     from pocket_mlx.convert import synthetic
 
     name, recipe = synthetic.parse_ref(ref)
-    return synthetic.build(name, recipe, progress=sys.stderr.isatty())
+    # Always on: a multi-GB build takes minutes, and in a pipe progress.py prints plain lines
+    # (nothing at all when the folder is already built).
+    return synthetic.build(name, recipe, progress=True)
 
 
 def load_weights(path: Path) -> dict[str, mx.array]:
@@ -168,25 +170,88 @@ def cast_model(model: nn.Module, dtype: str | None) -> int:
     if changed:
         model.update(tree_unflatten(changed))
     object.__setattr__(model, "run_dtype", dtype)
+    _forget_derived(model)
     return len(changed)
 
 
-def use_device(model: nn.Module, device: str) -> bool:
+# Facts derived from the parameters' dtypes, kept on the model (computing them walks every module
+# or traces a token) and dropped by `cast_model`.
+_DERIVED = ("_weight_stats", "_cache_dtypes")
+
+
+def _forget_derived(model: nn.Module) -> None:
+    for name in _DERIVED:
+        object.__setattr__(model, name, None)
+
+
+def model_weight_stats(model: nn.Module) -> WeightStats:
+    """`weight_stats(model)` once per model and dtype (every generation reports bytes per token
+    and wires that much memory; the walk over every module is not free on a big model)."""
+    stats = getattr(model, "_weight_stats", None)
+    if stats is None:
+        stats = weight_stats(model)
+        object.__setattr__(model, "_weight_stats", stats)
+    return stats
+
+
+# The arrays of a conversation's cache whose dtype follows the model's (KVCache, and
+# LinearAttentionCache's conv window and delta-rule state; the latter stays float32 by design).
+_CACHE_ARRAYS = ("keys", "values", "conv_state", "state")
+
+
+def cache_dtypes(model: nn.Module) -> list[dict[str, mx.Dtype]]:
+    """Per layer, the dtype of each array a new conversation's cache holds with the model's
+    current dtypes. Found by tracing one token lazily (a graph only, nothing computed), so it
+    is exact whatever promotes where: a float32 norm weight makes the KV and the conv window
+    float32 even in a bf16 model, and the delta-rule state is float32 always. Kept on the model
+    until the next cast."""
+    dtypes = getattr(model, "_cache_dtypes", None)
+    if dtypes is None:
+        cache = model.make_cache()
+        model(mx.zeros((1, 1), mx.uint32), cache=cache)
+        dtypes = [{n: a.dtype for n in _CACHE_ARRAYS
+                   if isinstance(a := getattr(c, n, None), mx.array)} for c in cache]
+        object.__setattr__(model, "_cache_dtypes", dtypes)
+    return dtypes
+
+
+def cast_cache(model: nn.Module, cache: list) -> int:
+    """A conversation's cache in the dtypes a new one would have with the model's current
+    dtypes (`cache_dtypes`): after a device switch, in either direction, the next token runs
+    on arrays of one dtype (on the CPU: the extension's float32 nodes at once). Cheaper than
+    re-prefilling the conversation; a no-op (a few comparisons) when they already agree.
+    Returns the number of arrays cast (lazily)."""
+    n = 0
+    for c, want in zip(cache, cache_dtypes(model)):
+        for name, dtype in want.items():
+            a = getattr(c, name, None)
+            if isinstance(a, mx.array) and a.dtype != dtype:
+                setattr(c, name, a.astype(dtype))
+                n += 1
+    return n
+
+
+def use_device(model: nn.Module, device: str, cache: list | None = None) -> bool:
     """Make `model` the model of `device` under the dtype policy (`devices.policy_dtype`),
-    unless `load(..., dtype=...)` fixed its dtype. Cheap when nothing changes; a switch casts
-    the float parameters (the small non-quantized ones on a quantized model; milliseconds on
-    the bundled model) and evaluates them. Returns True when parameters were cast."""
+    unless `load(..., dtype=...)` fixed its dtype, and `cache` (a conversation's, if given)
+    that of the model (`cast_cache`). Cheap when nothing changes; a switch casts the float
+    parameters (the small non-quantized ones on a quantized model; milliseconds on the bundled
+    model) and evaluates them. The casts run on the device's stream (this thread's, see
+    `devices.stream_for`). Returns True when parameters were cast."""
     device = resolve_device(device)
     model.device = device
     if getattr(model, "dtype_override", None) is not None or not hasattr(model, "stored_dtypes"):
-        return False
+        return False  # the dtypes never change, so neither do the cache's
     want = policy_dtype(device)
-    if want == getattr(model, "run_dtype", None):
-        return False
-    if cast_model(model, want):
-        mx.eval(model.parameters())
-        return True
-    return False
+    switched = False
+    with mx.stream(stream_for(device)):
+        if want != getattr(model, "run_dtype", None) and cast_model(model, want):
+            mx.eval(model.parameters())
+            switched = True
+        # Always, not only on a switch: a chat may hand back a snapshot taken before one.
+        if cache is not None and cast_cache(model, cache):
+            mx.eval([a for c in cache for a in getattr(c, "arrays", ())])
+    return switched
 
 
 def load_model(path: Path, config: dict | None = None, dtype: str | None = None,

@@ -17,6 +17,10 @@ from pocket_mlx.errors import PocketError
 SEED_MAX = 2**64 - 1
 
 DEFAULT_MAX_TOKENS = 256
+# Tokens of history the repetition penalty looks back over: mlx-lm's default
+# (`make_logits_processors(repetition_context_size=20)`), so equal settings penalise alike.
+DEFAULT_REPETITION_CONTEXT = 20
+DEFAULT_PREFILL_STEP = 512
 
 
 def _is_number(v) -> bool:
@@ -56,6 +60,21 @@ def check_repetition_penalty(v) -> float:
 def check_max_tokens(v) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"max tokens must be an integer >= 1, got {v!r}")
+    return v
+
+
+def check_repetition_context(v) -> int:
+    # 0 would be worse than useless: tokens[-0:] is the whole history, every token penalised.
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"repetition context must be an integer >= 1 (tokens looked back "
+                         f"over), got {v!r}")
+    return v
+
+
+def check_prefill_step(v) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"prefill step must be an integer >= 1 (prompt tokens per chunk), "
+                         f"got {v!r}")
     return v
 
 

@@ -16,6 +16,8 @@ from functools import partial
 
 import mlx.core as mx
 
+from pocket_mlx.engine.params import DEFAULT_REPETITION_CONTEXT
+
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -78,7 +80,8 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0,
     return sampler
 
 
-def make_repetition_penalty(penalty: float, context_size: int = 20) -> LogitsProcessor:
+def make_repetition_penalty(penalty: float,
+                            context_size: int = DEFAULT_REPETITION_CONTEXT) -> LogitsProcessor:
     """Divide the logits of tokens among the last `context_size` ones by `penalty` (multiply
     the negative ones): CTRL's penalty (arXiv:1909.05858), sign-aware as in mlx-lm."""
 
@@ -93,7 +96,8 @@ def make_repetition_penalty(penalty: float, context_size: int = 20) -> LogitsPro
 
 
 def make_logits_processors(repetition_penalty: float = 1.0,
-                           repetition_context_size: int = 20) -> list[LogitsProcessor]:
+                           repetition_context_size: int = DEFAULT_REPETITION_CONTEXT,
+                           ) -> list[LogitsProcessor]:
     """Processors `(history tokens, logits) -> logits` run before the sampler; none for a
     penalty of 1 (no effect)."""
     if repetition_penalty in (0, 1):

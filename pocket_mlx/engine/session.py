@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pocket_mlx.engine.generation import Response, SamplingParams, context_limit, stream_generate
+from pocket_mlx.engine.loader import use_device
 from pocket_mlx.engine.params import DEFAULT_MAX_TOKENS, check_max_tokens, checked
 from pocket_mlx.engine.prompt_cache import LayerState, PromptCache, capture, restore
 from pocket_mlx.errors import PocketError
@@ -203,6 +204,9 @@ class ChatSession:
         if win.dropped and trimmed:
             trimmed(win.dropped, win.start)
         ids = win.ids
+        # Switch device (casting the cache with the model) before `plan` snapshots the cache:
+        # a regenerate must restore arrays in the dtypes the model now runs in.
+        use_device(self.model, device, self.cache)
         plan = self.plan(ids)
         self.plan_kind = plan.reused
         prog = (lambda done, total: progress(done, total, plan.base + done)) if progress else None

@@ -3,7 +3,8 @@
 Why not mlx-lm's `KVCache` (which this mirrors): importing `mlx_lm.models.cache` runs the
 `mlx_lm` package's `__init__`, which imports `transformers` (~2.3 s), and every generation makes
 a cache. Same growth rule (blocks of `step` positions), same trimming (the chat rewinds to a
-snapshot).
+snapshot). After a device switch the held positions are cast once, with the model, by
+`engine.loader.cast_cache`: no dtype check per token here.
 """
 
 from __future__ import annotations
@@ -24,10 +25,6 @@ class KVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append the new positions; return every position held so far."""
         prev = self.offset
-        if self.keys is not None and self.keys.dtype != keys.dtype:
-            # The model's activation dtype changed (a device switch, see engine.loader):
-            # the held positions follow it, so attention sees one dtype.
-            self.keys, self.values = self.keys.astype(keys.dtype), self.values.astype(values.dtype)
         if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:
             B, heads, n, k_dim = keys.shape
             steps = (self.step + n - 1) // self.step
