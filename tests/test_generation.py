@@ -20,6 +20,20 @@ def tiny():
     return load(ASSET, device="cpu")
 
 
+def mlx_lm_model_as_ours():
+    """Stock mlx-lm's model of the bundled checkpoint under our CPU dtype policy (float32
+    activations, quantized matrices' scales as stored), so both compute the same thing."""
+    from mlx_lm.utils import load_model as lm_load
+
+    lm_model, _ = lm_load(ASSET)
+    flat = dict(tree_flatten(lm_model.parameters()))
+    stored = {k: v.dtype for k, v in flat.items()}
+    lm_model.update(tree_unflatten([
+        (k, v.astype(_cast_dtype(k, v.dtype, v.ndim, stored, mx.float32)))
+        for k, v in flat.items()]))
+    return lm_model
+
+
 @pytest.mark.parametrize("layer_types", [
     ["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"],
     ["linear_attention"] * 3 + ["full_attention"],
@@ -180,7 +194,6 @@ def test_repetition_penalty_replies_as_mlx_lm(tiny, exact_kernels):
     and reads its tail): keeping only the tail changes nothing."""
     from mlx_lm.generate import generate_step as lm_generate_step
     from mlx_lm.sample_utils import make_logits_processors as lm_processors
-    from mlx_lm.utils import load_model as lm_load
 
     model, tok = tiny
     ids = tok.encode("Tell me a fortune.")
@@ -193,12 +206,7 @@ def test_repetition_penalty_replies_as_mlx_lm(tiny, exact_kernels):
                  if r.token is not None]
     finally:
         tok.eos_token_ids = eos
-    lm_model, _ = lm_load(ASSET)
-    flat = dict(tree_flatten(lm_model.parameters()))
-    stored = {k: v.dtype for k, v in flat.items()}
-    lm_model.update(tree_unflatten([
-        (k, v.astype(_cast_dtype(k, v.dtype, v.ndim, stored, mx.float32)))
-        for k, v in flat.items()]))
+    lm_model = mlx_lm_model_as_ours()
     theirs = [int(t) for t, _ in lm_generate_step(
         mx.array(ids), lm_model, max_tokens=24,
         logits_processors=lm_processors(repetition_penalty=4.0, repetition_context_size=4))]
@@ -217,7 +225,6 @@ def test_gpu_request_without_gpu_names_cpu_flag(tiny):
 
 def test_greedy_32_tokens_identical_to_mlx_lm(tiny, exact_kernels):
     from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load_model as lm_load
 
     model, tok = tiny
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me a fortune."}]),
@@ -228,14 +235,7 @@ def test_greedy_32_tokens_identical_to_mlx_lm(tiny, exact_kernels):
         ours = [r.token for r in stream_generate(model, tok, ids, max_tokens=32) if r.token is not None]
     finally:
         tok.eos_token_ids = eos
-    lm_model, _ = lm_load(ASSET)
-    # The same dtype policy on mlx-lm's module tree (float32 activations on the CPU, quantized
-    # matrices' scales as stored), so both compute the same thing.
-    flat = dict(tree_flatten(lm_model.parameters()))
-    stored = {k: v.dtype for k, v in flat.items()}
-    lm_model.update(tree_unflatten([
-        (k, v.astype(_cast_dtype(k, v.dtype, v.ndim, stored, mx.float32)))
-        for k, v in flat.items()]))
+    lm_model = mlx_lm_model_as_ours()
     assert model.run_dtype == "float32"
     theirs = [int(t) for t, _ in generate_step(mx.array(ids), lm_model, max_tokens=32)]
     assert len(ours) == 32 and ours == theirs
