@@ -280,8 +280,9 @@ def test_settings_rejects_bad_values():
     run(scenario)
 
 
-def test_save_quit_resume_same_messages():
-    first = run(lambda app, pilot: _two_turns(app, pilot))
+@pytest.mark.parametrize("prompt_cache_mb", [512, 0], ids=["prompt-cache", "no-prompt-cache"])
+def test_save_quit_resume_same_messages(prompt_cache_mb, home):
+    first = run(lambda app, pilot: _two_turns(app, pilot), prompt_cache_mb=prompt_cache_mb)
     conv = ConversationStore().load(first.conversation.id)
     assert conv.chat_messages() == first.conversation.chat_messages()
     seen = {}
@@ -292,12 +293,21 @@ def test_save_quit_resume_same_messages():
         await send(app, pilot, "Once more")
         seen["prompt_tokens"] = app.last_stats.prompt_tokens
 
-    resumed = run(scenario, conversation=conv, settings=Settings.from_dict(conv.settings))
+    resumed = run(scenario, conversation=conv, settings=Settings.from_dict(conv.settings),
+                  prompt_cache_mb=prompt_cache_mb)
     msgs = first.conversation.messages
     assert seen["replies"] == [m["content"] for m in msgs if m["role"] == "assistant"]
     assert [str(u) for u in seen["users"]] == [m["content"] for m in msgs if m["role"] == "user"]
-    # A resumed conversation starts from an empty cache: the first turn prefills everything.
-    assert seen["prompt_tokens"] > 30
+    cached = list((home / "prompt-cache").rglob("*.safetensors"))
+    if prompt_cache_mb:
+        # The first app wrote each reply's cache to the data folder; the resumed one (a new
+        # engine, as after a restart) continues from it: only the new turn is prefilled.
+        assert cached
+        assert seen["prompt_tokens"] < 20
+    else:
+        # Without the prompt cache the first turn after resuming prefills everything.
+        assert not cached
+        assert seen["prompt_tokens"] > 30
     assert len(ConversationStore().load(conv.id).messages) == 6
     assert resumed.conversation.id == first.conversation.id
 

@@ -32,10 +32,12 @@ from textual.widgets import Footer
 from textual.worker import Worker, get_current_worker
 
 from pocket_mlx import kernels
-from pocket_mlx.engine.conversations import Conversation, ConversationStore, new_id
+from pocket_mlx.engine.conversations import Conversation, ConversationStore, data_dir, new_id
 from pocket_mlx.engine.devices import describe, gpu_available
 from pocket_mlx.engine.generation import GenerationStats
 from pocket_mlx.engine.loader import load
+from pocket_mlx.engine.params import CHAT_PROMPT_CACHE_DISK_BYTES, CHAT_PROMPT_CACHE_MB
+from pocket_mlx.engine.prompt_cache import PromptCache
 from pocket_mlx.engine.session import ChatSession, ContextOverflow, Settings
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system.memory import wired_limit_status
@@ -131,8 +133,12 @@ class ChatApp(App[None]):
     def __init__(self, model: str | None = None, *, device: str = "cpu",
                  settings: Settings | None = None, conversation: Conversation | None = None,
                  store: ConversationStore | None = None, model_name: str | None = None,
-                 path: Path | None = None) -> None:
+                 path: Path | None = None, prompt_cache_mb: int = CHAT_PROMPT_CACHE_MB) -> None:
         super().__init__()
+        # The replies' caches, kept in RAM and written through to the data folder: a resumed
+        # conversation (--resume, ctrl+o) continues from its last reply instead of prefilling
+        # it all again. 0 turns it off.
+        self.prompt_cache_mb = prompt_cache_mb
         self.model_ref = model  # as the user named it: saved with new conversations (--resume)
         # Its folder when the caller resolved it already (cli/chat.py): loaded as is, not
         # resolved (a hub lookup, a synthetic build) a second time.
@@ -235,7 +241,7 @@ class ChatApp(App[None]):
         except Exception as e:  # noqa: BLE001 - any load failure is reported, not a traceback
             self.post_message(ModelFailed(f"{type(e).__name__}: {e}"))
             return
-        session = ChatSession(model, tokenizer)
+        session = ChatSession(model, tokenizer, prompt_cache=self._prompt_cache(model))
         self.post_message(ModelReady(info))
         while not worker.is_cancelled:
             try:
@@ -243,6 +249,16 @@ class ChatApp(App[None]):
             except queue.Empty:
                 continue
             self._run_job(session, job, worker)
+
+    def _prompt_cache(self, model) -> PromptCache | None:
+        if self.prompt_cache_mb <= 0:
+            return None
+        try:
+            return PromptCache(model, self.prompt_cache_mb << 20, data_dir() / "prompt-cache",
+                               disk_bytes=CHAT_PROMPT_CACHE_DISK_BYTES, write_through=True)
+        except (OSError, PocketError) as e:  # a read-only data folder: chat without it
+            self.post_message(EngineNotice(f"prompt cache off: {e}"))
+            return None
 
     def _run_job(self, session: ChatSession, job: Job, worker: Worker) -> None:
         if job.kind == "measure":

@@ -46,6 +46,12 @@ def check_stop(v: str) -> str:
     return check_utf8(v)
 
 
+def check_megabytes(v) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"a size in MiB must be an integer >= 0 (0 = off), got {v!r}")
+    return v
+
+
 def decode_utf8(data: bytes, what: str) -> str:
     """`data` as text, or a ValueError saying where it is not UTF-8."""
     try:
@@ -84,6 +90,7 @@ min_p = _arg_type(float, check_min_p, "a number")
 repetition_penalty = _arg_type(float, check_repetition_penalty, "a number")
 max_tokens = _arg_type(int, check_max_tokens, "an integer")
 seed = _arg_type(int, check_seed, "an integer")
+megabytes = _arg_type(int, check_megabytes, "an integer")
 utf8_text = _arg_type(_same, check_utf8, "text")
 stop_string = _arg_type(_same, check_stop, "text")
 

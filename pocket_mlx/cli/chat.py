@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pocket_mlx.cli import args as argtypes
 from pocket_mlx.cli.args import add_model_args
+from pocket_mlx.engine.params import CHAT_PROMPT_CACHE_MB
 
 if TYPE_CHECKING:
     from pocket_mlx.tui.app import ChatApp
@@ -31,6 +32,11 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="ID", default=None,
                    help="continue a saved conversation (see the open dialog, ctrl+o) "
                         "(default: start a new one)")
+    p.add_argument("--prompt-cache-mb", type=argtypes.megabytes, default=CHAT_PROMPT_CACHE_MB,
+                   metavar="MIB",
+                   help="replies' caches kept in RAM and written to the data folder, so a "
+                        "resumed conversation continues without prefilling it again; 0 = off "
+                        f"(default: {CHAT_PROMPT_CACHE_MB})")
     p.set_defaults(func=run)
     return p
 
@@ -82,4 +88,4 @@ def make_app(args) -> ChatApp:
     # The folder resolved above, so the app does not resolve (or build, or fetch) it again;
     # the ref as given is what new conversations save.
     return ChatApp(model, path=path, device=device, settings=settings, conversation=conv,
-                   store=store, model_name=name)
+                   store=store, model_name=name, prompt_cache_mb=args.prompt_cache_mb)
