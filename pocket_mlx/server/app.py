@@ -160,14 +160,20 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
         t0 = time.perf_counter()
         pieces: list[str] = []
         finished = False
+        checked = time.perf_counter()
         try:
             while True:
                 try:
                     ev = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
                 except TimeoutError:
+                    ev = None
+                # Checked by the clock: while tokens flow, the wait above never times out.
+                if time.perf_counter() - checked >= DISCONNECT_POLL_S:
+                    checked = time.perf_counter()
                     if await request.is_disconnected():
                         log(f"pocket-mlx serve: {where}: the client went away; stopped")
                         return Response(status_code=499)
+                if ev is None:
                     continue
                 if isinstance(ev, Piece):
                     pieces.append(ev.text)
