@@ -285,6 +285,7 @@ BAD = [
     (CHAT, {"messages": MSGS, "frequency_penalty": 0.5}, 400, "frequency_penalty",
      "unsupported_parameter"),
     (CHAT, {"messages": MSGS, "temprature": 0}, 400, "temprature", "unknown_parameter"),
+    (CHAT, {"messages": MSGS, "\udcff": 0}, 400, "\udcff", "unknown_parameter"),
     (CHAT, {"messages": MSGS, "model": "other"}, 404, "model", "model_not_found"),
     (CHAT, {"messages": [{"role": "user", "content": "word " * 3000}]}, 400, None,
      "context_length_exceeded"),
@@ -309,7 +310,8 @@ def test_bad_input_gets_error_object(server, path, body, status, param, code):
     assert e["message"] and "\n" not in e["message"] and "Traceback" not in e["message"]
     assert server.health()["status"] == "ok"  # still serving
     # One line in the server's log names it.
-    line = f"{status} POST {path}: {' '.join(e['message'].split())}"
+    message = " ".join(e["message"].split()).encode("utf-8", "backslashreplace").decode()
+    line = f"{status} POST {path}: {message}"  # stderr writes a lone surrogate as \\udcff
     assert server.log.read_text().count(line) >= 1
 
 

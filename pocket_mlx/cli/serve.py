@@ -185,4 +185,5 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.stop()
         sock.close()
+    print("pocket-mlx serve: stopped", file=sys.stderr, flush=True)
     return 0

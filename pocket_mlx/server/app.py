@@ -51,8 +51,11 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: ApiError) -> Response:
+    """The error object as ASCII JSON: a message may quote the request's own text, lone
+    surrogates included, which UTF-8 cannot encode."""
+    return Response(json.dumps(e.body()), status_code=e.status, headers=e.headers,
+                    media_type="application/json")
 
 
 def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None = None,
@@ -198,7 +201,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
         finished = False
 
         def data(obj: dict) -> str:
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+            return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
         try:
             if req.kind == "chat":
