@@ -375,6 +375,7 @@ def run_serve(*args: str) -> subprocess.CompletedProcess:
     (["--host", "192.168.1.20", "--port", "9"], "--api-key"),
     (["--max-concurrency", "2"], "one request at a time"),
     (["--port", "70000"], "TCP port"),
+    (["--model", "/no/such/model"], "no such model folder"),
 ])
 def test_refusals_exit_2_on_one_line(args, words):
     out = run_serve(*args)
@@ -435,3 +436,66 @@ def test_print_launchd():
     assert plist["EnvironmentVariables"] == {"POCKET_MLX_API_KEY": "k&y<1>"}
     assert plist["RunAtLoad"] is True and plist["KeepAlive"] is True
     assert "launchctl bootstrap gui/" in out.stderr
+
+
+# ---- the prompt-cache plug point, in process ---------------------------------------------------
+
+class OnePrefixCache:
+    """The smallest real PromptCache: keeps the last stored cache and hands it out (once) to a
+    prompt that extends its tokens."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.cache: list | None = None
+        self.stored: list[list[int]] = []
+
+    def fetch(self, tokens):
+        n = len(self.tokens)
+        if self.cache is not None and n < len(tokens) and list(tokens[:n]) == self.tokens:
+            cache, self.cache = self.cache, None
+            return cache, n
+        return None, 0
+
+    def store(self, tokens, cache):
+        self.tokens, self.cache = list(tokens), cache
+        self.stored.append(list(tokens))
+
+
+def test_engine_uses_a_plugged_prompt_cache():
+    import asyncio
+
+    from pocket_mlx.server.engine import Done, Engine, Piece
+    from pocket_mlx.server.openai import GenRequest
+
+    store = OnePrefixCache()
+    engine = Engine(None, "cpu", max_queue=0, prompt_cache=store)
+    engine.start()
+
+    def run(ids: list[int], max_tokens: int) -> tuple[str, Done]:
+        async def go():
+            req = GenRequest(kind="completion", model=None, prompt=ids, max_tokens=max_tokens,
+                             sampling={"temperature": 0.0})
+            job = engine.submit(engine.encode(req), req, asyncio.get_running_loop())
+            text = []
+            while not isinstance(ev := await job.events.get(), Done):
+                assert isinstance(ev, Piece), ev
+                text.append(ev.text)
+            return "".join(text), ev
+
+        return asyncio.run(go())
+
+    try:
+        first = engine.tokenizer.encode("Once upon a time")
+        rest = engine.tokenizer.encode(" there was a king")
+        cold_text, cold = run(first + rest, 8)
+        assert cold.cached_tokens == 0
+        # One reply token: the cache then holds exactly the prompt (the token with no successor
+        # was never fed), stored under those tokens.
+        run(first, 1)
+        assert store.stored[-1] == first
+        warm_text, warm = run(first + rest, 8)
+        assert warm.cached_tokens == len(first) and warm.prompt_tokens == len(first + rest)
+        assert warm_text == cold_text  # only `rest` was prefilled, the reply is the same
+        assert store.cache is not None and store.tokens[:len(first + rest)] == first + rest
+    finally:
+        engine.stop()

@@ -189,23 +189,25 @@ class Engine:
                 self._running += 1
                 self._current = job
             t0 = time.perf_counter()
+            final: Done | Failed
             try:
-                self._run(job)
+                final = self._run(job)
             except PocketError as e:
-                job.emit(Failed(ApiError(400, str(e), code="invalid_value")))
+                final = Failed(ApiError(400, str(e), code="invalid_value"))
             except Exception as e:  # noqa: BLE001 - one request failed, the server goes on
                 self.log(f"pocket-mlx serve: generation failed: {type(e).__name__}: "
                          f"{' '.join(str(e).split())}")
-                job.emit(Failed(ApiError(500, "internal error while generating; see the "
-                                              "server's log", type="server_error",
-                                         code="internal_error")))
-            finally:
-                self._avg_s = 0.8 * self._avg_s + 0.2 * (time.perf_counter() - t0)
-                with self._lock:
-                    job.state = "done"
-                    self._current = None
-                    self._running -= 1
-                    self._admitted -= 1
+                final = Failed(ApiError(500, "internal error while generating; see the "
+                                             "server's log", type="server_error",
+                                        code="internal_error"))
+            self._avg_s = 0.8 * self._avg_s + 0.2 * (time.perf_counter() - t0)
+            # The slot is free before the client hears the end: its next request finds it so.
+            with self._lock:
+                job.state = "done"
+                self._current = None
+                self._running -= 1
+                self._admitted -= 1
+            job.emit(final)
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, request: GenRequest) -> list[int]:
@@ -261,7 +263,8 @@ class Engine:
             return {"active": self._running, "queued": self._admitted - self._running,
                     "max_concurrency": self.max_concurrency, "max_queue": self.max_queue}
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job) -> Done:
+        """Generate `job`'s reply, emitting its pieces; returns the closing event."""
         ids, req = job.ids, job.request
         cache, n_cached = self.prompt_cache.fetch(ids)
         if cache is None or not 0 <= n_cached < len(ids):
@@ -278,7 +281,7 @@ class Engine:
         stats = last.stats
         if last.fed_tokens is not None and stats.finish_reason != "cancelled":
             self.prompt_cache.store(ids[:n_cached] + last.fed_tokens, cache)
-        job.emit(Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached))
+        return Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached)
 
 
 def _utf8(text: str, where: str) -> str:
