@@ -402,6 +402,7 @@ def test_api_key_and_cors(tmp_path):
             status, h, err = s.request("GET", "/v1/models", headers=headers)
             assert status == 401 and err["error"]["code"] == "invalid_api_key"
             assert h["www-authenticate"] == "Bearer"
+        assert s.request("GET", "/metrics")[0] == 401
         good = openai.OpenAI(base_url=s.url, api_key=key, max_retries=0)
         assert [m.id for m in good.models.list().data] == [MODEL]
         bad = openai.OpenAI(base_url=s.url, api_key="nope", max_retries=0)
@@ -497,5 +498,62 @@ def test_engine_uses_a_plugged_prompt_cache():
         assert warm.cached_tokens == len(first) and warm.prompt_tokens == len(first + rest)
         assert warm_text == cold_text  # only `rest` was prefilled, the reply is the same
         assert store.cache is not None and store.tokens[:len(first + rest)] == first + rest
+        m = engine.metrics
+        assert (m.cache_lookups, m.cache_hits, m.cached_tokens) == (3, 1, len(first))
     finally:
         engine.stop()
+
+
+# ---- /metrics --------------------------------------------------------------------------------
+
+def scrape(server: Server) -> dict[str, float]:
+    """GET /metrics, checked line by line against the text format, as {series: value}."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/metrics")
+    r = conn.getresponse()
+    text = r.read().decode()
+    conn.close()
+    assert r.status == 200 and r.getheader("content-type").startswith("text/plain; version=0.0.4")
+    out: dict[str, float] = {}
+    typed: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+            continue
+        if line.startswith("# HELP "):
+            continue
+        series, value = line.rsplit(" ", 1)
+        name = series.split("{")[0]
+        assert name.startswith("pocket_mlx_") and any(name.startswith(t) for t in typed), line
+        out[series] = float(value)
+    return out
+
+
+def test_metrics_count_what_happened(server, client):
+    before = scrape(server)
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=7,
+                                  temperature=0)
+    server.request("POST", "/v1/completions", {"prompt": "x", "n": 3})
+    after = scrape(server)
+
+    def delta(series: str) -> float:
+        return after.get(series, 0) - before.get(series, 0)
+
+    assert delta('pocket_mlx_requests_total{endpoint="/v1/completions",status="200"}') == 1
+    assert delta('pocket_mlx_requests_total{endpoint="/v1/completions",status="400"}') == 1
+    assert delta("pocket_mlx_prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("pocket_mlx_completion_tokens_total") == 7
+    assert delta("pocket_mlx_prompt_cache_lookups_total") == 1
+    assert delta("pocket_mlx_prompt_cache_hits_total") == 0
+    assert delta("pocket_mlx_ttft_seconds_count") == 1
+    assert delta('pocket_mlx_ttft_seconds_bucket{le="+Inf"}') == 1
+    assert delta("pocket_mlx_token_latency_seconds_count") == 6  # 7 tokens, 6 gaps
+    assert after["pocket_mlx_weight_bytes_per_token"] > 0
+    assert after["pocket_mlx_decode_tokens_per_second"] > 0
+    assert after["pocket_mlx_decode_gigabytes_per_second"] == pytest.approx(
+        after["pocket_mlx_weight_bytes_per_token"] * after["pocket_mlx_decode_tokens_per_second"]
+        / 1e9, rel=1e-2, abs=1e-3)
+    assert after["pocket_mlx_active_requests"] == 0 and after["pocket_mlx_queued_requests"] == 0
+    # Buckets are cumulative.
+    buckets = [v for k, v in after.items() if k.startswith("pocket_mlx_token_latency_seconds_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == after["pocket_mlx_token_latency_seconds_count"]

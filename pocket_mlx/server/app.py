@@ -7,8 +7,8 @@ OpenAPI pages on top of the same Starlette; the request checking lives in `serve
 instead, in the shape of OpenAI's own errors, so nothing here needs it. `http.server` would
 mean threads per connection and hand-written chunked streaming.
 
-Endpoints: GET /health (no key needed), GET /v1/models, POST /v1/chat/completions and
-POST /v1/completions (streamed with `"stream": true`). Requests run one at a time on the
+Endpoints: GET /health (no key needed), GET /metrics (Prometheus text), GET /v1/models,
+POST /v1/chat/completions and POST /v1/completions (streamed with `"stream": true`). Requests run one at a time on the
 engine thread (`server/engine.py`); extra requests wait in a bounded queue, then get 429 with
 Retry-After. Every refusal is OpenAI's error object with a 4xx status and one line on stderr;
 anything unexpected is a 500 with a generic message (the details go to the log only).
@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pocket_mlx.server.engine import Busy, Done, Engine, Failed, Job, Piece
@@ -84,17 +84,19 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
             try:
                 if auth:
                     check_key(request)
-                return await handler(request)
+                response = await handler(request)
             except ApiError as e:
                 log(f"pocket-mlx serve: {e.status} {request.method} {request.url.path}: "
                     f"{one_line(e.message)}")
-                return error_response(e)
+                response = error_response(e)
             except Exception as e:  # noqa: BLE001 - never a traceback to the client
                 log(f"pocket-mlx serve: 500 {request.method} {request.url.path}: "
                     f"{type(e).__name__}: {one_line(e)}")
-                return error_response(ApiError(500, "internal server error; see the server's "
-                                                    "log", type="server_error",
-                                               code="internal_error"))
+                response = error_response(ApiError(500, "internal server error; see the "
+                                                        "server's log", type="server_error",
+                                                   code="internal_error"))
+            engine.metrics.request(request.url.path, response.status_code)
+            return response
 
         return endpoint
 
@@ -125,6 +127,11 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": engine.model_id, "device": engine.device,
                              **engine.load()})
+
+    async def metrics(request: Request) -> Response:
+        load = engine.load()
+        return PlainTextResponse(engine.metrics.render(load["active"], load["queued"]),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -253,10 +260,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
                          code="internal_error")
         if status != 500:
             log(f"pocket-mlx serve: {e.status} {request.method} {request.url.path}: {e.message}")
+        engine.metrics.request("other", e.status)
         return error_response(e)
 
     routes = [
         Route("/health", guarded(health, auth=False), methods=["GET"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),

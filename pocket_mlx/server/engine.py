@@ -30,9 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.engine.generation import SamplingParams, context_limit, stream_generate
 from pocket_mlx.engine.loader import load, resolve_model_path
 from pocket_mlx.errors import PocketError
+from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.openai import ApiError, GenRequest
 
 
@@ -140,6 +142,7 @@ class Engine:
         self.context = 0
         self.device = ""
         self.created = int(time.time())
+        self.metrics = Metrics()
 
     # ---- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -176,6 +179,7 @@ class Engine:
             self.model_id = Path(path).name
             self.context = context_limit(self.model)
             self.device = self.model.device
+            self.metrics.bytes_per_token = weight_stats(self.model).bytes_per_token
         except BaseException as e:  # noqa: BLE001 - handed to start(), which raises it
             self._load_error = e
             self._ready.set()
@@ -269,16 +273,26 @@ class Engine:
         cache, n_cached = self.prompt_cache.fetch(ids)
         if cache is None or not 0 <= n_cached < len(ids):
             cache, n_cached = self.model.make_cache(), 0
+        self.metrics.cache_lookup(n_cached)
         sampling = SamplingParams(**req.sampling)
-        last = None
+        last, t_token = None, None
         for r in stream_generate(self.model, self.tokenizer, ids[n_cached:], cache=cache,
                                  max_tokens=req.max_tokens or self.default_max_tokens,
                                  sampling=sampling, stop=req.stop, device=self.device,
                                  should_stop=job.cancelled.is_set, warn=self.log):
+            if r.token is not None:
+                now = time.perf_counter()
+                if t_token is None:
+                    self.metrics.first_token(r.stats.ttft_s)
+                else:
+                    self.metrics.token(now - t_token)
+                t_token = now
             if r.text:
                 job.emit(Piece(r.text))
             last = r
         stats = last.stats
+        self.metrics.reply(len(ids), stats.generation_tokens, stats.generation_tps,
+                           stats.finish_reason == "cancelled")
         if last.fed_tokens is not None and stats.finish_reason != "cancelled":
             self.prompt_cache.store(ids[:n_cached] + last.fed_tokens, cache)
         return Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached)
