@@ -1,5 +1,5 @@
 """`pocket-mlx serve` as a real server process on the bundled model, driven by the official
-`openai` client and by raw HTTP (http.client, sockets) for what a client library would refuse to
+`openai` and `anthropic` clients and by raw HTTP (http.client, sockets) for what a client library would refuse to
 send. One server serves the whole module (--max-queue 0, so a second request while one is
 generating is a 429); a second one checks the API key and CORS."""
 
@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 from conftest import ROOT
@@ -346,10 +347,18 @@ def test_busy_server_answers_429_with_retry_after(server):
     server.wait_idle(within_s=2)
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_stops_generation_and_frees_slot(server, stream):
+# The chat template turns the same prompt into a reply that runs to max_tokens too ("1988, ...").
+LONG_CHAT = {"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 2000,
+             "temperature": 0}
+
+
+@pytest.mark.parametrize("path,body,stream", [
+    ("/v1/completions", LONG, True), ("/v1/completions", LONG, False),
+    (CHAT, LONG_CHAT, True), ("/v1/messages", LONG_CHAT, True),
+    ("/v1/messages", LONG_CHAT, False)])
+def test_disconnect_stops_generation_and_frees_slot(server, path, body, stream):
     log_before = server.log.read_text().count("the client went away; stopped")
-    s = open_stream(server, "/v1/completions", {**LONG, "stream": stream})
+    s = open_stream(server, path, {**body, "stream": stream})
     time.sleep(0.3)  # generating: the whole reply would take ~4.6 s
     assert server.health()["active"] == 1
     t0 = time.monotonic()
@@ -408,6 +417,11 @@ def test_api_key_and_cors(tmp_path):
         bad = openai.OpenAI(base_url=s.url, api_key="nope", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+        # Anthropic's clients send x-api-key; the error is in Anthropic's shape.
+        msg = {"max_tokens": 2, "messages": MSGS}
+        status, _, err = s.request("POST", "/v1/messages", msg, headers={"x-api-key": "nope"})
+        assert status == 401 and err["error"]["type"] == "authentication_error"
+        assert s.request("POST", "/v1/messages", msg, headers={"x-api-key": key})[0] == 200
         status, h, _ = s.request("GET", "/v1/models", headers={
             "Authorization": f"Bearer {key}", "Origin": "http://localhost:3000"})
         assert status == 200 and h["access-control-allow-origin"] == "http://localhost:3000"
@@ -465,19 +479,26 @@ class OnePrefixCache:
 def test_engine_uses_a_plugged_prompt_cache():
     import asyncio
 
-    from pocket_mlx.server.engine import Done, Engine, Piece
+    from pocket_mlx.server.engine import Done, Engine, Piece, Started
     from pocket_mlx.server.openai import GenRequest
 
     store = OnePrefixCache()
     engine = Engine(None, "cpu", max_queue=0, prompt_cache=store)
+
+    def store_hit(ids: list[int]) -> int:
+        n = len(store.tokens)
+        return n if store.cache is not None and n < len(ids) and ids[:n] == store.tokens else 0
+
     engine.start()
 
     def run(ids: list[int], max_tokens: int) -> tuple[str, Done]:
         async def go():
             req = GenRequest(kind="completion", model=None, prompt=ids, max_tokens=max_tokens,
                              sampling={"temperature": 0.0})
+            hit = store_hit(ids)  # before the engine takes the cache
             job = engine.submit(engine.encode(req), req, asyncio.get_running_loop())
             text = []
+            assert await job.events.get() == Started(len(ids), hit)
             while not isinstance(ev := await job.events.get(), Done):
                 assert isinstance(ev, Piece), ev
                 text.append(ev.text)
@@ -557,3 +578,93 @@ def test_metrics_count_what_happened(server, client):
     # Buckets are cumulative.
     buckets = [v for k, v in after.items() if k.startswith("pocket_mlx_token_latency_seconds_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == after["pocket_mlx_token_latency_seconds_count"]
+
+
+# ---- Anthropic's Messages API, through the official client ------------------------------------
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="unused",
+                               max_retries=0, timeout=60)
+
+
+def test_messages_greedy_equals_generate(claude):
+    ref = cli_generate("--prompt", "Hello", "--system", "Be brief.", "--max-tokens", "20",
+                       "--temp", "0")
+    # temperature goes in extra_body: newer anthropic clients dropped the keyword.
+    r = claude.messages.create(model=MODEL, max_tokens=20, system="Be brief.",
+                               messages=[{"role": "user", "content": "Hello"}],
+                               extra_body={"temperature": 0})
+    assert r.type == "message" and r.role == "assistant" and r.model == MODEL
+    assert [b.type for b in r.content] == ["text"] and r.content[0].text == ref["text"]
+    assert r.stop_reason == ("end_turn" if ref["finish_reason"] == "eos" else "max_tokens")
+    assert r.usage.input_tokens == ref["prompt_tokens"]
+    assert r.usage.output_tokens == ref["generation_tokens"]
+    assert r.usage.cache_read_input_tokens == 0
+    # System as blocks, content as blocks: the same prompt.
+    r2 = claude.messages.create(model=MODEL, max_tokens=20,
+                                system=[{"type": "text", "text": "Be brief."}],
+                                messages=[{"role": "user", "content": [
+                                    {"type": "text", "text": "Hel"},
+                                    {"type": "text", "text": "lo"}]}],
+                                extra_body={"temperature": 0})
+    assert r2.content[0].text == ref["text"]
+
+
+def test_messages_stream_and_stop_sequence(claude):
+    with claude.messages.stream(model=MODEL, max_tokens=20,
+                                messages=[{"role": "user", "content": "Hello"}],
+                                stop_sequences=["never-there", " and"],
+                                extra_body={"temperature": 0}) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(pieces) > 2 and "".join(pieces) == "Go down,"
+    assert final.content[0].text == "Go down,"
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == " and"
+    assert final.usage.output_tokens == 5 and final.usage.input_tokens > 0
+    with claude.messages.stream(model=MODEL, max_tokens=3, extra_body={"temperature": 0},
+                                messages=[{"role": "user", "content": "Hello"}]) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 3
+
+
+MSG = "/v1/messages"
+BAD_MESSAGES = [
+    # (body, status, Anthropic error type)
+    ({"messages": MSGS}, 400, "invalid_request_error"),  # no max_tokens
+    ({"max_tokens": 5}, 400, "invalid_request_error"),
+    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400,
+     "invalid_request_error"),
+    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": "x"}]}, 400,
+     "invalid_request_error"),  # prefill
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {}}]}]}, 400, "invalid_request_error"),
+    ({"max_tokens": 5, "messages": MSGS, "tools": [{"name": "f", "input_schema": {}}]}, 400,
+     "invalid_request_error"),
+    ({"max_tokens": 5, "messages": MSGS, "thinking": {"type": "enabled"}}, 400,
+     "invalid_request_error"),
+    ({"max_tokens": 5, "messages": MSGS, "speed": "fast"}, 400, "invalid_request_error"),
+    ({"max_tokens": 5, "messages": MSGS, "temperature": "hot"}, 400, "invalid_request_error"),
+    ({"max_tokens": 5, "messages": MSGS, "stop_sequences": "x"}, 400, "invalid_request_error"),
+    ({"max_tokens": 5, "messages": MSGS, "bogus": 1}, 400, "invalid_request_error"),
+    ({"max_tokens": 5, "messages": MSGS, "model": "claude-x"}, 404, "not_found_error"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "word " * 3000}]}, 400,
+     "invalid_request_error"),
+]
+
+
+@pytest.mark.parametrize("body,status,kind", BAD_MESSAGES,
+                         ids=[str(i) for i in range(len(BAD_MESSAGES))])
+def test_messages_bad_input_gets_anthropic_error(server, body, status, kind):
+    got, _, err = server.request("POST", MSG, body)
+    assert got == status, err
+    assert err["type"] == "error" and set(err["error"]) == {"type", "message"}
+    assert err["error"]["type"] == kind and err["error"]["message"]
+    assert server.health()["status"] == "ok"
+
+
+def test_messages_harmless_fields_are_accepted(server):
+    status, _, r = server.request("POST", MSG, {
+        "max_tokens": 3, "messages": MSGS, "temperature": 0, "metadata": {"user_id": "u"},
+        "cache_control": {"type": "ephemeral"}, "service_tier": "auto", "speed": "standard"})
+    assert status == 200 and r["usage"]["output_tokens"] <= 3

@@ -68,11 +68,20 @@ class Piece:
 
 
 @dataclass
+class Started:
+    """Generation began: the prompt's size and how much of it the prompt cache supplied."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
 class Done:
     finish_reason: str | None  # the engine's: eos, stop, length, context, cancelled
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    stop_string: str | None = None  # which stop string ended it (finish_reason "stop")
 
 
 @dataclass
@@ -98,7 +107,7 @@ class Job:
         self.cancelled = threading.Event()
         self.state = "queued"  # queued | running | done | dropped (guarded by engine._lock)
 
-    def emit(self, event: Piece | Done | Failed) -> None:
+    def emit(self, event: Started | Piece | Done | Failed) -> None:
         """From the engine thread: hand `event` to the request's coroutine."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -274,6 +283,7 @@ class Engine:
         if cache is None or not 0 <= n_cached < len(ids):
             cache, n_cached = self.model.make_cache(), 0
         self.metrics.cache_lookup(n_cached)
+        job.emit(Started(len(ids), n_cached))
         sampling = SamplingParams(**req.sampling)
         last, t_token = None, None
         for r in stream_generate(self.model, self.tokenizer, ids[n_cached:], cache=cache,
@@ -295,7 +305,8 @@ class Engine:
                            stats.finish_reason == "cancelled")
         if last.fed_tokens is not None and stats.finish_reason != "cancelled":
             self.prompt_cache.store(ids[:n_cached] + last.fed_tokens, cache)
-        return Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached)
+        return Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached,
+                    stats.stop_string)
 
 
 def _utf8(text: str, where: str) -> str:

@@ -80,7 +80,7 @@ def _unsupported(name: str, why: str) -> ApiError:
                     code="unsupported_parameter")
 
 
-def _checked(body: dict, name: str, check: Callable):
+def checked_field(body: dict, name: str, check: Callable):
     """`body[name]` through `check` (engine/params.py), None when absent or null."""
     v = body.get(name)
     if v is None:
@@ -150,15 +150,15 @@ def _common(body: dict, kind: str) -> GenRequest:
     if any(s == "" for s in stops):
         raise ApiError(400, "stop: an empty stop string would match everywhere", param="stop",
                        code="invalid_value")
-    temperature = _checked(body, "temperature", check_temperature)
+    temperature = checked_field(body, "temperature", check_temperature)
     sampling = {"temperature": DEFAULT_TEMPERATURE if temperature is None else temperature}
     for name, check in (("top_p", check_top_p), ("top_k", check_top_k), ("min_p", check_min_p),
                         ("repetition_penalty", check_repetition_penalty),
                         ("seed", check_seed)):
-        v = _checked(body, name, check)
+        v = checked_field(body, name, check)
         if v is not None:
             sampling[name] = v
-    return GenRequest(kind=kind, model=model, max_tokens=_checked(body, "max_tokens",
+    return GenRequest(kind=kind, model=model, max_tokens=checked_field(body, "max_tokens",
                                                                   check_max_tokens),
                       sampling=sampling, stop=stops, stream=stream, include_usage=include_usage)
 
@@ -208,7 +208,7 @@ def parse_chat(body: dict) -> GenRequest:
         if body.get(name) is not None:
             raise _unsupported(name, "this model has no such setting")
     req = _common(body, "chat")
-    mct = _checked(body, "max_completion_tokens", check_max_tokens)
+    mct = checked_field(body, "max_completion_tokens", check_max_tokens)
     if mct is not None:
         if req.max_tokens is not None and req.max_tokens != mct:
             raise ApiError(400, f"max_tokens ({req.max_tokens}) and max_completion_tokens "
