@@ -668,3 +668,48 @@ def test_messages_harmless_fields_are_accepted(server):
         "max_tokens": 3, "messages": MSGS, "temperature": 0, "metadata": {"user_id": "u"},
         "cache_control": {"type": "ephemeral"}, "service_tier": "auto", "speed": "standard"})
     assert status == 200 and r["usage"]["output_tokens"] <= 3
+
+
+# ---- many clients at once, and many requests in a row ------------------------------------------
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (`ps` reports KiB on Linux and macOS alike)."""
+    out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True,
+                         check=True)
+    return int(out.stdout.split()[0]) * 1024
+
+
+def test_concurrent_streams_match_sequential_and_memory_stays_flat(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = Server(tmp_path / "serve.log", "--max-queue", "8")
+    try:
+        c = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
+        prompts = [f"Tell me about {w}" for w in ("cats", "ships", "kings", "bread", "rain",
+                                                   "gold", "fire", "wine")]
+
+        def stream(prompt: str) -> str:
+            chunks = c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=40,
+                temperature=0, stream=True)
+            return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+        with ThreadPoolExecutor(8) as pool:  # 1 generating + 7 queued: none refused
+            together = list(pool.map(stream, prompts))
+        alone = [stream(p) for p in prompts]
+        assert together == alone and len(set(alone)) > 1
+
+        def burst(n: int) -> None:
+            for i in range(n):
+                r = c.completions.create(model=MODEL, prompt=f"Once upon a time {i}",
+                                         max_tokens=6, temperature=0)
+                assert r.usage.completion_tokens >= 1
+
+        burst(20)  # warm: MLX's buffer cache and Python's allocator settle
+        before = rss_bytes(s.proc.pid)
+        burst(200)
+        grown = rss_bytes(s.proc.pid) - before
+        assert grown < 20 * 2**20, f"RSS grew {grown / 2**20:.1f} MiB over 200 requests"
+        assert s.health()["active"] == 0
+    finally:
+        s.stop()
