@@ -713,3 +713,58 @@ def test_concurrent_streams_match_sequential_and_memory_stays_flat(tmp_path):
         assert s.health()["active"] == 0
     finally:
         s.stop()
+
+
+# ---- an unexpected failure: 500 with a generic message, one log line, still serving ------------
+
+class BrokenOnceCache:
+    """A prompt-cache store with a bug that shows on its first lookup only."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def fetch(self, tokens):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("store index corrupt\nsecond line")
+        return None, 0
+
+    def store(self, tokens, cache):
+        return None
+
+
+def test_unexpected_failure_is_a_generic_500_and_the_server_goes_on():
+    import threading
+
+    import uvicorn
+
+    from pocket_mlx.server.app import create_app
+    from pocket_mlx.server.engine import Engine
+
+    lines: list[str] = []
+    engine = Engine(None, "cpu", max_queue=0, prompt_cache=BrokenOnceCache(), log=lines.append)
+    engine.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, log=lines.append), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=MODEL, prompt="Once", max_tokens=3, temperature=0)
+        err = e.value.body
+        assert e.value.status_code == 500 and err["type"] == "server_error"
+        assert "corrupt" not in err["message"] and "Traceback" not in err["message"]
+        failed = [ln for ln in lines if "RuntimeError" in ln]
+        assert len(failed) == 1 and "store index corrupt second line" in failed[0]
+        # The next request is served.
+        r = c.completions.create(model=MODEL, prompt="Once", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.stop()
