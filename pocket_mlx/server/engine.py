@@ -238,10 +238,11 @@ class Engine:
                 ids = tok.encode(_utf8(request.prompt, "prompt"))
             else:
                 ids = list(request.prompt or [])
-                if any(t >= tok.vocab_size for t in ids):
+                # Both bounds: an id past the model's embedding table would read out of it.
+                vocab = min(tok.vocab_size, int(self.model.args.vocab_size))
+                if any(t >= vocab for t in ids):
                     raise ApiError(400, f"prompt: token ids must be below the vocabulary size "
-                                        f"{tok.vocab_size}", param="prompt",
-                                   code="invalid_value")
+                                        f"{vocab}", param="prompt", code="invalid_value")
         except PocketError as e:  # the chat template refused the conversation
             raise ApiError(400, str(e), param="messages", code="invalid_value") from None
         if not ids:
@@ -303,7 +304,9 @@ class Engine:
         stats = last.stats
         self.metrics.reply(len(ids), stats.generation_tokens, stats.generation_tps,
                            stats.finish_reason == "cancelled")
-        if last.fed_tokens is not None and stats.finish_reason != "cancelled":
+        # fed_tokens is None only when the cache was left part-way (cancelled in prefill); a
+        # reply cancelled while decoding still leaves a cache worth keeping for a retry.
+        if last.fed_tokens is not None:
             self.prompt_cache.store(ids[:n_cached] + last.fed_tokens, cache)
         return Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached,
                     stats.stop_string)
