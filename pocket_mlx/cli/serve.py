@@ -101,7 +101,8 @@ def bind(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise PocketError(f"--host {host}: cannot resolve it ({e.strerror})") from None
-    family, _, _, _, addr = infos[0]
+    # IPv4 first: "localhost" often resolves to ::1 first, which 127.0.0.1 clients cannot reach.
+    family, _, _, _, addr = sorted(infos, key=lambda i: i[0] != socket.AF_INET)[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -180,8 +181,13 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: Ctrl-C comes
+    # back as KeyboardInterrupt (a normal stop here), SIGTERM ends the process as the signal's
+    # default does.
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
     finally:
         engine.stop()
         sock.close()
