@@ -93,6 +93,7 @@ class GenerationStats:
     phase: str = "prefill"  # prefill | decode | done
     prefill_done: int = 0
     finish_reason: str | None = None  # eos | stop | length | context | cancelled
+    stop_string: str | None = None  # the stop string that ended the reply (finish_reason stop)
 
     @property
     def gbps(self) -> float:
@@ -325,7 +326,7 @@ def stream_generate(
             if n > 1:
                 stats.generation_tps = (n - 1) / (time.perf_counter() - t_decode)
             if stopped:
-                stats.finish_reason = "stop"
+                stats.finish_reason, stats.stop_string = "stop", text.hit
                 if piece:
                     yield Response(piece, token, stats)
                 break
@@ -357,12 +358,14 @@ class _StopText:
         self.detok = tokenizer.detokenizer()
         self.stops = stops
         self.pending = ""  # decoded text held back because it might start a stop string
+        self.hit: str | None = None  # the stop string found, once one is
 
     def add(self, token: int) -> tuple[str, bool]:
         """(piece to show, whether a stop string hit: then the piece is the text before it)."""
         self.pending += self.detok.add(token)
         hit = next((s for s in self.stops if s in self.pending), None)
         if hit is not None:
+            self.hit = hit
             return self.pending[: self.pending.index(hit)], True
         hold = _stop_holdback(self.pending, self.stops) if self.stops else 0
         cut = len(self.pending) - hold

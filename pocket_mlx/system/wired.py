@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from xml.sax.saxutils import escape
 
 from pocket_mlx.config import (
     checkpoint_dtype,
@@ -157,19 +158,38 @@ def describe_limit(key: WiredKey, raw: int | None) -> str:
 
 def launchd_plist(key: WiredKey, mb: int) -> str:
     """A LaunchDaemon that re-applies the limit at every boot (printed, never installed)."""
+    return launchd_job_plist(LAUNCHD_LABEL, ["/usr/sbin/sysctl", f"{key.name}={key.from_mb(mb)}"],
+                             RunAtLoad=True)
+
+
+def launchd_job_plist(label: str, argv: list[str], **keys: str | bool | list | dict) -> str:
+    """A launchd job's plist: `Label`, `ProgramArguments` and the other `keys` in order (strings,
+    booleans, lists, dicts of them), strings XML-escaped. Shared by `wired --print-launchd` (a
+    LaunchDaemon) and `serve --print-launchd` (a LaunchAgent)."""
+
+    def value(v: str | bool | list | dict, pad: str) -> list[str]:
+        if isinstance(v, bool):
+            return [f"{pad}<{'true' if v else 'false'}/>"]
+        if isinstance(v, list):
+            return [f"{pad}<array>", *(x for item in v for x in value(item, pad + "    ")),
+                    f"{pad}</array>"]
+        if isinstance(v, dict):
+            return [f"{pad}<dict>", *entries(v, pad + "    "), f"{pad}</dict>"]
+        return [f"{pad}<string>{escape(v)}</string>"]
+
+    def entries(d: dict, pad: str) -> list[str]:
+        out = []
+        for name, v in d.items():
+            out.append(f"{pad}<key>{escape(name)}</key>")
+            out.extend(value(v, pad))
+        return out
+
+    body = "\n".join(entries({"Label": label, "ProgramArguments": argv, **keys}, "    "))
     return f"""<?xml version="1.0" encoding="UTF-8"?>
 <!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
 <plist version="1.0">
 <dict>
-    <key>Label</key>
-    <string>{LAUNCHD_LABEL}</string>
-    <key>ProgramArguments</key>
-    <array>
-        <string>/usr/sbin/sysctl</string>
-        <string>{key.name}={key.from_mb(mb)}</string>
-    </array>
-    <key>RunAtLoad</key>
-    <true/>
+{body}
 </dict>
 </plist>
 """

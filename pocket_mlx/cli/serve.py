@@ -1,0 +1,195 @@
+"""`pocket-mlx serve`: an OpenAI-compatible HTTP server for one model (server/app.py).
+
+Binds 127.0.0.1 by default; any other address needs --api-key, since the endpoints run code
+on this machine's CPU/GPU for whoever can reach them. `--print-launchd` prints a LaunchAgent
+that starts the same command at login and restarts it if it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+from pathlib import Path
+
+from pocket_mlx.cli import args as argtypes
+from pocket_mlx.cli.args import add_model_args
+from pocket_mlx.errors import PocketError
+
+LAUNCHD_LABEL = "com.pocket-mlx.serve"
+DEFAULT_MAX_TOKENS = 512  # mlx_lm.server's default reply cap when a request names none
+
+
+def register(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve one model over HTTP: GET /health, GET /v1/models, "
+                    "POST /v1/chat/completions and POST /v1/completions (streaming or not), "
+                    "as OpenAI's API. One request generates at a time; others wait in a queue.")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; anything but loopback requires --api-key")
+    p.add_argument("--port", type=_port, default=8080, help="TCP port")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $POCKET_MLX_API_KEY, else no key: loopback only)")
+    p.add_argument("--max-concurrency", type=_positive, default=1, metavar="N",
+                   help="requests generating at once (this version: 1; batched decode is later)")
+    p.add_argument("--max-queue", type=_non_negative, default=8, metavar="N",
+                   help="requests waiting for a slot; beyond it: 429 with Retry-After")
+    p.add_argument("--max-tokens", type=argtypes.max_tokens, default=DEFAULT_MAX_TOKENS,
+                   metavar="N", help="reply cap for requests that give no max_tokens")
+    p.add_argument("--cors", default=None, metavar="ORIGIN",
+                   help="allow browser pages from ORIGIN (e.g. http://localhost:3000, or *) to "
+                        "call the API (default: no CORS headers)")
+    p.add_argument("--max-body-mb", type=_positive, default=8, metavar="MB",
+                   help="largest request body in MiB; larger ones get 413")
+    p.add_argument("--print-launchd", action="store_true",
+                   help="print a LaunchAgent plist that runs this server at login (never "
+                        "installs it)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _int_arg(check, what: str):
+    def convert(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not check(v):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
+        return v
+
+    return convert
+
+
+_port = _int_arg(lambda v: 1 <= v <= 65535, "a TCP port from 1 to 65535")
+_positive = _int_arg(lambda v: v >= 1, "1 or more")
+_non_negative = _int_arg(lambda v: v >= 0, "0 or more")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refusals that need no model: one line, exit 2."""
+    if not is_loopback(args.host) and not args.api_key:
+        raise PocketError(f"--host {args.host} accepts connections from other machines: also "
+                          "pass --api-key KEY (or set POCKET_MLX_API_KEY), or keep the default "
+                          "--host 127.0.0.1")
+    if args.api_key is not None and not args.api_key.strip():
+        raise PocketError("--api-key is empty; pass a non-empty key")
+    if args.max_concurrency != 1:
+        raise PocketError(f"--max-concurrency {args.max_concurrency}: this version generates "
+                          "one request at a time (batched decode is not built yet); use 1, and "
+                          "--max-queue for the requests that wait")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so a taken port fails at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise PocketError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    # IPv4 first: "localhost" often resolves to ::1 first, which 127.0.0.1 clients cannot reach.
+    family, _, _, _, addr = sorted(infos, key=lambda i: i[0] != socket.AF_INET)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise PocketError(f"cannot listen on {host}:{port}: {e.strerror}; pick another "
+                          "--port (or stop what uses it)") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def launchd_argv(args: argparse.Namespace) -> list[str]:
+    """This server's command line for launchd: absolute paths, no --print-launchd."""
+    argv = [sys.executable, "-m", "pocket_mlx", "serve"]
+    if args.model:
+        local = Path(args.model).expanduser()
+        argv += ["--model", str(local.resolve()) if local.exists() else args.model]
+    if args.device:
+        argv += ["--device", args.device]
+    argv += ["--host", args.host, "--port", str(args.port), "--max-queue", str(args.max_queue),
+             "--max-tokens", str(args.max_tokens), "--max-body-mb", str(args.max_body_mb)]
+    if args.cors:
+        argv += ["--cors", args.cors]
+    return argv
+
+
+def print_launchd(args: argparse.Namespace) -> int:
+    from pocket_mlx.system.wired import launchd_job_plist
+
+    log = str(Path.home() / "Library" / "Logs" / "pocket-mlx-serve.log")
+    keys: dict = {"RunAtLoad": True, "KeepAlive": True, "StandardOutPath": log,
+                  "StandardErrorPath": log}
+    if args.api_key:
+        # In the environment, not in ProgramArguments: `ps` shows arguments to every user.
+        keys["EnvironmentVariables"] = {"POCKET_MLX_API_KEY": args.api_key}
+    plist = launchd_job_plist(LAUNCHD_LABEL, launchd_argv(args), **keys)
+    print(plist.rstrip("\n"))
+    path = f"~/Library/LaunchAgents/{LAUNCHD_LABEL}.plist"
+    print(f"""To install (starts the server at login, restarts it if it stops):
+  pocket-mlx serve ... --print-launchd > {LAUNCHD_LABEL}.plist
+  cp {LAUNCHD_LABEL}.plist {path}{'  &&  chmod 600 ' + path if args.api_key else ''}
+  launchctl bootstrap gui/$(id -u) {path}
+Log: {log}
+To remove:
+  launchctl bootout gui/$(id -u)/{LAUNCHD_LABEL}
+  rm {path}""", file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.api_key is None:
+        args.api_key = os.environ.get("POCKET_MLX_API_KEY") or None
+    check_args(args)
+    if args.print_launchd:
+        return print_launchd(args)
+    # The server stack and MLX are imported here, not at the top: see cli/main.py (every
+    # command's parser is built at each start).
+    import uvicorn
+
+    from pocket_mlx.server.app import create_app
+    from pocket_mlx.server.engine import Engine
+
+    sock = bind(args.host, args.port)
+    engine = Engine(args.model, args.device, max_concurrency=args.max_concurrency,
+                    max_queue=args.max_queue, default_max_tokens=args.max_tokens)
+    engine.start()
+    app = create_app(engine, api_key=args.api_key, cors=args.cors,
+                     max_body=args.max_body_mb * 2**20)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"pocket-mlx serve: {engine.model_id} on {engine.device}, context {engine.context} "
+          f"tokens; listening on http://{host}:{args.port}/v1 "
+          f"({'API key required' if args.api_key else 'no API key'})",
+          file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: Ctrl-C comes
+    # back as KeyboardInterrupt (a normal stop here), SIGTERM ends the process as the signal's
+    # default does.
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.stop()
+        sock.close()
+    print("pocket-mlx serve: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,342 @@
+"""The HTTP face of `pocket-mlx serve`: an ASGI app with OpenAI's endpoints.
+
+Why Starlette under uvicorn: a small, standard ASGI stack (two pure-Python packages, no code
+generation), whose `StreamingResponse` sends server-sent events and cancels the stream when the
+client goes away, which is what stops a generation early. FastAPI would add pydantic models and
+OpenAPI pages on top of the same Starlette; the request checking lives in `server/openai.py`
+instead, in the shape of OpenAI's own errors, so nothing here needs it. `http.server` would
+mean threads per connection and hand-written chunked streaming.
+
+Endpoints: GET /health (no key needed), GET /metrics (Prometheus text), GET /v1/models,
+POST /v1/chat/completions and POST /v1/completions (streamed with `"stream": true`), and
+Anthropic's POST /v1/messages (server/anthropic.py). Requests run one at a time on the
+engine thread (`server/engine.py`); extra requests wait in a bounded queue, then get 429 with
+Retry-After. Every refusal is OpenAI's error object with a 4xx status and one line on stderr;
+anything unexpected is a 500 with a generic message (the details go to the log only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pocket_mlx.server import anthropic
+from pocket_mlx.server.engine import Busy, Done, Engine, Failed, Job, Piece, Started
+from pocket_mlx.server.openai import (
+    ApiError,
+    GenRequest,
+    Reply,
+    finish_reason,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+
+DEFAULT_MAX_BODY = 8 * 2**20  # bytes; a 2,000-token prompt is ~10 kB of JSON
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def error_response(e: ApiError) -> Response:
+    """The error object as ASCII JSON: a message may quote the request's own text, lone
+    surrogates included, which UTF-8 cannot encode."""
+    return Response(json.dumps(e.body()), status_code=e.status, headers=e.headers,
+                    media_type="application/json")
+
+
+def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None = None,
+               max_body: int = DEFAULT_MAX_BODY,
+               log: Callable[[str], object] | None = None) -> Starlette:
+    """The ASGI app serving `engine`'s model. `api_key`: Bearer key required on every endpoint
+    but /health; `cors`: the one origin allowed to call from a browser (None: no CORS)."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    key = api_key.encode("utf-8") if api_key else None
+
+    def check_key(request: Request) -> None:
+        """The Bearer key (OpenAI's clients), or `x-api-key` (Anthropic's)."""
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            given = request.headers.get("x-api-key", "")
+        # compare_digest: the time taken does not tell how much of the key matched.
+        if not hmac.compare_digest(given.strip().encode("utf-8"), key):
+            raise ApiError(401, "invalid or missing API key: send Authorization: Bearer KEY "
+                                "(or x-api-key: KEY)",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def guarded(handler: Callable[[Request], Awaitable[Response]], *, auth: bool = True,
+                errors: Callable[[ApiError], dict] = ApiError.body):
+        """`handler` with the key check, and every failure as an error object (shaped by
+        `errors`: OpenAI's by default) plus one log line."""
+
+        def refuse(e: ApiError) -> Response:
+            return Response(json.dumps(errors(e)), status_code=e.status, headers=e.headers,
+                            media_type="application/json")
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                if auth:
+                    check_key(request)
+                response = await handler(request)
+            except ApiError as e:
+                log(f"pocket-mlx serve: {e.status} {request.method} {request.url.path}: "
+                    f"{one_line(e.message)}")
+                response = refuse(e)
+            except Exception as e:  # noqa: BLE001 - never a traceback to the client
+                log(f"pocket-mlx serve: 500 {request.method} {request.url.path}: "
+                    f"{type(e).__name__}: {one_line(e)}")
+                response = refuse(ApiError(500, "internal server error; see the server's log",
+                                           type="server_error", code="internal_error"))
+            engine.metrics.request(request.url.path, response.status_code)
+            return response
+
+        return endpoint
+
+    async def read_json(request: Request) -> dict:
+        length = request.headers.get("content-length", "")
+        body = bytearray()
+        over = length.isdigit() and int(length) > max_body
+        async for chunk in request.stream():
+            # Past the limit the rest is read and dropped, so the client sees the 413 and not
+            # a connection reset.
+            if not over and len(body) + len(chunk) > max_body:
+                over, body = True, bytearray()
+            if not over:
+                body += chunk
+        if over:
+            raise ApiError(413, f"request body over {max_body} bytes", code="body_too_large")
+        try:
+            data = json.loads(body)
+        except UnicodeDecodeError as e:
+            raise ApiError(400, f"the body is not UTF-8 (byte {e.start})",
+                           code="invalid_json") from None
+        except ValueError as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        return data
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": engine.model_id, "device": engine.device,
+                             **engine.load()})
+
+    async def metrics(request: Request) -> Response:
+        load = engine.load()
+        return PlainTextResponse(engine.metrics.render(load["active"], load["queued"]),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": engine.model_id, "object": "model", "created": engine.created,
+            "owned_by": "pocket-mlx", "context_length": engine.context}]})
+
+    async def admit(request: Request, req: GenRequest) -> Job:
+        """The checked request's model, prompt and slot: a queued job, or an ApiError."""
+        if req.model is not None and req.model != engine.model_id:
+            raise ApiError(404, f"the model {req.model!r} does not exist here; this server "
+                                f"serves {engine.model_id!r} (GET /v1/models)", param="model",
+                           code="model_not_found")
+        ids = await run_in_threadpool(engine.encode, req)
+        try:
+            return engine.submit(ids, req, asyncio.get_running_loop())
+        except Busy as b:
+            raise ApiError(429, "the server is busy: every slot and queue place is taken; "
+                                "retry later", type="rate_limit_error",
+                           code="rate_limit_exceeded",
+                           headers={"Retry-After": str(b.retry_after)}) from None
+
+    def where(request: Request, req: GenRequest) -> str:
+        return f"{request.method} {request.url.path}{' (stream)' if req.stream else ''}"
+
+    def done_line(where: str, ev: Done, t0: float) -> str:
+        return (f"pocket-mlx serve: 200 {where}: {ev.prompt_tokens} prompt tokens "
+                f"({ev.cached_tokens} cached), {ev.completion_tokens} completion tokens, "
+                f"{ev.finish_reason}, {time.perf_counter() - t0:.2f} s")
+
+    async def collect(request: Request, job: Job, where: str) -> tuple[str, Done] | None:
+        """The whole reply and its closing event; None when the client went away first."""
+        t0 = time.perf_counter()
+        pieces: list[str] = []
+        finished = False
+        checked = time.perf_counter()
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    ev = None
+                # Checked by the clock: while tokens flow, the wait above never times out.
+                if time.perf_counter() - checked >= DISCONNECT_POLL_S:
+                    checked = time.perf_counter()
+                    if await request.is_disconnected():
+                        log(f"pocket-mlx serve: {where}: the client went away; stopped")
+                        return None
+                if isinstance(ev, Piece):
+                    pieces.append(ev.text)
+                elif isinstance(ev, Failed):
+                    finished = True
+                    raise ev.error
+                elif isinstance(ev, Done):
+                    finished = True
+                    log(done_line(where, ev, t0))
+                    return "".join(pieces), ev
+        finally:
+            if not finished:
+                job.cancel()
+
+    async def events(job: Job, where: str) -> AsyncIterator[Started | Piece | Done | Failed]:
+        """The job's events up to its end, for a stream. When the client disconnects,
+        Starlette cancels the response's iteration at its `await`: `finally` then cancels the
+        job, which stops within one token."""
+        t0 = time.perf_counter()
+        finished = False
+        try:
+            while True:
+                ev = await job.events.get()
+                if isinstance(ev, Failed):
+                    finished = True
+                    log(f"pocket-mlx serve: {ev.error.status} {where}: "
+                        f"{one_line(ev.error.message)}")
+                elif isinstance(ev, Done):
+                    finished = True
+                    log(done_line(where, ev, t0))
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                job.cancel()
+                log(f"pocket-mlx serve: {where}: the client went away; stopped")
+
+    def sse(stream: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(stream, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def data(obj: dict) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    async def openai_endpoint(request: Request, parse: Callable[[dict], GenRequest]) -> Response:
+        req = parse(await read_json(request))
+        job = await admit(request, req)
+        reply = Reply(req.kind, engine.model_id)
+        if not req.stream:
+            got = await collect(request, job, where(request, req))
+            if got is None:
+                return Response(status_code=499)
+            text, ev = got
+            return JSONResponse(reply.full(text, finish_reason(ev.finish_reason),
+                                           usage(ev.prompt_tokens, ev.completion_tokens,
+                                                 ev.cached_tokens)))
+
+        async def stream() -> AsyncIterator[str]:
+            """OpenAI's chunks; `data: [DONE]` ends them."""
+            inc = req.include_usage
+            if req.kind == "chat":
+                yield data(reply.chunk(role=True, with_usage=inc))
+            async for ev in events(job, where(request, req)):
+                if isinstance(ev, Piece):
+                    yield data(reply.chunk(ev.text, with_usage=inc))
+                elif isinstance(ev, Failed):
+                    yield data(ev.error.body())
+                elif isinstance(ev, Done):
+                    yield data(reply.chunk(None, finish_reason(ev.finish_reason),
+                                           with_usage=inc))
+                    if inc:
+                        yield data(reply.usage_chunk(usage(ev.prompt_tokens, ev.completion_tokens,
+                                                           ev.cached_tokens)))
+                    yield "data: [DONE]\n\n"
+
+        return sse(stream())
+
+    async def anthropic_endpoint(request: Request) -> Response:
+        req = anthropic.parse_messages(await read_json(request))
+        job = await admit(request, req)
+        msg = anthropic.Message(engine.model_id)
+        if not req.stream:
+            got = await collect(request, job, where(request, req))
+            if got is None:
+                return Response(status_code=499)
+            text, ev = got
+            return JSONResponse(msg.full(text, ev.finish_reason, ev.stop_string, msg.usage(
+                ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)))
+
+        def event(name: str, obj: dict) -> str:
+            return f"event: {name}\n{data(obj)}"
+
+        async def stream() -> AsyncIterator[str]:
+            """Anthropic's events: message_start, content_block_start, ping, the deltas,
+            content_block_stop, message_delta (stop reason, output tokens), message_stop."""
+            async for ev in events(job, where(request, req)):
+                if isinstance(ev, Started):
+                    for name, obj in msg.start(msg.usage(ev.prompt_tokens, ev.cached_tokens, 0)):
+                        yield event(name, obj)
+                elif isinstance(ev, Piece):
+                    yield event(*msg.delta(ev.text))
+                elif isinstance(ev, Failed):
+                    yield event("error", anthropic.error_body(ev.error))
+                elif isinstance(ev, Done):
+                    for name, obj in msg.end(ev.finish_reason, ev.stop_string,
+                                             {"output_tokens": ev.completion_tokens}):
+                        yield event(name, obj)
+
+        return sse(stream())
+
+    async def chat(request: Request) -> Response:
+        return await openai_endpoint(request, parse_chat)
+
+    async def completions(request: Request) -> Response:
+        return await openai_endpoint(request, parse_completion)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        if status == 404:
+            e = ApiError(404, f"no such endpoint: {request.url.path}", code="not_found")
+        elif status == 405:
+            e = ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                         code="method_not_allowed")
+        elif isinstance(exc, HTTPException):
+            e = ApiError(status, one_line(exc.detail), code=None)
+        else:
+            log(f"pocket-mlx serve: 500 {request.method} {request.url.path}: "
+                f"{type(exc).__name__}: {one_line(exc)}")
+            e = ApiError(500, "internal server error; see the server's log", type="server_error",
+                         code="internal_error")
+        if status != 500:
+            log(f"pocket-mlx serve: {e.status} {request.method} {request.url.path}: {e.message}")
+        engine.metrics.request("other", e.status)
+        return error_response(e)
+
+    routes = [
+        Route("/health", guarded(health, auth=False), methods=["GET"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/messages", guarded(anthropic_endpoint, errors=anthropic.error_body),
+              methods=["POST"]),
+    ]
+    middleware = []
+    if cors:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=[cors],
+                                     allow_methods=["GET", "POST", "OPTIONS"],
+                                     allow_headers=["Authorization", "Content-Type",
+                                                    "x-api-key", "anthropic-version"]))
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={HTTPException: http_error, Exception: http_error})

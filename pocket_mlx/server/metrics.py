@@ -1,0 +1,124 @@
+"""Counters, gauges and histograms for GET /metrics, in Prometheus' text format (0.0.4).
+
+Written by hand rather than with prometheus_client: a dozen series need ~100 lines, and the
+server then depends on nothing but Starlette and uvicorn. Updated from the engine thread and the
+event loop alike, so every change takes one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+
+# Seconds. TTFT spans a tiny model on a GPU (ms) to a 4k-token prompt on a CPU (minutes).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.buckets, v)] += 1
+        self.sum += v
+        self.count += 1
+
+
+class Metrics:
+    """What the server has done since it started."""
+
+    def __init__(self, bytes_per_token: int = 0) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cache_lookups = 0
+        self.cache_hits = 0
+        self.cached_tokens = 0
+        self.cancelled = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.token_latency = Histogram(TOKEN_BUCKETS)
+        self.decode_tps = 0.0  # of the last reply with 2+ tokens
+        self.bytes_per_token = bytes_per_token
+
+    def request(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
+
+    def cache_lookup(self, n_cached: int) -> None:
+        with self._lock:
+            self.cache_lookups += 1
+            if n_cached:
+                self.cache_hits += 1
+                self.cached_tokens += n_cached
+
+    def first_token(self, ttft_s: float) -> None:
+        with self._lock:
+            self.ttft.observe(ttft_s)
+
+    def token(self, latency_s: float) -> None:
+        with self._lock:
+            self.token_latency.observe(latency_s)
+
+    def reply(self, prompt_tokens: int, completion_tokens: int, decode_tps: float,
+              cancelled: bool) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.completion_tokens += completion_tokens
+            self.cancelled += cancelled
+            if completion_tokens > 1 and decode_tps > 0:
+                self.decode_tps = decode_tps
+
+    def render(self, active: int, queued: int) -> str:
+        """The exposition text; `active` and `queued` are read from the engine now."""
+        out: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]):
+            out.append(f"# HELP pocket_mlx_{name} {help_text}")
+            out.append(f"# TYPE pocket_mlx_{name} {kind}")
+            for labels, value in samples:
+                v = int(value) if float(value).is_integer() else value
+                out.append(f"pocket_mlx_{name}{labels} {v}")
+
+        def histogram(name: str, help_text: str, h: Histogram) -> None:
+            samples, total = [], 0
+            for bound, n in zip((*h.buckets, "+Inf"), h.counts):
+                total += n
+                samples.append((f'_bucket{{le="{bound}"}}', total))
+            samples += [("_sum", h.sum), ("_count", h.count)]
+            metric(name, "histogram", help_text, samples)
+
+        with self._lock:
+            metric("requests_total", "counter", "HTTP requests by endpoint and status.",
+                   [(f'{{endpoint="{e}",status="{s}"}}', n)
+                    for (e, s), n in sorted(self.requests.items())])
+            metric("prompt_tokens_total", "counter", "Prompt tokens of finished replies.",
+                   [("", self.prompt_tokens)])
+            metric("completion_tokens_total", "counter", "Tokens generated.",
+                   [("", self.completion_tokens)])
+            metric("cancelled_total", "counter", "Replies stopped because the client left.",
+                   [("", self.cancelled)])
+            metric("prompt_cache_lookups_total", "counter", "Prompt-cache lookups.",
+                   [("", self.cache_lookups)])
+            metric("prompt_cache_hits_total", "counter", "Prompt-cache lookups that found a "
+                   "prefix.", [("", self.cache_hits)])
+            metric("prompt_cache_tokens_total", "counter", "Prompt tokens served from the "
+                   "prompt cache instead of prefilled.", [("", self.cached_tokens)])
+            histogram("ttft_seconds", "Time from start of generation to the first token.",
+                      self.ttft)
+            histogram("token_latency_seconds", "Time between two generated tokens.",
+                      self.token_latency)
+            metric("decode_tokens_per_second", "gauge", "Decode rate of the last reply.",
+                   [("", round(self.decode_tps, 3))])
+            metric("weight_bytes_per_token", "gauge", "Bytes of weights read per decoded "
+                   "token.", [("", self.bytes_per_token)])
+            metric("decode_gigabytes_per_second", "gauge", "Weights read per second while "
+                   "decoding the last reply (bytes per token x tokens per second / 1e9).",
+                   [("", round(self.bytes_per_token * self.decode_tps / 1e9, 3))])
+        metric("active_requests", "gauge", "Requests generating now.", [("", active)])
+        metric("queued_requests", "gauge", "Requests waiting for a slot.", [("", queued)])
+        return "\n".join(out) + "\n"

@@ -1,0 +1,338 @@
+"""The OpenAI wire format: request bodies checked into a `GenRequest`, and the response shapes.
+
+Every field a request may carry is named here. A field we do not honour (`n` > 1, `logprobs`,
+`tools`, `response_format` other than text, penalties other than 0, ...) is refused with a 400
+and OpenAI's error object instead of being silently dropped: a client that relies on it learns
+at once. Unknown fields are refused too, as OpenAI itself does ("Unrecognized request
+argument"). Value ranges are engine/params.py's `check_*` functions, the same sentences the CLI
+prints. No MLX here: this module only shapes data.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pocket_mlx.engine.params import (
+    check_max_tokens,
+    check_min_p,
+    check_repetition_penalty,
+    check_seed,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+)
+
+# OpenAI's defaults when a request leaves them out (temperature 1 and top_p 1 are the documented
+# defaults of both endpoints); the reply cap is the server's --max-tokens.
+DEFAULT_TEMPERATURE = 1.0
+MAX_STOPS = 16
+
+# Accepted and without effect on a local server: who the caller is, what OpenAI would store.
+_HARMLESS = {"user", "metadata", "store", "service_tier", "safety_identifier",
+             "prompt_cache_key", "parallel_tool_calls"}
+_SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+             "repetition_penalty", "stop", "seed", "stream", "stream_options", "n",
+             "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
+CHAT_FIELDS = _HARMLESS | _SAMPLING | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+    "function_call", "response_format", "audio", "modalities", "prediction", "reasoning_effort",
+    "web_search_options", "verbosity"}
+COMPLETION_FIELDS = _HARMLESS | _SAMPLING | {"prompt", "echo", "suffix", "best_of"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP status plus OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status, message, param, code, type)
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class GenRequest:
+    """One checked generation request, independent of the endpoint it came from."""
+
+    kind: str  # "chat" | "completion"
+    model: str | None
+    messages: list[dict] | None = None  # chat: [{"role", "content": str}]
+    prompt: str | list[int] | None = None  # completion: text (no template) or token ids
+    max_tokens: int | None = None  # None: the server's default
+    sampling: dict = field(default_factory=dict)  # SamplingParams keywords
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _unsupported(name: str, why: str) -> ApiError:
+    return ApiError(400, f"{name} is not supported by this server: {why}", param=name,
+                    code="unsupported_parameter")
+
+
+def checked_field(body: dict, name: str, check: Callable):
+    """`body[name]` through `check` (engine/params.py), None when absent or null."""
+    v = body.get(name)
+    if v is None:
+        return None
+    try:
+        return check(v)
+    except ValueError as e:
+        raise ApiError(400, f"{name}: {e}", param=name, code="invalid_value") from None
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ApiError(400, f"{name} must be true or false, got {v!r}", param=name,
+                       code="invalid_type")
+    return v
+
+
+def _check_fields(body: dict, known: set[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ApiError(400, f"unrecognized request argument: {unknown[0]}", param=unknown[0],
+                       code="unknown_parameter")
+
+
+def _common(body: dict, kind: str) -> GenRequest:
+    """The fields both endpoints share."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, got {model!r}", param="model",
+                       code="invalid_type")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise _unsupported("n", "one choice per request (n = 1); send several requests")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v is not None and v != 0:
+            raise _unsupported(name, "use repetition_penalty (an extension) instead")
+    if body.get("logit_bias"):
+        raise _unsupported("logit_bias", "not implemented")
+    stream = _bool(body, "stream")
+    include_usage = False
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true",
+                           param="stream_options", code="invalid_value")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+            raise ApiError(400, 'stream_options must be {"include_usage": true|false}',
+                           param="stream_options", code="invalid_value")
+        include_usage = _bool(opts, "include_usage")
+    stop = body.get("stop")
+    if stop is None:
+        stops = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise ApiError(400, "stop must be a string or a list of strings", param="stop",
+                       code="invalid_type")
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop: at most {MAX_STOPS} stop strings", param="stop",
+                       code="invalid_value")
+    if any(s == "" for s in stops):
+        raise ApiError(400, "stop: an empty stop string would match everywhere", param="stop",
+                       code="invalid_value")
+    temperature = checked_field(body, "temperature", check_temperature)
+    sampling = {"temperature": DEFAULT_TEMPERATURE if temperature is None else temperature}
+    for name, check in (("top_p", check_top_p), ("top_k", check_top_k), ("min_p", check_min_p),
+                        ("repetition_penalty", check_repetition_penalty),
+                        ("seed", check_seed)):
+        v = checked_field(body, name, check)
+        if v is not None:
+            sampling[name] = v
+    return GenRequest(kind=kind, model=model, max_tokens=checked_field(body, "max_tokens",
+                                                                  check_max_tokens),
+                      sampling=sampling, stop=stops, stream=stream, include_usage=include_usage)
+
+
+def _content(content, where: str) -> str:
+    """A message's content as text: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ApiError(400, f"{where}[{i}] must be an object with a type",
+                               param=where, code="invalid_type")
+            if part["type"] != "text":
+                raise _unsupported(f"{where}[{i}]", f"content of type {part['type']!r} (this "
+                                                    "model reads text only)")
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}[{i}].text must be a string", param=where,
+                               code="invalid_type")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(400, f"{where} must be a string or a list of text parts", param=where,
+                   code="invalid_type")
+
+
+def parse_chat(body: dict) -> GenRequest:
+    """A /v1/chat/completions body, checked."""
+    _check_fields(body, CHAT_FIELDS)
+    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none") \
+            or body.get("function_call") not in (None, "none"):
+        name = next(n for n in ("tools", "functions", "tool_choice", "function_call")
+                    if body.get(n) not in (None, [], "none"))
+        raise _unsupported(name, "tool calls are not implemented yet")
+    if body.get("logprobs") or body.get("top_logprobs") is not None:
+        raise _unsupported("logprobs" if body.get("logprobs") else "top_logprobs",
+                           "log-probabilities are not returned")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise _unsupported("response_format", "only {\"type\": \"text\"}")
+    for name in ("audio", "prediction", "web_search_options"):
+        if body.get(name) is not None:
+            raise _unsupported(name, "not implemented")
+    if body.get("modalities") not in (None, ["text"]):
+        raise _unsupported("modalities", 'text only (["text"])')
+    for name in ("reasoning_effort", "verbosity"):
+        if body.get(name) is not None:
+            raise _unsupported(name, "this model has no such setting")
+    req = _common(body, "chat")
+    mct = checked_field(body, "max_completion_tokens", check_max_tokens)
+    if mct is not None:
+        if req.max_tokens is not None and req.max_tokens != mct:
+            raise ApiError(400, f"max_tokens ({req.max_tokens}) and max_completion_tokens "
+                                f"({mct}) disagree: give one of them",
+                           param="max_completion_tokens", code="invalid_value")
+        req.max_tokens = mct
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "messages is required", param="messages", code="missing_required")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of messages", param="messages",
+                       code="invalid_type")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where} must be an object", param=where, code="invalid_type")
+        if "tool_calls" in m or "tool_call_id" in m or m.get("role") in ("tool", "function"):
+            raise _unsupported(where, "tool calls and tool results are not implemented yet")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise ApiError(400, f"{where}: unrecognized field {extra[0]}",
+                           param=f"{where}.{extra[0]}", code="unknown_parameter")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
+                           param=f"{where}.role", code="invalid_value")
+        if "content" not in m or m["content"] is None:
+            raise ApiError(400, f"{where}.content is required", param=f"{where}.content",
+                           code="missing_required")
+        out.append({"role": ROLES[role], "content": _content(m["content"], f"{where}.content")})
+    req.messages = out
+    return req
+
+
+def parse_completion(body: dict) -> GenRequest:
+    """A /v1/completions body, checked. The prompt is a string, or token ids, or a list holding
+    one of them (several prompts would be several choices: refused like n > 1)."""
+    _check_fields(body, COMPLETION_FIELDS)
+    if body.get("logprobs") not in (None, 0):
+        raise _unsupported("logprobs", "log-probabilities are not returned")
+    if _bool(body, "echo"):
+        raise _unsupported("echo", "the prompt is not echoed")
+    if body.get("suffix") is not None:
+        raise _unsupported("suffix", "no fill-in-the-middle")
+    if body.get("best_of") not in (None, 1):
+        raise _unsupported("best_of", "one candidate per request")
+    req = _common(body, "completion")
+    if "prompt" not in body or body["prompt"] is None:
+        raise ApiError(400, "prompt is required", param="prompt", code="missing_required")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, str) for t in prompt):
+        raise _unsupported("prompt", "one prompt per request (a list of prompts would be "
+                                     "several choices)")
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                 for t in prompt):
+            raise ApiError(400, "prompt must be a string or a non-empty list of token ids",
+                           param="prompt", code="invalid_type")
+    elif not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt",
+                       code="invalid_type")
+    if isinstance(prompt, str) and not prompt:
+        raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
+    req.prompt = prompt
+    return req
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+def finish_reason(engine_reason: str | None) -> str:
+    """The engine's reason (eos, stop, length, context) as OpenAI's (stop, length)."""
+    return FINISH_REASONS.get(engine_reason or "", "stop")
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class Reply:
+    """The id, timestamp and model name one response's objects share."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        self.kind, self.model = kind, model
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, reason: str, use: dict) -> dict:
+        """The non-streaming response."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": reason}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": use}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": use}
+
+    def chunk(self, text: str | None = None, reason: str | None = None, *, role: bool = False,
+              with_usage: bool = False) -> dict:
+        """One streamed chunk: a text piece, the opening role (chat), or the closing reason.
+        With `with_usage` (stream_options.include_usage) every chunk carries `usage: null`,
+        as OpenAI's do, and `usage_chunk` ends the stream."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if role else (
+                {} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        if with_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, use: dict) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": use}
