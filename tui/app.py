@@ -36,7 +36,7 @@ from pocket_mlx.engine.conversations import Conversation, ConversationStore, dat
 from pocket_mlx.engine.devices import describe, gpu_available
 from pocket_mlx.engine.generation import GenerationStats
 from pocket_mlx.engine.loader import load
-from pocket_mlx.engine.params import CHAT_PROMPT_CACHE_DISK_BYTES, CHAT_PROMPT_CACHE_MB
+from pocket_mlx.engine.params import PROMPT_CACHE_DISK_BYTES, PROMPT_CACHE_MB
 from pocket_mlx.engine.prompt_cache import PromptCache
 from pocket_mlx.engine.session import ChatSession, ContextOverflow, Settings
 from pocket_mlx.errors import PocketError
@@ -133,7 +133,7 @@ class ChatApp(App[None]):
     def __init__(self, model: str | None = None, *, device: str = "cpu",
                  settings: Settings | None = None, conversation: Conversation | None = None,
                  store: ConversationStore | None = None, model_name: str | None = None,
-                 path: Path | None = None, prompt_cache_mb: int = CHAT_PROMPT_CACHE_MB) -> None:
+                 path: Path | None = None, prompt_cache_mb: int = PROMPT_CACHE_MB) -> None:
         super().__init__()
         # The replies' caches, kept in RAM and written through to the data folder: a resumed
         # conversation (--resume, ctrl+o) continues from its last reply instead of prefilling
@@ -255,7 +255,7 @@ class ChatApp(App[None]):
             return None
         try:
             return PromptCache(model, self.prompt_cache_mb << 20, data_dir() / "prompt-cache",
-                               disk_bytes=CHAT_PROMPT_CACHE_DISK_BYTES, write_through=True)
+                               disk_bytes=PROMPT_CACHE_DISK_BYTES, write_through=True)
         except (OSError, PocketError) as e:  # a read-only data folder: chat without it
             self.post_message(EngineNotice(f"prompt cache off: {e}"))
             return None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from pocket_mlx.cli import args as argtypes
 from pocket_mlx.cli.args import add_model_args
-from pocket_mlx.engine.params import CHAT_PROMPT_CACHE_MB
+from pocket_mlx.engine.params import PROMPT_CACHE_MB
 
 if TYPE_CHECKING:
     from pocket_mlx.tui.app import ChatApp
@@ -32,11 +32,11 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="ID", default=None,
                    help="continue a saved conversation (see the open dialog, ctrl+o) "
                         "(default: start a new one)")
-    p.add_argument("--prompt-cache-mb", type=argtypes.megabytes, default=CHAT_PROMPT_CACHE_MB,
+    p.add_argument("--prompt-cache-mb", type=argtypes.megabytes, default=PROMPT_CACHE_MB,
                    metavar="MIB",
                    help="replies' caches kept in RAM and written to the data folder, so a "
                         "resumed conversation continues without prefilling it again; 0 = off "
-                        f"(default: {CHAT_PROMPT_CACHE_MB})")
+                        f"(default: {PROMPT_CACHE_MB})")
     p.set_defaults(func=run)
     return p
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
 
 from pocket_mlx.cli import args as argtypes
 from pocket_mlx.cli.args import add_model_args
+from pocket_mlx.engine.params import PROMPT_CACHE_MB
 from pocket_mlx.errors import PocketError
 
 LAUNCHD_LABEL = "com.pocket-mlx.serve"
@@ -46,6 +48,14 @@ def register(sub) -> argparse.ArgumentParser:
                         "call the API (default: no CORS headers)")
     p.add_argument("--max-body-mb", type=_positive, default=8, metavar="MB",
                    help="largest request body in MiB; larger ones get 413")
+    p.add_argument("--prompt-cache-mb", type=argtypes.megabytes, default=PROMPT_CACHE_MB,
+                   metavar="MIB",
+                   help="prompt cache in RAM: a request whose prompt extends a cached one "
+                        "(the same conversation, a longer turn) prefills only the rest; 0 = off "
+                        f"(default: {PROMPT_CACHE_MB})")
+    p.add_argument("--prompt-cache-dir", type=Path, default=None, metavar="DIR",
+                   help="where colder cache entries go and are found again after a restart "
+                        "(default: prompt-cache/ in the data folder, shared with the chat)")
     p.add_argument("--print-launchd", action="store_true",
                    help="print a LaunchAgent plist that runs this server at login (never "
                         "installs it)")
@@ -154,6 +164,10 @@ To remove:
     return 0
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     if args.api_key is None:
         args.api_key = os.environ.get("POCKET_MLX_API_KEY") or None
@@ -168,8 +182,13 @@ def run(args: argparse.Namespace) -> int:
     from pocket_mlx.server.engine import Engine
 
     sock = bind(args.host, args.port)
+    from pocket_mlx.engine.conversations import data_dir
+
     engine = Engine(args.model, args.device, max_concurrency=args.max_concurrency,
-                    max_queue=args.max_queue, default_max_tokens=args.max_tokens)
+                    max_queue=args.max_queue, default_max_tokens=args.max_tokens,
+                    prompt_cache_mb=args.prompt_cache_mb,
+                    prompt_cache_dir=(args.prompt_cache_dir or data_dir() / "prompt-cache")
+                    if args.prompt_cache_mb else None)
     engine.start()
     app = create_app(engine, api_key=args.api_key, cors=args.cors,
                      max_body=args.max_body_mb * 2**20)
@@ -181,9 +200,11 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: Ctrl-C comes
-    # back as KeyboardInterrupt (a normal stop here), SIGTERM ends the process as the signal's
-    # default does.
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then restores the handlers it found and
+    # re-raises the signal. Ctrl-C comes back as KeyboardInterrupt; SIGTERM (launchd, kill)
+    # gets the same handling through the handler below, so both stop the engine, which writes
+    # the prompt cache's RAM entries to disk for the next start.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:

@@ -17,10 +17,10 @@ from pocket_mlx.errors import PocketError
 SEED_MAX = 2**64 - 1
 
 DEFAULT_MAX_TOKENS = 256
-# The chat's prompt cache: replies' caches in RAM (pocket-35b at 2k tokens: ~150 MB each), written
+# The prompt cache of chat and serve: replies' caches in RAM (pocket-35b at 2k tokens: ~150 MB each), written
 # through to the data folder, where the oldest are evicted past the disk budget.
-CHAT_PROMPT_CACHE_MB = 512
-CHAT_PROMPT_CACHE_DISK_BYTES = 4 << 30
+PROMPT_CACHE_MB = 512
+PROMPT_CACHE_DISK_BYTES = 4 << 30
 # Tokens of history the repetition penalty looks back over: mlx-lm's default
 # (`make_logits_processors(repetition_context_size=20)`), so equal settings penalise alike.
 DEFAULT_REPETITION_CONTEXT = 20

@@ -33,6 +33,8 @@ from typing import Protocol
 from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.engine.generation import SamplingParams, context_limit, stream_generate
 from pocket_mlx.engine.loader import load, resolve_model_path
+from pocket_mlx.engine.params import PROMPT_CACHE_DISK_BYTES
+from pocket_mlx.engine.prompt_cache import PromptCache as StoredPrompts
 from pocket_mlx.errors import PocketError
 from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.openai import ApiError, GenRequest
@@ -125,7 +127,8 @@ class Engine:
 
     def __init__(self, model: str | None = None, device: str | None = None, *,
                  max_concurrency: int = 1, max_queue: int = 8, default_max_tokens: int = 512,
-                 prompt_cache: PromptCache | None = None, log=None) -> None:
+                 prompt_cache: PromptCache | None = None, prompt_cache_mb: int = 0,
+                 prompt_cache_dir: Path | None = None, log=None) -> None:
         if max_concurrency != 1:
             raise PocketError(f"--max-concurrency {max_concurrency}: this version generates "
                               "one request at a time (batched decode is not built yet); use 1, "
@@ -136,6 +139,9 @@ class Engine:
         self.max_concurrency, self.max_queue = max_concurrency, max_queue
         self.default_max_tokens = default_max_tokens
         self.prompt_cache: PromptCache = prompt_cache or NoPromptCache()
+        # Without a store given, one is built once the model is loaded (it fingerprints it):
+        # RAM up to prompt_cache_mb, spilled to and restored from prompt_cache_dir.
+        self._store_args = (prompt_cache_mb, prompt_cache_dir) if prompt_cache is None else None
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -189,11 +195,25 @@ class Engine:
             self.context = context_limit(self.model)
             self.device = self.model.device
             self.metrics.bytes_per_token = weight_stats(self.model).bytes_per_token
+            if self._store_args and (self._store_args[0] > 0 or self._store_args[1]):
+                mb, folder = self._store_args
+                self.prompt_cache = StoredPrompts(self.model, mb << 20, folder,
+                                                  disk_bytes=PROMPT_CACHE_DISK_BYTES)
         except BaseException as e:  # noqa: BLE001 - handed to start(), which raises it
             self._load_error = e
             self._ready.set()
             return
         self._ready.set()
+        try:
+            self._serve()
+        finally:
+            # Entries still only in RAM go to disk (on this thread, which made them), so a
+            # restarted server finds them.
+            flush = getattr(self.prompt_cache, "flush", None)
+            if flush is not None:
+                flush()
+
+    def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             with self._lock:
                 if job.state == "dropped":
