@@ -32,12 +32,12 @@ from textual.widgets import Footer
 from textual.worker import Worker, get_current_worker
 
 from pocket_mlx import kernels
-from pocket_mlx.engine.conversations import Conversation, ConversationStore, data_dir, new_id
+from pocket_mlx.engine.conversations import Conversation, ConversationStore, new_id
 from pocket_mlx.engine.devices import describe, gpu_available
 from pocket_mlx.engine.generation import GenerationStats
 from pocket_mlx.engine.loader import load
-from pocket_mlx.engine.params import PROMPT_CACHE_DISK_BYTES, PROMPT_CACHE_MB
-from pocket_mlx.engine.prompt_cache import PromptCache
+from pocket_mlx.engine.params import PROMPT_CACHE_MB
+from pocket_mlx.engine.prompt_cache import PromptCache, open_store
 from pocket_mlx.engine.session import ChatSession, ContextOverflow, Settings
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system.memory import wired_limit_status
@@ -251,11 +251,9 @@ class ChatApp(App[None]):
             self._run_job(session, job, worker)
 
     def _prompt_cache(self, model) -> PromptCache | None:
-        if self.prompt_cache_mb <= 0:
-            return None
         try:
-            return PromptCache(model, self.prompt_cache_mb << 20, data_dir() / "prompt-cache",
-                               disk_bytes=PROMPT_CACHE_DISK_BYTES, write_through=True)
+            # Written through: the app leaves without running teardown code (cli/chat.py).
+            return open_store(model, self.prompt_cache_mb, write_through=True)
         except (OSError, PocketError) as e:  # a read-only data folder: chat without it
             self.post_message(EngineNotice(f"prompt cache off: {e}"))
             return None

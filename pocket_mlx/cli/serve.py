@@ -138,6 +138,9 @@ def launchd_argv(args: argparse.Namespace) -> list[str]:
              "--max-tokens", str(args.max_tokens), "--max-body-mb", str(args.max_body_mb)]
     if args.cors:
         argv += ["--cors", args.cors]
+    argv += ["--prompt-cache-mb", str(args.prompt_cache_mb)]
+    if args.prompt_cache_dir:
+        argv += ["--prompt-cache-dir", str(Path(args.prompt_cache_dir).expanduser().resolve())]
     return argv
 
 
@@ -182,13 +185,9 @@ def run(args: argparse.Namespace) -> int:
     from pocket_mlx.server.engine import Engine
 
     sock = bind(args.host, args.port)
-    from pocket_mlx.engine.conversations import data_dir
-
     engine = Engine(args.model, args.device, max_concurrency=args.max_concurrency,
                     max_queue=args.max_queue, default_max_tokens=args.max_tokens,
-                    prompt_cache_mb=args.prompt_cache_mb,
-                    prompt_cache_dir=(args.prompt_cache_dir or data_dir() / "prompt-cache")
-                    if args.prompt_cache_mb else None)
+                    prompt_cache_mb=args.prompt_cache_mb, prompt_cache_dir=args.prompt_cache_dir)
     engine.start()
     app = create_app(engine, api_key=args.api_key, cors=args.cors,
                      max_body=args.max_body_mb * 2**20)

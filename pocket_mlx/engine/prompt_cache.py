@@ -42,6 +42,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from pocket_mlx.config import safetensors_header, weight_files
+from pocket_mlx.engine.conversations import data_dir
+from pocket_mlx.engine.params import PROMPT_CACHE_DISK_BYTES
 from pocket_mlx.errors import PocketError
 
 log = logging.getLogger(__name__)
@@ -152,10 +154,15 @@ def model_fingerprint(model) -> str:
         except (OSError, PocketError):
             files = []
     for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
+        st = f.stat()
+        size = st.st_size
+        # The modification time too: a fine-tune of the same shape (same config, sizes and
+        # header) rewritten in place must not match caches of the weights it replaced.
+        h.update(f"{f.name}:{size}:{st.st_mtime_ns}".encode())
         with open(f, "rb") as fh:
-            h.update(fh.read(_BLOCK * 4))  # the header and the first tensors
+            header_len = int.from_bytes(fh.read(8), "little")
+            # The whole header (a large MoE's is far over 16 KiB), then the first tensors.
+            h.update(fh.read(min(header_len, 64 << 20) + _BLOCK * 4))
             for i in range(1, _SAMPLES + 1):
                 fh.seek(max(0, size * i // (_SAMPLES + 1)))
                 h.update(fh.read(_BLOCK))
@@ -516,3 +523,15 @@ class PromptCache:
         if sys.byteorder == "big":  # pragma: no cover - safetensors is little-endian
             ids.byteswap()
         return str(meta["dtype"]), tuple(ids), f.stat().st_size
+
+
+def open_store(model, ram_mb: int, folder: Path | None = None, *,
+               write_through: bool = False) -> PromptCache | None:
+    """The prompt cache of `chat` and `serve`: `ram_mb` MiB in RAM (0: none at all), colder
+    entries in `folder` (default `prompt-cache/` in the data folder, which both share; each
+    process keeps its own index and budget over it)."""
+    if ram_mb <= 0:
+        return None
+    folder = Path(folder) if folder is not None else data_dir() / "prompt-cache"
+    return PromptCache(model, ram_mb << 20, folder, disk_bytes=PROMPT_CACHE_DISK_BYTES,
+                       write_through=write_through)

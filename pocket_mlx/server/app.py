@@ -113,13 +113,19 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
         length = request.headers.get("content-length", "")
         body = bytearray()
         over = length.isdigit() and int(length) > max_body
+        dropped = 0
         async for chunk in request.stream():
             # Past the limit the rest is read and dropped, so the client sees the 413 and not
-            # a connection reset.
+            # a connection reset; a body that goes on much longer (an endless chunked upload)
+            # is cut off.
             if not over and len(body) + len(chunk) > max_body:
                 over, body = True, bytearray()
             if not over:
                 body += chunk
+            else:
+                dropped += len(chunk)
+                if dropped > 2 * max_body:
+                    break
         if over:
             raise ApiError(413, f"request body over {max_body} bytes", code="body_too_large")
         try:
@@ -139,7 +145,9 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
 
     async def metrics(request: Request) -> Response:
         load = engine.load()
-        return PlainTextResponse(engine.metrics.render(load["active"], load["queued"]),
+        stats = getattr(engine.prompt_cache, "stats", None)
+        return PlainTextResponse(engine.metrics.render(load["active"], load["queued"],
+                                                       stats() if stats else None),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(request: Request) -> Response:
@@ -180,7 +188,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
             while True:
                 try:
                     ev = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # not TimeoutError before Python 3.11
                     ev = None
                 # Checked by the clock: while tokens flow, the wait above never times out.
                 if time.perf_counter() - checked >= DISCONNECT_POLL_S:

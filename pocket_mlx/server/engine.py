@@ -13,9 +13,11 @@ Cancelling: a job's `cancel()` (the client went away) is checked by `stream_gene
 every prefill chunk and every token, so a generation stops within one step and frees its slot;
 a job still waiting is dropped from the queue at once.
 
-Prompt cache: `PromptCache` is the interface a prefix store plugs into (`fetch` the longest
-cached prefix of a prompt, `store` the cache after a reply); `NoPromptCache` is today's
-implementation. `cached_tokens` in the usage is what `fetch` returned.
+Prompt cache: engine/prompt_cache.py's store (built once the model is loaded, from
+`prompt_cache_mb` / `prompt_cache_dir`), or any object with its `fetch` / `store` (the
+`PromptCache` protocol below; tests plug in their own). `fetch` gives the longest cached
+prefix of a prompt, `store` keeps the cache after a reply; `cached_tokens` in the usage is
+what `fetch` returned. `NoPromptCache` when it is off.
 """
 
 from __future__ import annotations
@@ -30,11 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.engine.generation import SamplingParams, context_limit, stream_generate
-from pocket_mlx.engine.loader import load, resolve_model_path
-from pocket_mlx.engine.params import PROMPT_CACHE_DISK_BYTES
-from pocket_mlx.engine.prompt_cache import PromptCache as StoredPrompts
+from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_path
+from pocket_mlx.engine.prompt_cache import open_store
 from pocket_mlx.errors import PocketError
 from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.openai import ApiError, GenRequest
@@ -138,7 +138,8 @@ class Engine:
         self.model_ref, self.device_name = model, device
         self.max_concurrency, self.max_queue = max_concurrency, max_queue
         self.default_max_tokens = default_max_tokens
-        self.prompt_cache: PromptCache = prompt_cache or NoPromptCache()
+        self.prompt_cache: PromptCache = (prompt_cache if prompt_cache is not None
+                                          else NoPromptCache())
         # Without a store given, one is built once the model is loaded (it fingerprints it):
         # RAM up to prompt_cache_mb, spilled to and restored from prompt_cache_dir.
         self._store_args = (prompt_cache_mb, prompt_cache_dir) if prompt_cache is None else None
@@ -194,11 +195,11 @@ class Engine:
             self.model_id = Path(path).name
             self.context = context_limit(self.model)
             self.device = self.model.device
-            self.metrics.bytes_per_token = weight_stats(self.model).bytes_per_token
-            if self._store_args and (self._store_args[0] > 0 or self._store_args[1]):
-                mb, folder = self._store_args
-                self.prompt_cache = StoredPrompts(self.model, mb << 20, folder,
-                                                  disk_bytes=PROMPT_CACHE_DISK_BYTES)
+            self.metrics.bytes_per_token = model_weight_stats(self.model).bytes_per_token
+            if self._store_args:
+                store = open_store(self.model, *self._store_args)  # (empty: len() is 0)
+                if store is not None:
+                    self.prompt_cache = store
         except BaseException as e:  # noqa: BLE001 - handed to start(), which raises it
             self._load_error = e
             self._ready.set()
@@ -327,7 +328,12 @@ class Engine:
         # fed_tokens is None only when the cache was left part-way (cancelled in prefill); a
         # reply cancelled while decoding still leaves a cache worth keeping for a retry.
         if last.fed_tokens is not None:
-            self.prompt_cache.store(ids[:n_cached] + last.fed_tokens, cache)
+            try:
+                self.prompt_cache.store(ids[:n_cached] + last.fed_tokens, cache)
+            except Exception as e:  # noqa: BLE001 - the reply is complete: a cache that
+                # could not be kept costs a later prefill, not this answer
+                self.log(f"pocket-mlx serve: prompt cache: not stored: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())}")
         return Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached,
                     stats.stop_string)
 

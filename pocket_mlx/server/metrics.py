@@ -73,8 +73,9 @@ class Metrics:
             if completion_tokens > 1 and decode_tps > 0:
                 self.decode_tps = decode_tps
 
-    def render(self, active: int, queued: int) -> str:
-        """The exposition text; `active` and `queued` are read from the engine now."""
+    def render(self, active: int, queued: int, cache: dict | None = None) -> str:
+        """The exposition text; `active`, `queued` and the prompt cache's `stats()` are read
+        from the engine now."""
         out: list[str] = []
 
         def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]):
@@ -121,4 +122,14 @@ class Metrics:
                    [("", round(self.bytes_per_token * self.decode_tps / 1e9, 3))])
         metric("active_requests", "gauge", "Requests generating now.", [("", active)])
         metric("queued_requests", "gauge", "Requests waiting for a slot.", [("", queued)])
+        if cache:
+            metric("prompt_cache_bytes", "gauge", "Bytes the prompt cache holds, by tier.",
+                   [('{tier="ram"}', cache["ram_bytes"]), ('{tier="disk"}', cache["disk_bytes"])])
+            metric("prompt_cache_entries", "gauge", "Cached token sequences, by tier.",
+                   [('{tier="ram"}', cache["entries_ram"]),
+                    ('{tier="disk"}', cache["entries_disk"])])
+            metric("prompt_cache_spills_total", "counter", "Entries moved from RAM to disk.",
+                   [("", cache["spills"])])
+            metric("prompt_cache_restores_total", "counter", "Entries read back from disk.",
+                   [("", cache["restores"])])
         return "\n".join(out) + "\n"
