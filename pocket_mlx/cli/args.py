@@ -46,12 +46,6 @@ def check_stop(v: str) -> str:
     return check_utf8(v)
 
 
-def check_megabytes(v) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"a size in MiB must be an integer >= 0 (0 = off), got {v!r}")
-    return v
-
-
 def decode_utf8(data: bytes, what: str) -> str:
     """`data` as text, or a ValueError saying where it is not UTF-8."""
     try:
@@ -90,7 +84,21 @@ min_p = _arg_type(float, check_min_p, "a number")
 repetition_penalty = _arg_type(float, check_repetition_penalty, "a number")
 max_tokens = _arg_type(int, check_max_tokens, "an integer")
 seed = _arg_type(int, check_seed, "an integer")
-megabytes = _arg_type(int, check_megabytes, "an integer")
+
+
+def int_range(low: int, high: int | None, what: str):
+    """An argparse `type=` for an integer from `low` to `high` (None: no upper bound); `what`
+    names the range in the error ("a TCP port from 1 to 65535")."""
+
+    def check(v: int) -> int:
+        if v < low or (high is not None and v > high):
+            raise ValueError(f"must be {what}, got {v}")
+        return v
+
+    return _arg_type(int, check, "an integer")
+
+
+megabytes = int_range(0, None, "a size in MiB, 0 or more (0 = off)")
 utf8_text = _arg_type(_same, check_utf8, "text")
 stop_string = _arg_type(_same, check_stop, "text")
 

@@ -63,22 +63,9 @@ def register(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _int_arg(check, what: str):
-    def convert(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not check(v):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
-        return v
-
-    return convert
-
-
-_port = _int_arg(lambda v: 1 <= v <= 65535, "a TCP port from 1 to 65535")
-_positive = _int_arg(lambda v: v >= 1, "1 or more")
-_non_negative = _int_arg(lambda v: v >= 0, "0 or more")
+_port = argtypes.int_range(1, 65535, "a TCP port from 1 to 65535")
+_positive = argtypes.int_range(1, None, "1 or more")
+_non_negative = argtypes.int_range(0, None, "0 or more")
 
 
 def is_loopback(host: str) -> bool:

@@ -14,19 +14,13 @@ import uuid
 
 from pocket_mlx.engine.params import (
     check_max_tokens,
-    check_min_p,
-    check_repetition_penalty,
-    check_seed,
-    check_temperature,
-    check_top_k,
-    check_top_p,
 )
 from pocket_mlx.server.openai import (
-    DEFAULT_TEMPERATURE,
     MAX_STOPS,
     ApiError,
     GenRequest,
     checked_field,
+    sampling_fields,
 )
 
 # Accepted and without effect here: who is calling, where Anthropic would run it, and
@@ -117,14 +111,7 @@ def parse_messages(body: dict) -> GenRequest:
     if len(stops) > MAX_STOPS:
         raise ApiError(400, f"stop_sequences: at most {MAX_STOPS}", param="stop_sequences",
                        code="invalid_value")
-    temperature = checked_field(body, "temperature", check_temperature)
-    sampling = {"temperature": DEFAULT_TEMPERATURE if temperature is None else temperature}
-    for name, check in (("top_p", check_top_p), ("top_k", check_top_k), ("min_p", check_min_p),
-                        ("repetition_penalty", check_repetition_penalty),
-                        ("seed", check_seed)):
-        v = checked_field(body, name, check)
-        if v is not None:
-            sampling[name] = v
+    sampling = sampling_fields(body)
     messages = []
     if body.get("system") is not None:
         messages.append({"role": "system", "content": _text_blocks(body["system"], "system")})

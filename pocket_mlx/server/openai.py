@@ -101,6 +101,20 @@ def _bool(body: dict, name: str) -> bool:
     return v
 
 
+def sampling_fields(body: dict) -> dict:
+    """The sampling fields of a request (OpenAI's and Anthropic's share them), checked with
+    engine/params.py's ranges; temperature defaults to 1, as both APIs do."""
+    temperature = checked_field(body, "temperature", check_temperature)
+    sampling = {"temperature": DEFAULT_TEMPERATURE if temperature is None else temperature}
+    for name, check in (("top_p", check_top_p), ("top_k", check_top_k), ("min_p", check_min_p),
+                        ("repetition_penalty", check_repetition_penalty),
+                        ("seed", check_seed)):
+        v = checked_field(body, name, check)
+        if v is not None:
+            sampling[name] = v
+    return sampling
+
+
 def _check_fields(body: dict, known: set[str]) -> None:
     unknown = sorted(set(body) - known)
     if unknown:
@@ -150,17 +164,10 @@ def _common(body: dict, kind: str) -> GenRequest:
     if any(s == "" for s in stops):
         raise ApiError(400, "stop: an empty stop string would match everywhere", param="stop",
                        code="invalid_value")
-    temperature = checked_field(body, "temperature", check_temperature)
-    sampling = {"temperature": DEFAULT_TEMPERATURE if temperature is None else temperature}
-    for name, check in (("top_p", check_top_p), ("top_k", check_top_k), ("min_p", check_min_p),
-                        ("repetition_penalty", check_repetition_penalty),
-                        ("seed", check_seed)):
-        v = checked_field(body, name, check)
-        if v is not None:
-            sampling[name] = v
-    return GenRequest(kind=kind, model=model, max_tokens=checked_field(body, "max_tokens",
-                                                                  check_max_tokens),
-                      sampling=sampling, stop=stops, stream=stream, include_usage=include_usage)
+    return GenRequest(kind=kind, model=model,
+                      max_tokens=checked_field(body, "max_tokens", check_max_tokens),
+                      sampling=sampling_fields(body), stop=stops, stream=stream,
+                      include_usage=include_usage)
 
 
 def _content(content, where: str) -> str:
