@@ -1,15 +1,22 @@
 #!/usr/bin/env python
 """Issue 13's serving benchmark, through real HTTP against a `python -m pocket_mlx serve` child.
 
-(a) aggregate decode tok/s with 1, 2 and 4 concurrent streaming chat requests (distinct short
-    prompts, temperature 0, --max-tokens each), and its ratio to one stream. Decode rate =
-    the streams' tokens after their first / the time during which at least one stream was
-    decoding (the union of each stream's [first content chunk, finish chunk]); the wall rate
-    (all tokens / first request sent to last stream done, prefill and queueing included) is
-    given beside it.
-(b) TTFT (request sent -> first content chunk) of a conversation's 2nd turn whose 1st turn had
-    a ~--prompt-tokens prompt (served from the prompt cache), against a cold request of the
-    same length (another part of the text, so nothing can hit), and the ratio.
+(a) aggregate tok/s with 1, 2 and 4 concurrent streaming chat requests (distinct short
+    prompts, temperature 0, --max-tokens each), and its ratio to one stream. Wall rate = all
+    completion tokens / (first request sent -> last stream's finish chunk), the short prompts'
+    prefill included. Decode rate = the tokens after each stream's first / (that wall time -
+    the server's summed time to first token, from /metrics' ttft_seconds_sum): the engine
+    thread either prefills or decodes, so this is the time it spent decoding.
+(b) TTFT (request sent -> first chunk that carries content or the finish reason, through the
+    client) of a conversation's 2nd turn whose 1st turn had a ~--prompt-tokens prompt (served
+    from the prompt cache), against a cold request of the same length (another part of the
+    text, so nothing can hit), and the ratio. The timed requests ask for one token: a
+    random-weight synthetic model's tokens often decode to no text for a while (a byte of a
+    multi-byte character, a special token), so "first content chunk" would time later tokens;
+    with max_tokens 1 the finish chunk follows the first token at once. The 1st turn's reply is
+    --reply-tokens long (default 1): such a model's longer replies do not come back as the
+    same tokens through the chat template, so the 2nd turn would miss for a reason a real
+    model's text rarely has; with one token the cached prefix is the 1st turn's prompt.
 (c) the same 2nd turn after a restart of the server with the same --prompt-cache-dir (the disk
     tier), after one short unrelated warm-up request.
 
@@ -136,7 +143,7 @@ class Stream:
     """One streaming chat request's timings (perf_counter seconds) and usage."""
 
     sent: float = 0.0
-    first: float | None = None  # first chunk with content
+    first: float | None = None  # first chunk with content or a finish reason
     done: float | None = None  # the chunk with finish_reason
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -166,10 +173,10 @@ def chat(server: Server, messages: list[dict], max_tokens: int,
         if c.choices:
             ch = c.choices[0]
             if ch.delta.content:
-                if s.first is None:
-                    s.first = now
                 parts.append(ch.delta.content)
                 s.pieces += 1
+            if (ch.delta.content or ch.finish_reason) and s.first is None:
+                s.first = now
             if ch.finish_reason:
                 s.done, s.finish_reason = now, ch.finish_reason
         if c.usage:
@@ -217,17 +224,18 @@ class Texts:
 
 # ---- the measurements -------------------------------------------------------------------------
 
-def union_s(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by the intervals."""
-    total, end = 0.0, None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
+def server_ttft_sum(server: Server) -> float:
+    """The server's summed time to first token so far (/metrics, ttft_seconds_sum)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    for line in text.splitlines():
+        if line.startswith("pocket_mlx_ttft_seconds_sum "):
+            return float(line.split()[1])
+    raise SystemExit("bench_serve: /metrics has no pocket_mlx_ttft_seconds_sum")
 
 
 def concurrency(server: Server, texts: Texts, max_tokens: int) -> list[dict]:
@@ -245,7 +253,7 @@ def concurrency(server: Server, texts: Texts, max_tokens: int) -> list[dict]:
             except BaseException as e:  # noqa: BLE001 - reported below
                 out[i] = e
 
-        load0 = loadavg()
+        load0, ttft0 = loadavg(), server_ttft_sum(server)
         threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
         for t in threads:
             t.start()
@@ -256,13 +264,15 @@ def concurrency(server: Server, texts: Texts, max_tokens: int) -> list[dict]:
                 raise SystemExit(f"bench_serve: a stream failed: {type(s).__name__}: {s}")
         streams: list[Stream] = out  # type: ignore[assignment]
         decode_tokens = sum(max(s.completion_tokens - 1, 0) for s in streams)
-        decoding = union_s([(s.first, s.done) for s in streams if s.first and s.done])
         wall = max(s.done for s in streams) - min(s.sent for s in streams)
+        prefill = server_ttft_sum(server) - ttft0
+        decoding = wall - prefill
         rows.append({
             "streams": n,
             "decode_tok_s": decode_tokens / decoding if decoding else None,
             "wall_tok_s": sum(s.completion_tokens for s in streams) / wall,
             "wall_s": wall,
+            "server_ttft_sum_s": prefill,
             "completion_tokens": [s.completion_tokens for s in streams],
             "prompt_tokens": [s.prompt_tokens for s in streams],
             "cached_tokens": [s.cached_tokens for s in streams],
@@ -309,9 +319,9 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=2000,
                     help="the first turn's prompt length in (b), chat template included")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per stream in (a)")
-    ap.add_argument("--reply-tokens", type=int, default=16,
-                    help="max_tokens of the first turn's reply and of the timed requests in "
-                         "(b) and (c)")
+    ap.add_argument("--reply-tokens", type=int, default=1,
+                    help="max_tokens of the first turn's reply in (b) (the timed requests ask "
+                         "for one token)")
     ap.add_argument("--port", type=int, default=8090)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--keep", action="store_true",
@@ -358,10 +368,10 @@ def main() -> int:
                      {"role": "assistant", "content": t1.text},
                      {"role": "user", "content": FOLLOW_UP}]
         say(f"    TTFT {t1.ttft_s:.2f} s; second turn")
-        t2 = chat(server, conv.turn2, args.reply_tokens)
+        t2 = chat(server, conv.turn2, 1)
         say(f"    TTFT {t2.ttft_s:.3f} s ({t2.cached_tokens} of {t2.prompt_tokens} cached); "
             "cold request of the same length")
-        cold = chat(server, conv.cold, args.reply_tokens)
+        cold = chat(server, conv.cold, 1)
         say(f"    TTFT {cold.ttft_s:.2f} s ({cold.cached_tokens} of {cold.prompt_tokens} "
             "cached)")
         result["turn1"], result["turn2"], result["cold"] = map(summary, (t1, t2, cold))
@@ -376,7 +386,7 @@ def main() -> int:
         server = Server(model, args.device, args.port, cache_dir, home, log)
         result["server_restart_s"] = server.start_s
         result["warm_up_2"] = summary(warm_up(server, texts))
-        t2d = chat(server, conv.turn2, args.reply_tokens)
+        t2d = chat(server, conv.turn2, 1)
         say(f"    TTFT {t2d.ttft_s:.3f} s ({t2d.cached_tokens} of {t2d.prompt_tokens} cached)")
         result["turn2_disk"] = summary(t2d)
         result["turn2_disk_speedup"] = cold.ttft_s / t2d.ttft_s
@@ -410,7 +420,7 @@ def report(r: dict) -> None:
         ttfts = " ".join(f"{t:.2f}" for t in c["ttft_s"])
         print(f"{c['streams']:>7}  {c['decode_tok_s']:>12.2f}  {c['decode_vs_1']:>4.2f}  "
               f"{c['wall_tok_s']:>10.2f}  {c['wall_vs_1']:>4.2f}  {c['wall_s']:>6.1f}  {ttfts}")
-    print("\n(b)/(c) TTFT, first content chunk")
+    print("\n(b)/(c) TTFT (request sent -> first chunk with content or finish reason)")
     for key, label in (("turn1", "1st turn (cold)"), ("turn2", "2nd turn (RAM cache)"),
                        ("cold", "cold, same length"), ("turn2_disk", "2nd turn after restart")):
         s = r[key]
