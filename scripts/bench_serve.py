@@ -37,6 +37,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -238,52 +239,65 @@ def server_ttft_sum(server: Server) -> float:
     raise SystemExit("bench_serve: /metrics has no pocket_mlx_ttft_seconds_sum")
 
 
-def concurrency(server: Server, texts: Texts, max_tokens: int) -> list[dict]:
-    """(a): 1, 2, 4 concurrent streams, each its own prompt."""
-    rows = []
-    for n in (1, 2, 4):
-        prompts = [[{"role": "user", "content": "Continue this text: "
-                     + texts.take(SHORT_PROMPT_TOKENS)}] for _ in range(n)]
-        barrier = threading.Barrier(n)
-        out: list[Stream | BaseException] = [None] * n  # type: ignore[list-item]
+def streams_once(server: Server, texts: Texts, n: int, max_tokens: int) -> dict:
+    """(a), one measurement: n concurrent streams, each its own prompt."""
+    prompts = [[{"role": "user", "content": "Continue this text: "
+                 + texts.take(SHORT_PROMPT_TOKENS)}] for _ in range(n)]
+    barrier = threading.Barrier(n)
+    out: list[Stream | BaseException] = [None] * n  # type: ignore[list-item]
 
-        def run(i: int, out=out, prompts=prompts, barrier=barrier) -> None:
-            try:
-                out[i] = chat(server, prompts[i], max_tokens, barrier)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                out[i] = e
+    def run(i: int, out=out, prompts=prompts, barrier=barrier) -> None:
+        try:
+            out[i] = chat(server, prompts[i], max_tokens, barrier)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out[i] = e
 
-        load0, ttft0 = loadavg(), server_ttft_sum(server)
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for s in out:
-            if isinstance(s, BaseException):
-                raise SystemExit(f"bench_serve: a stream failed: {type(s).__name__}: {s}")
-        streams: list[Stream] = out  # type: ignore[assignment]
-        decode_tokens = sum(max(s.completion_tokens - 1, 0) for s in streams)
-        wall = max(s.done for s in streams) - min(s.sent for s in streams)
-        prefill = server_ttft_sum(server) - ttft0
-        decoding = wall - prefill
-        rows.append({
-            "streams": n,
-            "decode_tok_s": decode_tokens / decoding if decoding else None,
-            "wall_tok_s": sum(s.completion_tokens for s in streams) / wall,
-            "wall_s": wall,
-            "server_ttft_sum_s": prefill,
-            "completion_tokens": [s.completion_tokens for s in streams],
-            "prompt_tokens": [s.prompt_tokens for s in streams],
-            "cached_tokens": [s.cached_tokens for s in streams],
-            "ttft_s": [s.ttft_s for s in streams],
-            "finish_reasons": [s.finish_reason for s in streams],
-            "loadavg_before": load0,
-        })
+    load0, ttft0 = loadavg(), server_ttft_sum(server)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in out:
+        if isinstance(s, BaseException):
+            raise SystemExit(f"bench_serve: a stream failed: {type(s).__name__}: {s}")
+    streams: list[Stream] = out  # type: ignore[assignment]
+    decode_tokens = sum(max(s.completion_tokens - 1, 0) for s in streams)
+    wall = max(s.done for s in streams) - min(s.sent for s in streams)
+    prefill = server_ttft_sum(server) - ttft0
+    decoding = wall - prefill
+    return {
+        "streams": n,
+        "decode_tok_s": decode_tokens / decoding if decoding else None,
+        "wall_tok_s": sum(s.completion_tokens for s in streams) / wall,
+        "wall_s": wall,
+        "server_ttft_sum_s": prefill,
+        "completion_tokens": [s.completion_tokens for s in streams],
+        "prompt_tokens": [s.prompt_tokens for s in streams],
+        "cached_tokens": [s.cached_tokens for s in streams],
+        "ttft_s": [s.ttft_s for s in streams],
+        "finish_reasons": [s.finish_reason for s in streams],
+        "loadavg_before": load0,
+    }
+
+
+def concurrency(server: Server, texts: Texts, max_tokens: int, repeats: int,
+                say) -> list[dict]:
+    """(a): rounds of 1, 2, 4 concurrent streams (interleaved, so a slow phase of the machine
+    hits every width); per width the median round, and its ratio to one stream's median."""
+    runs: dict[int, list[dict]] = {1: [], 2: [], 4: []}
+    for r in range(repeats):
+        for n in runs:
+            run = streams_once(server, texts, n, max_tokens)
+            runs[n].append(run)
+            say(f"    round {r + 1}, {n} streams: decode {run['decode_tok_s']:.2f} tok/s, "
+                f"wall {run['wall_tok_s']:.2f} tok/s")
+    rows = [{"streams": n, "decode_tok_s": statistics.median(x["decode_tok_s"] for x in rs),
+             "wall_tok_s": statistics.median(x["wall_tok_s"] for x in rs), "runs": rs}
+            for n, rs in runs.items()]
     one = rows[0]
     for r in rows:
-        r["decode_vs_1"] = (r["decode_tok_s"] / one["decode_tok_s"]
-                            if r["decode_tok_s"] and one["decode_tok_s"] else None)
+        r["decode_vs_1"] = r["decode_tok_s"] / one["decode_tok_s"]
         r["wall_vs_1"] = r["wall_tok_s"] / one["wall_tok_s"]
     return rows
 
@@ -307,7 +321,8 @@ class Conversation:
 
 
 def warm_up(server: Server, texts: Texts) -> Stream:
-    return chat(server, [{"role": "user", "content": texts.take(8)}], 4)
+    """One unmeasured request: first-call costs (page faults, lazy setup) are not timed."""
+    return chat(server, [{"role": "user", "content": texts.take(SHORT_PROMPT_TOKENS)}], 16)
 
 
 def main() -> int:
@@ -322,6 +337,11 @@ def main() -> int:
     ap.add_argument("--reply-tokens", type=int, default=1,
                     help="max_tokens of the first turn's reply in (b) (the timed requests ask "
                          "for one token)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds of (a) (1, 2 and 4 streams each); medians are reported")
+    ap.add_argument("--parts", default="abc",
+                    help="'a' alone skips (b) and (c) (they need two cold --prompt-tokens "
+                         "prefills); (b) and (c) always run together")
     ap.add_argument("--port", type=int, default=8090)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--keep", action="store_true",
@@ -352,45 +372,43 @@ def main() -> int:
         say(f"up in {server.start_s:.1f} s; warm-up request")
         result["warm_up_1"] = summary(warm_up(server, texts))
 
-        say("(a) 1, 2, 4 concurrent streams")
-        result["concurrency"] = concurrency(server, texts, args.max_tokens)
-        for r in result["concurrency"]:
-            say(f"    {r['streams']} streams: decode {r['decode_tok_s']:.2f} tok/s "
-                f"({r['decode_vs_1']:.2f}x), wall {r['wall_tok_s']:.2f} tok/s")
+        say(f"(a) 1, 2, 4 concurrent streams, {args.repeats} rounds")
+        result["concurrency"] = concurrency(server, texts, args.max_tokens, args.repeats, say)
+        if "b" in args.parts or "c" in args.parts:
 
-        say(f"(b) first turn: {texts.prompt_len([{'role': 'user', 'content': long_a}])} "
-            "prompt tokens (cold)")
-        conv = Conversation([{"role": "user", "content": long_a}])
-        t1 = chat(server, conv.turn1, args.reply_tokens)
-        conv.turn2 = conv.turn1 + [{"role": "assistant", "content": t1.text},
-                                   {"role": "user", "content": FOLLOW_UP}]
-        conv.cold = [{"role": "user", "content": long_b},
-                     {"role": "assistant", "content": t1.text},
-                     {"role": "user", "content": FOLLOW_UP}]
-        say(f"    TTFT {t1.ttft_s:.2f} s; second turn")
-        t2 = chat(server, conv.turn2, 1)
-        say(f"    TTFT {t2.ttft_s:.3f} s ({t2.cached_tokens} of {t2.prompt_tokens} cached); "
-            "cold request of the same length")
-        cold = chat(server, conv.cold, 1)
-        say(f"    TTFT {cold.ttft_s:.2f} s ({cold.cached_tokens} of {cold.prompt_tokens} "
-            "cached)")
-        result["turn1"], result["turn2"], result["cold"] = map(summary, (t1, t2, cold))
-        result["turn2_speedup"] = cold.ttft_s / t2.ttft_s
+            say(f"(b) first turn: {texts.prompt_len([{'role': 'user', 'content': long_a}])} "
+                "prompt tokens (cold)")
+            conv = Conversation([{"role": "user", "content": long_a}])
+            t1 = chat(server, conv.turn1, args.reply_tokens)
+            conv.turn2 = conv.turn1 + [{"role": "assistant", "content": t1.text},
+                                       {"role": "user", "content": FOLLOW_UP}]
+            conv.cold = [{"role": "user", "content": long_b},
+                         {"role": "assistant", "content": t1.text},
+                         {"role": "user", "content": FOLLOW_UP}]
+            say(f"    TTFT {t1.ttft_s:.2f} s; second turn")
+            t2 = chat(server, conv.turn2, 1)
+            say(f"    TTFT {t2.ttft_s:.3f} s ({t2.cached_tokens} of {t2.prompt_tokens} cached); "
+                "cold request of the same length")
+            cold = chat(server, conv.cold, 1)
+            say(f"    TTFT {cold.ttft_s:.2f} s ({cold.cached_tokens} of {cold.prompt_tokens} "
+                "cached)")
+            result["turn1"], result["turn2"], result["cold"] = map(summary, (t1, t2, cold))
+            result["turn2_speedup"] = cold.ttft_s / t2.ttft_s
 
-        say("(c) restarting the server with the same --prompt-cache-dir")
-        server.stop()
-        server = None
-        result["cache_files"] = len(list(cache_dir.rglob("*.safetensors")))
-        result["cache_dir_bytes"] = sum(f.stat().st_size for f in cache_dir.rglob("*")
-                                        if f.is_file())
-        server = Server(model, args.device, args.port, cache_dir, home, log)
-        result["server_restart_s"] = server.start_s
-        result["warm_up_2"] = summary(warm_up(server, texts))
-        t2d = chat(server, conv.turn2, 1)
-        say(f"    TTFT {t2d.ttft_s:.3f} s ({t2d.cached_tokens} of {t2d.prompt_tokens} cached)")
-        result["turn2_disk"] = summary(t2d)
-        result["turn2_disk_speedup"] = cold.ttft_s / t2d.ttft_s
-        result["same_reply_after_restart"] = t2d.text == t2.text
+            say("(c) restarting the server with the same --prompt-cache-dir")
+            server.stop()
+            server = None
+            result["cache_files"] = len(list(cache_dir.rglob("*.safetensors")))
+            result["cache_dir_bytes"] = sum(f.stat().st_size for f in cache_dir.rglob("*")
+                                            if f.is_file())
+            server = Server(model, args.device, args.port, cache_dir, home, log)
+            result["server_restart_s"] = server.start_s
+            result["warm_up_2"] = summary(warm_up(server, texts))
+            t2d = chat(server, conv.turn2, 1)
+            say(f"    TTFT {t2d.ttft_s:.3f} s ({t2d.cached_tokens} of {t2d.prompt_tokens} cached)")
+            result["turn2_disk"] = summary(t2d)
+            result["turn2_disk_speedup"] = cold.ttft_s / t2d.ttft_s
+            result["same_reply_after_restart"] = t2d.text == t2.text
     finally:
         if server is not None:
             server.stop()
@@ -400,6 +418,10 @@ def main() -> int:
         else:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    return finish(result, args)
+
+
+def finish(result: dict, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -409,17 +431,19 @@ def main() -> int:
 
 def report(r: dict) -> None:
     m = r["machine"]
-    print(f"model {r['model']} on {r['device']}; server start {r['server_start_s']:.1f} s, "
-          f"restart {r['server_restart_s']:.1f} s")
+    print(f"model {r['model']} on {r['device']}; server start {r['server_start_s']:.1f} s")
     print(f"CPU: {m['cpu']}; flags: {' '.join(m['flags']) or 'none of AVX2/AVX-512'}; "
           f"{m['cores']} cores ({m['threads_usable']} usable); {m['system']}")
     print(f"load average: start {r['loadavg_start']}, end {r['loadavg_end']}")
     print(f"\n(a) concurrent streaming clients, max_tokens {r['max_tokens']}, temperature 0")
-    print("streams  decode tok/s  vs 1  wall tok/s  vs 1  wall s  TTFT s (each)")
+    print("streams  decode tok/s  vs 1  wall tok/s  vs 1  (medians)  decode tok/s per round")
     for c in r["concurrency"]:
-        ttfts = " ".join(f"{t:.2f}" for t in c["ttft_s"])
+        each = " ".join(f"{x['decode_tok_s']:.2f}" for x in c["runs"])
         print(f"{c['streams']:>7}  {c['decode_tok_s']:>12.2f}  {c['decode_vs_1']:>4.2f}  "
-              f"{c['wall_tok_s']:>10.2f}  {c['wall_vs_1']:>4.2f}  {c['wall_s']:>6.1f}  {ttfts}")
+              f"{c['wall_tok_s']:>10.2f}  {c['wall_vs_1']:>4.2f}  {'':>9}  {each}")
+    if "turn2" not in r:
+        return
+    print(f"\nserver restart {r['server_restart_s']:.1f} s")
     print("\n(b)/(c) TTFT (request sent -> first chunk with content or finish reason)")
     for key, label in (("turn1", "1st turn (cold)"), ("turn2", "2nd turn (RAM cache)"),
                        ("cold", "cold, same length"), ("turn2_disk", "2nd turn after restart")):
