@@ -1,0 +1,459 @@
+#!/usr/bin/env python
+"""Issue 13's serving benchmark, through real HTTP against a `python -m pocket_mlx serve` child.
+
+(a) aggregate tok/s with 1, 2 and 4 concurrent streaming chat requests (distinct short
+    prompts, temperature 0, --max-tokens each), and its ratio to one stream. Wall rate = all
+    completion tokens / (first request sent -> last stream's finish chunk), the short prompts'
+    prefill included. Decode rate = the tokens after each stream's first / (that wall time -
+    the server's summed time to first token, from /metrics' ttft_seconds_sum): the engine
+    thread either prefills or decodes, so this is the time it spent decoding.
+(b) TTFT (request sent -> first chunk that carries content or the finish reason, through the
+    client) of a conversation's 2nd turn whose 1st turn had a ~--prompt-tokens prompt (served
+    from the prompt cache), against a cold request of the same length (another part of the
+    text, so nothing can hit), and the ratio. The timed requests ask for one token: a
+    random-weight synthetic model's tokens often decode to no text for a while (a byte of a
+    multi-byte character, a special token), so "first content chunk" would time later tokens;
+    with max_tokens 1 the finish chunk follows the first token at once. The 1st turn's reply is
+    --reply-tokens long (default 1): such a model's longer replies do not come back as the
+    same tokens through the chat template, so the 2nd turn would miss for a reason a real
+    model's text rarely has; with one token the cached prefix is the 1st turn's prompt.
+(c) the same 2nd turn after a restart of the server with the same --prompt-cache-dir (the disk
+    tier), after one short unrelated warm-up request.
+
+The text comes from assets/text/en.val.txt, counted with the bundled tokenizer (assets/
+pocket-tiny), which the synthetic models share. POCKET_MLX_HOME and the prompt cache folder are
+temporary and removed at the end. Each server gets one unmeasured warm-up request first.
+
+    python scripts/bench_serve.py [--model synthetic:pocket-35b-e128 | tiny] [--device cpu]
+        [--prompt-tokens 2000] [--max-tokens 64] [--json] [--port 8090]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pocket_mlx.engine.tokenizer import load_tokenizer  # noqa: E402 - after the path above
+
+TINY = ROOT / "assets" / "pocket-tiny"
+TEXT = ROOT / "assets" / "text" / "en.val.txt"
+FOLLOW_UP = "Now summarize the text above in one short sentence."
+SHORT_PROMPT_TOKENS = 32  # each concurrent stream's text: short, so prefill stays small
+LOAD_TIMEOUT_S = 1800  # building/loading a 35B synthetic folder on a busy CPU takes minutes
+
+
+# ---- the machine ------------------------------------------------------------------------------
+
+def machine() -> dict:
+    """CPU model and vector flags, cores, load average: what the numbers depend on."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.machine(),
+                                                         platform.processor()):
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:  # not Linux
+        pass
+    wanted = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_vbmi",
+              "avx512_bf16", "amx_tile"]
+    return {"cpu": model, "flags": [f for f in wanted if f in flags],
+            "cores": os.cpu_count(),
+            "threads_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
+            "system": f"{platform.system()} {platform.release()}",
+            "python": platform.python_version()}
+
+
+def loadavg() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
+
+
+# ---- the server -------------------------------------------------------------------------------
+
+class Server:
+    """A `python -m pocket_mlx serve` child; stops with SIGTERM (writes RAM entries to disk)."""
+
+    def __init__(self, model: str, device: str, port: int, cache_dir: Path, home: Path,
+                 log: Path) -> None:
+        self.port, self.log = port, log
+        cmd = [sys.executable, "-m", "pocket_mlx", "serve", "--port", str(port),
+               "--device", device, "--prompt-cache-dir", str(cache_dir)]
+        if model:
+            cmd += ["--model", model]
+        env = {**os.environ, "POCKET_MLX_HOME": str(home),
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                     stderr=log.open("a"))
+        while time.perf_counter() - t0 < LOAD_TIMEOUT_S:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"bench_serve: the server exited {self.proc.returncode}:\n"
+                                 f"{log.read_text()[-3000:]}")
+            if self._healthy():
+                self.start_s = time.perf_counter() - t0
+                self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1",
+                                            api_key="unused", max_retries=0, timeout=3600)
+                self.model_id = self.client.models.list().data[0].id
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"bench_serve: no /health answer in {LOAD_TIMEOUT_S} s; see {log}")
+
+    def _healthy(self) -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        try:
+            conn.request("GET", "/health")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=300)  # flushing a few 2k-token caches to disk
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Stream:
+    """One streaming chat request's timings (perf_counter seconds) and usage."""
+
+    sent: float = 0.0
+    first: float | None = None  # first chunk with content or a finish reason
+    done: float | None = None  # the chunk with finish_reason
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    pieces: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+
+def chat(server: Server, messages: list[dict], max_tokens: int,
+         barrier: threading.Barrier | None = None) -> Stream:
+    """Send one streaming chat request (temperature 0) and time its chunks."""
+    s = Stream()
+    if barrier is not None:
+        barrier.wait()
+    s.sent = time.perf_counter()
+    chunks = server.client.chat.completions.create(
+        model=server.model_id, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    parts = []
+    for c in chunks:
+        now = time.perf_counter()
+        if c.choices:
+            ch = c.choices[0]
+            if ch.delta.content:
+                parts.append(ch.delta.content)
+                s.pieces += 1
+            if (ch.delta.content or ch.finish_reason) and s.first is None:
+                s.first = now
+            if ch.finish_reason:
+                s.done, s.finish_reason = now, ch.finish_reason
+        if c.usage:
+            s.prompt_tokens = c.usage.prompt_tokens
+            s.completion_tokens = c.usage.completion_tokens
+            details = c.usage.prompt_tokens_details
+            s.cached_tokens = (details.cached_tokens or 0) if details else 0
+    s.text = "".join(parts)
+    return s
+
+
+# ---- the text ---------------------------------------------------------------------------------
+
+class Texts:
+    """Slices of en.val.txt by token count, handed out in order so none repeats."""
+
+    def __init__(self) -> None:
+        self.tok = load_tokenizer(TINY)
+        self.ids = self.tok.encode(TEXT.read_text(encoding="utf-8"), add_special_tokens=False)
+        self.at = 0
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text, add_special_tokens=False))
+
+    def prompt_len(self, messages: list[dict]) -> int:
+        """Tokens of `messages` as the server will see them (chat template, generation prompt)."""
+        return len(self.tok.encode(self.tok.apply_chat_template(messages),
+                                   add_special_tokens=False))
+
+    def take(self, n: int, exact: int | None = None) -> str:
+        """The next ~n tokens of text (`exact`: re-encoding to exactly that many, if a slice
+        within a few tokens of n does)."""
+        for d in (0, -1, 1, -2, 2, -3, 3, -4, 4) if exact is not None else (0,):
+            end = self.at + n + d
+            if end > len(self.ids):
+                raise SystemExit(f"bench_serve: {TEXT} has {len(self.ids)} tokens, too few for "
+                                 "these prompts; lower --prompt-tokens")
+            text = self.tok.decode(self.ids[self.at:end]).strip()
+            if exact is None or self.count(text) == exact:
+                self.at = end + 1
+                return text
+        self.at = end + 1
+        return text
+
+
+# ---- the measurements -------------------------------------------------------------------------
+
+def server_ttft_sum(server: Server) -> float:
+    """The server's summed time to first token so far (/metrics, ttft_seconds_sum)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    for line in text.splitlines():
+        if line.startswith("pocket_mlx_ttft_seconds_sum "):
+            return float(line.split()[1])
+    raise SystemExit("bench_serve: /metrics has no pocket_mlx_ttft_seconds_sum")
+
+
+def streams_once(server: Server, texts: Texts, n: int, max_tokens: int) -> dict:
+    """(a), one measurement: n concurrent streams, each its own prompt."""
+    prompts = [[{"role": "user", "content": "Continue this text: "
+                 + texts.take(SHORT_PROMPT_TOKENS)}] for _ in range(n)]
+    barrier = threading.Barrier(n)
+    out: list[Stream | BaseException] = [None] * n  # type: ignore[list-item]
+
+    def run(i: int, out=out, prompts=prompts, barrier=barrier) -> None:
+        try:
+            out[i] = chat(server, prompts[i], max_tokens, barrier)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out[i] = e
+
+    load0, ttft0 = loadavg(), server_ttft_sum(server)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in out:
+        if isinstance(s, BaseException):
+            raise SystemExit(f"bench_serve: a stream failed: {type(s).__name__}: {s}")
+    streams: list[Stream] = out  # type: ignore[assignment]
+    decode_tokens = sum(max(s.completion_tokens - 1, 0) for s in streams)
+    wall = max(s.done for s in streams) - min(s.sent for s in streams)
+    prefill = server_ttft_sum(server) - ttft0
+    decoding = wall - prefill
+    return {
+        "streams": n,
+        "decode_tok_s": decode_tokens / decoding if decoding else None,
+        "wall_tok_s": sum(s.completion_tokens for s in streams) / wall,
+        "wall_s": wall,
+        "server_ttft_sum_s": prefill,
+        "completion_tokens": [s.completion_tokens for s in streams],
+        "prompt_tokens": [s.prompt_tokens for s in streams],
+        "cached_tokens": [s.cached_tokens for s in streams],
+        "ttft_s": [s.ttft_s for s in streams],
+        "finish_reasons": [s.finish_reason for s in streams],
+        "loadavg_before": load0,
+    }
+
+
+def concurrency(server: Server, texts: Texts, max_tokens: int, repeats: int,
+                say) -> list[dict]:
+    """(a): rounds of 1, 2, 4 concurrent streams (interleaved, so a slow phase of the machine
+    hits every width); per width the median round, and its ratio to one stream's median."""
+    runs: dict[int, list[dict]] = {1: [], 2: [], 4: []}
+    for r in range(repeats):
+        for n in runs:
+            run = streams_once(server, texts, n, max_tokens)
+            runs[n].append(run)
+            say(f"    round {r + 1}, {n} streams: decode {run['decode_tok_s']:.2f} tok/s, "
+                f"wall {run['wall_tok_s']:.2f} tok/s")
+    rows = [{"streams": n, "decode_tok_s": statistics.median(x["decode_tok_s"] for x in rs),
+             "wall_tok_s": statistics.median(x["wall_tok_s"] for x in rs), "runs": rs}
+            for n, rs in runs.items()]
+    one = rows[0]
+    for r in rows:
+        r["decode_vs_1"] = r["decode_tok_s"] / one["decode_tok_s"]
+        r["wall_vs_1"] = r["wall_tok_s"] / one["wall_tok_s"]
+    return rows
+
+
+def summary(s: Stream) -> dict:
+    d = asdict(s)
+    d.pop("text")
+    for k in ("sent", "first", "done"):
+        d.pop(k)
+    d["ttft_s"] = s.ttft_s
+    return d
+
+
+@dataclass
+class Conversation:
+    """(b)'s messages: the first turn, its reply, the second turn, and the cold look-alike."""
+
+    turn1: list[dict]
+    turn2: list[dict] = field(default_factory=list)
+    cold: list[dict] = field(default_factory=list)
+
+
+def warm_up(server: Server, texts: Texts) -> Stream:
+    """One unmeasured request: first-call costs (page faults, lazy setup) are not timed."""
+    return chat(server, [{"role": "user", "content": texts.take(SHORT_PROMPT_TOKENS)}], 16)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="synthetic:pocket-35b-e128",
+                    help="model for `serve --model`; 'tiny' = the bundled pocket-tiny "
+                         "(default: synthetic:pocket-35b-e128)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prompt-tokens", type=int, default=2000,
+                    help="the first turn's prompt length in (b), chat template included")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per stream in (a)")
+    ap.add_argument("--reply-tokens", type=int, default=1,
+                    help="max_tokens of the first turn's reply in (b) (the timed requests ask "
+                         "for one token)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds of (a) (1, 2 and 4 streams each); medians are reported")
+    ap.add_argument("--parts", default="abc",
+                    help="'a' alone skips (b) and (c) (they need two cold --prompt-tokens "
+                         "prefills); (b) and (c) always run together")
+    ap.add_argument("--port", type=int, default=8090)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the temporary folder (server logs, prompt cache)")
+    args = ap.parse_args()
+    model = str(TINY) if args.model in ("tiny", "pocket-tiny") else args.model
+
+    def say(line: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+    tmp = Path(tempfile.mkdtemp(prefix="pocket-mlx-bench-serve-"))
+    home, cache_dir, log = tmp / "home", tmp / "prompt-cache", tmp / "serve.log"
+    home.mkdir()
+    texts = Texts()
+    result: dict = {"model": args.model, "device": args.device, "machine": machine(),
+                    "loadavg_start": loadavg(), "max_tokens": args.max_tokens,
+                    "reply_tokens": args.reply_tokens, "prompt_tokens_target": args.prompt_tokens}
+    # (b)'s texts first: the two long ones, the same token count.
+    overhead = texts.prompt_len([{"role": "user", "content": ""}])
+    n_long = args.prompt_tokens - overhead
+    long_a = texts.take(n_long)
+    long_b = texts.take(n_long, exact=texts.count(long_a))
+    server = None
+    try:
+        say(f"starting the server ({model}, {args.device}); log {log}")
+        server = Server(model, args.device, args.port, cache_dir, home, log)
+        result["server_start_s"] = server.start_s
+        say(f"up in {server.start_s:.1f} s; warm-up request")
+        result["warm_up_1"] = summary(warm_up(server, texts))
+
+        say(f"(a) 1, 2, 4 concurrent streams, {args.repeats} rounds")
+        result["concurrency"] = concurrency(server, texts, args.max_tokens, args.repeats, say)
+        if "b" in args.parts or "c" in args.parts:
+
+            say(f"(b) first turn: {texts.prompt_len([{'role': 'user', 'content': long_a}])} "
+                "prompt tokens (cold)")
+            conv = Conversation([{"role": "user", "content": long_a}])
+            t1 = chat(server, conv.turn1, args.reply_tokens)
+            conv.turn2 = conv.turn1 + [{"role": "assistant", "content": t1.text},
+                                       {"role": "user", "content": FOLLOW_UP}]
+            conv.cold = [{"role": "user", "content": long_b},
+                         {"role": "assistant", "content": t1.text},
+                         {"role": "user", "content": FOLLOW_UP}]
+            say(f"    TTFT {t1.ttft_s:.2f} s; second turn")
+            t2 = chat(server, conv.turn2, 1)
+            say(f"    TTFT {t2.ttft_s:.3f} s ({t2.cached_tokens} of {t2.prompt_tokens} cached); "
+                "cold request of the same length")
+            cold = chat(server, conv.cold, 1)
+            say(f"    TTFT {cold.ttft_s:.2f} s ({cold.cached_tokens} of {cold.prompt_tokens} "
+                "cached)")
+            result["turn1"], result["turn2"], result["cold"] = map(summary, (t1, t2, cold))
+            result["turn2_speedup"] = cold.ttft_s / t2.ttft_s
+
+            say("(c) restarting the server with the same --prompt-cache-dir")
+            server.stop()
+            server = None
+            result["cache_files"] = len(list(cache_dir.rglob("*.safetensors")))
+            result["cache_dir_bytes"] = sum(f.stat().st_size for f in cache_dir.rglob("*")
+                                            if f.is_file())
+            server = Server(model, args.device, args.port, cache_dir, home, log)
+            result["server_restart_s"] = server.start_s
+            result["warm_up_2"] = summary(warm_up(server, texts))
+            t2d = chat(server, conv.turn2, 1)
+            say(f"    TTFT {t2d.ttft_s:.3f} s ({t2d.cached_tokens} of {t2d.prompt_tokens} cached)")
+            result["turn2_disk"] = summary(t2d)
+            result["turn2_disk_speedup"] = cold.ttft_s / t2d.ttft_s
+            result["same_reply_after_restart"] = t2d.text == t2.text
+    finally:
+        if server is not None:
+            server.stop()
+        result["loadavg_end"] = loadavg()
+        if args.keep:
+            say(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    return finish(result, args)
+
+
+def finish(result: dict, args: argparse.Namespace) -> int:
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        report(result)
+    return 0
+
+
+def report(r: dict) -> None:
+    m = r["machine"]
+    print(f"model {r['model']} on {r['device']}; server start {r['server_start_s']:.1f} s")
+    print(f"CPU: {m['cpu']}; flags: {' '.join(m['flags']) or 'none of AVX2/AVX-512'}; "
+          f"{m['cores']} cores ({m['threads_usable']} usable); {m['system']}")
+    print(f"load average: start {r['loadavg_start']}, end {r['loadavg_end']}")
+    print(f"\n(a) concurrent streaming clients, max_tokens {r['max_tokens']}, temperature 0")
+    print("streams  decode tok/s  vs 1  wall tok/s  vs 1  (medians)  decode tok/s per round")
+    for c in r["concurrency"]:
+        each = " ".join(f"{x['decode_tok_s']:.2f}" for x in c["runs"])
+        print(f"{c['streams']:>7}  {c['decode_tok_s']:>12.2f}  {c['decode_vs_1']:>4.2f}  "
+              f"{c['wall_tok_s']:>10.2f}  {c['wall_vs_1']:>4.2f}  {'':>9}  {each}")
+    if "turn2" not in r:
+        return
+    print(f"\nserver restart {r['server_restart_s']:.1f} s")
+    print("\n(b)/(c) TTFT (request sent -> first chunk with content or finish reason)")
+    for key, label in (("turn1", "1st turn (cold)"), ("turn2", "2nd turn (RAM cache)"),
+                       ("cold", "cold, same length"), ("turn2_disk", "2nd turn after restart")):
+        s = r[key]
+        print(f"  {label:<24} {s['ttft_s']:>8.3f} s  prompt {s['prompt_tokens']} tokens, "
+              f"{s['cached_tokens']} cached")
+    print(f"  cold / 2nd turn: {r['turn2_speedup']:.1f}x (RAM), "
+          f"{r['turn2_disk_speedup']:.1f}x (disk, after restart); same reply after restart: "
+          f"{r['same_reply_after_restart']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
