@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -52,6 +51,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # skip MLX's native teardown after thread use (see pocket_mlx/cli/chat.py)
+    from pocket_mlx.engine.devices import exit_now
+
+    exit_now(main())  # skip MLX's native teardown after thread use (see exit_now)

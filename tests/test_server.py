@@ -799,6 +799,8 @@ def test_prompt_cache_second_turn_and_after_a_restart(tmp_path):
         held = scrape(first)
     finally:
         first.stop()  # SIGTERM, as launchd stops it: RAM entries are written to disk
+    # A clean stop on SIGTERM (not SIGABRT from MLX's teardown after thread use).
+    assert first.proc.returncode == 0
     assert held['pocket_mlx_prompt_cache_entries{tier="ram"}'] == 2  # one per reply
     assert held['pocket_mlx_prompt_cache_bytes{tier="ram"}'] > 0
     u1, u2 = r1.usage, r2.usage

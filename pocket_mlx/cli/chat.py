@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import TYPE_CHECKING
 
 from pocket_mlx.cli import args as argtypes
@@ -44,14 +42,9 @@ def register(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     app = make_app(args)
     app.run()
-    code = app.return_code or 0
-    # Workaround: after MLX ran on a worker thread (the app's engine), the interpreter's exit
-    # often aborts in MLX's C++ teardown ("terminate called without an active exception",
-    # SIGABRT). Everything is saved (atomic writes) and the terminal restored by now, so leave
-    # without running the native destructors.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from pocket_mlx.engine.devices import exit_now
+
+    exit_now(app.return_code or 0)  # MLX ran on the app's worker thread (see exit_now)
 
 
 def make_app(args) -> ChatApp:

@@ -199,4 +199,6 @@ def run(args: argparse.Namespace) -> int:
         engine.stop()
         sock.close()
     print("pocket-mlx serve: stopped", file=sys.stderr, flush=True)
-    return 0
+    from pocket_mlx.engine.devices import exit_now
+
+    exit_now(0)  # MLX ran on the engine thread: skip its teardown (see exit_now)

@@ -8,7 +8,10 @@ pass the device explicitly, so one loaded model can switch device between two ge
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+from typing import NoReturn
 
 import mlx.core as mx
 
@@ -81,3 +84,13 @@ def stream_for(name: str) -> mx.Stream:
 def describe(name: str) -> str:
     """Human label for a resolved device: 'GPU (Metal)', 'GPU (CUDA)' or 'CPU'."""
     return f"GPU ({gpu_backend_name()})" if name == "gpu" else "CPU"
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process without the interpreter's teardown. Workaround: after MLX ran on a
+    worker thread (the chat app's engine, the server's), the normal exit often aborts in MLX's
+    C++ destructors ("terminate called without an active exception", SIGABRT, exit 134). Call
+    it only when everything is saved (atomic writes) and the terminal restored."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
