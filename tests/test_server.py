@@ -285,7 +285,7 @@ BAD = [
     (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools", "unsupported_parameter"),
     (CHAT, {"messages": MSGS, "tool_choice": "required"}, 400, "tool_choice",
-     "unsupported_parameter"),
+     "invalid_value"),
     (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}, 400,
      "response_format", "unsupported_parameter"),
     (CHAT, {"messages": MSGS, "audio": {"voice": "x"}}, 400, "audio", "unsupported_parameter"),

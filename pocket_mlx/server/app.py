@@ -42,8 +42,10 @@ from pocket_mlx.server.openai import (
     finish_reason,
     parse_chat,
     parse_completion,
+    tool_call_json,
     usage,
 )
+from pocket_mlx.server.tools import CallSplitter, ToolCall, splitter_for
 
 DEFAULT_MAX_BODY = 8 * 2**20  # bytes; a 2,000-token prompt is ~10 kB of JSON
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
@@ -240,31 +242,74 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
     def data(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
+    def split_all(split: CallSplitter | None, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole reply as its text and tool calls (no tools: the text as it is)."""
+        if split is None:
+            return text, []
+        parts = split.feed(text) + split.close()
+        return "".join(p for p in parts if isinstance(p, str)), split.calls
+
+    def log_calls(split: CallSplitter | None, where: str) -> None:
+        """One line for each call the model wrote that could not be read (given back as text)
+        and for calls dropped by parallel_tool_calls false."""
+        if split is None:
+            return
+        for why in split.failed:
+            log(f"pocket-mlx serve: {where}: a tool call could not be parsed ({one_line(why)}); "
+                "returned as text")
+        if split.dropped:
+            log(f"pocket-mlx serve: {where}: {split.dropped} tool call(s) past the first "
+                "dropped (parallel_tool_calls is false)")
+
     async def openai_endpoint(request: Request, parse: Callable[[dict], GenRequest]) -> Response:
         req = parse(await read_json(request))
         job = await admit(request, req)
         reply = Reply(req.kind, engine.model_id)
+        split = splitter_for(req, "call_")
         if not req.stream:
             got = await collect(request, job, where(request, req))
             if got is None:
                 return Response(status_code=499)
             text, ev = got
-            return JSONResponse(reply.full(text, finish_reason(ev.finish_reason),
+            text, calls = split_all(split, text)
+            log_calls(split, where(request, req))
+            return JSONResponse(reply.full(text, finish_reason(ev.finish_reason, bool(calls)),
                                            usage(ev.prompt_tokens, ev.completion_tokens,
-                                                 ev.cached_tokens)))
+                                                 ev.cached_tokens), calls))
+
+        def pieces(parts: list[str | ToolCall], inc: bool) -> list[str]:
+            out = []
+            for p in parts:
+                if isinstance(p, str):
+                    out.append(data(reply.chunk(p, with_usage=inc)))
+                else:
+                    index = next(i for i, c in enumerate(split.calls) if c is p)
+                    out.append(data(reply.chunk(with_usage=inc,
+                                                call=tool_call_json(p, index=index))))
+            return out
 
         async def stream() -> AsyncIterator[str]:
-            """OpenAI's chunks; `data: [DONE]` ends them."""
+            """OpenAI's chunks; `data: [DONE]` ends them. With tools, text that may start a
+            call is held back until it is known, and each call goes out whole once parsed."""
             inc = req.include_usage
             if req.kind == "chat":
                 yield data(reply.chunk(role=True, with_usage=inc))
             async for ev in events(job, where(request, req)):
                 if isinstance(ev, Piece):
-                    yield data(reply.chunk(ev.text, with_usage=inc))
+                    if split is None:
+                        yield data(reply.chunk(ev.text, with_usage=inc))
+                    else:
+                        for chunk in pieces(split.feed(ev.text), inc):
+                            yield chunk
                 elif isinstance(ev, Failed):
                     yield data(ev.error.body())
                 elif isinstance(ev, Done):
-                    yield data(reply.chunk(None, finish_reason(ev.finish_reason),
+                    if split is not None:
+                        for chunk in pieces(split.close(), inc):
+                            yield chunk
+                        log_calls(split, where(request, req))
+                    called = split is not None and bool(split.calls)
+                    yield data(reply.chunk(None, finish_reason(ev.finish_reason, called),
                                            with_usage=inc))
                     if inc:
                         yield data(reply.usage_chunk(usage(ev.prompt_tokens, ev.completion_tokens,
@@ -277,31 +322,52 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
         req = anthropic.parse_messages(await read_json(request))
         job = await admit(request, req)
         msg = anthropic.Message(engine.model_id)
+        split = splitter_for(req, "toolu_")
         if not req.stream:
             got = await collect(request, job, where(request, req))
             if got is None:
                 return Response(status_code=499)
             text, ev = got
+            text, calls = split_all(split, text)
+            log_calls(split, where(request, req))
             return JSONResponse(msg.full(text, ev.finish_reason, ev.stop_string, msg.usage(
-                ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)))
+                ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens), calls))
 
         def event(name: str, obj: dict) -> str:
             return f"event: {name}\n{data(obj)}"
 
+        blocks = anthropic.Blocks()
+
+        def content(parts: list[str | ToolCall]) -> list[str]:
+            out = []
+            for p in parts:
+                for name, obj in (blocks.text(p) if isinstance(p, str) else blocks.call(p)):
+                    out.append(event(name, obj))
+            return out
+
         async def stream() -> AsyncIterator[str]:
-            """Anthropic's events: message_start, content_block_start, ping, the deltas,
-            content_block_stop, message_delta (stop reason, output tokens), message_stop."""
+            """Anthropic's events: message_start, ping, each content block's start, deltas
+            and stop (text_delta for text, one input_json_delta per tool_use), message_delta
+            (stop reason, output tokens), message_stop."""
             async for ev in events(job, where(request, req)):
                 if isinstance(ev, Started):
                     for name, obj in msg.start(msg.usage(ev.prompt_tokens, ev.cached_tokens, 0)):
                         yield event(name, obj)
                 elif isinstance(ev, Piece):
-                    yield event(*msg.delta(ev.text))
+                    for e in content(split.feed(ev.text) if split is not None else [ev.text]):
+                        yield e
                 elif isinstance(ev, Failed):
                     yield event("error", anthropic.error_body(ev.error))
                 elif isinstance(ev, Done):
+                    if split is not None:
+                        for e in content(split.close()):
+                            yield e
+                        log_calls(split, where(request, req))
+                    for name, obj in blocks.close():
+                        yield event(name, obj)
+                    called = split is not None and bool(split.calls)
                     for name, obj in msg.end(ev.finish_reason, ev.stop_string,
-                                             {"output_tokens": ev.completion_tokens}):
+                                             {"output_tokens": ev.completion_tokens}, called):
                         yield event(name, obj)
 
         return sse(stream())
