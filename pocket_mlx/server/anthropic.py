@@ -77,7 +77,12 @@ def _blocks(content, where: str) -> list[dict]:
 
 
 def _only(block: dict, keys: set[str], w: str) -> None:
-    extra = sorted(set(block) - keys - {"type", "cache_control"})
+    """No fields but `keys` (and type, cache_control); a null field counts as absent, and a
+    tool_use's `caller` may say it was called directly: the SDKs' `model_dump()` of a
+    response's blocks carries both."""
+    extra = sorted(k for k in set(block) - keys - {"type", "cache_control"}
+                   if block[k] is not None
+                   and not (k == "caller" and block[k] == {"type": "direct"}))
     if extra:
         raise ApiError(400, f"{w}: unrecognized field {extra[0]}", param=w,
                        code="unknown_parameter")
@@ -205,10 +210,7 @@ def _text_blocks(content, where: str) -> str:
             raise ApiError(400, f"{w}: content blocks of type {block['type']!r} are not "
                                 "supported by this server (text only)", param=w,
                            code="unsupported_parameter")
-        extra = sorted(set(block) - {"type", "text", "cache_control"})
-        if extra:
-            raise ApiError(400, f"{w}: unrecognized field {extra[0]}", param=w,
-                           code="unknown_parameter")
+        _only(block, {"text"}, w)
         if not isinstance(block.get("text"), str):
             raise ApiError(400, f"{w}.text must be a string", param=w, code="invalid_type")
         parts.append(block["text"])
