@@ -7,9 +7,10 @@ OpenAPI pages on top of the same Starlette; the request checking lives in `serve
 instead, in the shape of OpenAI's own errors, so nothing here needs it. `http.server` would
 mean threads per connection and hand-written chunked streaming.
 
-Endpoints: GET /health (no key needed), GET /metrics (Prometheus text), GET /v1/models,
-POST /v1/chat/completions and POST /v1/completions (streamed with `"stream": true`), and
-Anthropic's POST /v1/messages (server/anthropic.py). Requests run one at a time on the
+Endpoints: GET /health (no key needed), GET /metrics (Prometheus text), GET /v1/models (and
+/v1/models/{id}), POST /v1/chat/completions and POST /v1/completions (streamed with
+`"stream": true`), and Anthropic's POST /v1/messages and /v1/messages/count_tokens
+(server/anthropic.py). Tool calls: server/tools.py. Requests run one at a time on the
 engine thread (`server/engine.py`); extra requests wait in a bounded queue, then get 429 with
 Retry-After. Every refusal is OpenAI's error object with a 4xx status and one line on stderr;
 anything unexpected is a 500 with a generic message (the details go to the log only).
@@ -84,9 +85,10 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def guarded(handler: Callable[[Request], Awaitable[Response]], *, auth: bool = True,
-                errors: Callable[[ApiError], dict] = ApiError.body):
+                errors: Callable[[ApiError], dict] = ApiError.body, label: str | None = None):
         """`handler` with the key check, and every failure as an error object (shaped by
-        `errors`: OpenAI's by default) plus one log line."""
+        `errors`: OpenAI's by default) plus one log line. `label`: the endpoint's name in
+        /metrics when its path has parameters (one series per route, not per URL)."""
 
         def refuse(e: ApiError) -> Response:
             return Response(json.dumps(errors(e)), status_code=e.status, headers=e.headers,
@@ -106,7 +108,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
                     f"{type(e).__name__}: {one_line(e)}")
                 response = refuse(ApiError(500, "internal server error; see the server's log",
                                            type="server_error", code="internal_error"))
-            engine.metrics.request(request.url.path, response.status_code)
+            engine.metrics.request(label or request.url.path, response.status_code)
             return response
 
         return endpoint
@@ -152,17 +154,41 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
                                                        stats() if stats else None),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card() -> dict:
+        return {"id": engine.model_id, "object": "model", "created": engine.created,
+                "owned_by": "pocket-mlx", "context_length": engine.context}
+
+    def unknown_model(name: str) -> ApiError:
+        return ApiError(404, f"the model {name!r} does not exist here; this server serves "
+                             f"{engine.model_id!r} (GET /v1/models)", param="model",
+                        code="model_not_found")
+
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": engine.model_id, "object": "model", "created": engine.created,
-            "owned_by": "pocket-mlx", "context_length": engine.context}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        """GET /v1/models/{id}: OpenAI's clients' `models.retrieve`."""
+        if request.path_params["model"] != engine.model_id:
+            raise unknown_model(request.path_params["model"])
+        return JSONResponse(model_card())
+
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's POST /v1/messages/count_tokens: the prompt's size as this model's
+        template and tokenizer make it (max_tokens is not part of this request)."""
+        body = await read_json(request)
+        if "max_tokens" in body:
+            raise ApiError(400, "max_tokens: Extra inputs are not permitted",
+                           param="max_tokens", code="unknown_parameter")
+        req = anthropic.parse_messages({**body, "max_tokens": 1})
+        if req.model is not None and req.model != engine.model_id:
+            raise unknown_model(req.model)
+        ids = await run_in_threadpool(engine.encode, req)
+        return JSONResponse({"input_tokens": len(ids)})
 
     async def admit(request: Request, req: GenRequest) -> Job:
         """The checked request's model, prompt and slot: a queued job, or an ApiError."""
         if req.model is not None and req.model != engine.model_id:
-            raise ApiError(404, f"the model {req.model!r} does not exist here; this server "
-                                f"serves {engine.model_id!r} (GET /v1/models)", param="model",
-                           code="model_not_found")
+            raise unknown_model(req.model)
         ids = await run_in_threadpool(engine.encode, req)
         try:
             return engine.submit(ids, req, asyncio.get_running_loop())
@@ -401,9 +427,13 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
         Route("/health", guarded(health, auth=False), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(model, label="/v1/models/{id}"),
+              methods=["GET"]),
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/messages", guarded(anthropic_endpoint, errors=anthropic.error_body),
+              methods=["POST"]),
+        Route("/v1/messages/count_tokens", guarded(count_tokens, errors=anthropic.error_body),
               methods=["POST"]),
     ]
     middleware = []
