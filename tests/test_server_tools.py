@@ -129,9 +129,13 @@ def anthropic_tools() -> list[dict]:
              "input_schema": t["function"]["parameters"]} for t in tm.TOOLS]
 
 
-def test_anthropic_round_trip(claude):
+def test_anthropic_round_trip(claude, client):
     r = claude.messages.create(model=MODEL, max_tokens=60, messages=tm.QUESTION,
                                tools=anthropic_tools(), extra_body={"temperature": 0})
+    # Anthropic's tools render the very prompt OpenAI's do (no prompt cache on this server:
+    # input_tokens is the whole prompt).
+    assert r.usage.input_tokens == ask(client, messages=tm.QUESTION,
+                                       tools=tm.TOOLS).usage.prompt_tokens
     assert r.stop_reason == "tool_use"
     [block] = r.content
     assert block.type == "tool_use" and block.id.startswith("toolu_")
@@ -142,6 +146,8 @@ def test_anthropic_round_trip(claude):
                                               "content": tm.RESULT}]}]
     r2 = claude.messages.create(model=MODEL, max_tokens=60, messages=messages,
                                 tools=anthropic_tools(), extra_body={"temperature": 0})
+    assert r2.usage.input_tokens == ask(client, messages=tm.after_call(),
+                                        tools=tm.TOOLS).usage.prompt_tokens
     assert r2.stop_reason == "end_turn"
     assert [b.type for b in r2.content] == ["text"] and r2.content[0].text == tm.ANSWER
     # tool_result content as text blocks: the same prompt, the same answer.
