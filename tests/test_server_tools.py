@@ -333,3 +333,14 @@ def test_format_detection_follows_mlx_lm():
     s = CallSplitter(fmt, None, "call_")
     out = s.feed('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>') + s.close()
     assert [(c.name, c.arguments) for c in out] == [("f", {"x": 1})]
+
+
+def test_tojson_renders_as_transformers_does():
+    """Tool definitions reach the model as transformers renders them: keys in the caller's
+    order, nothing escaped for HTML (jinja's own tojson sorts keys and writes < as \\u003c)."""
+    from pocket_mlx.engine.templates import render_template
+
+    tool = {"name": "f", "description": "a <b> & 'c' é", "parameters": {"z": 1, "a": 2}}
+    assert render_template("{{ t | tojson }}", t=tool) == json.dumps(tool, ensure_ascii=False)
+    assert render_template("{{ t | tojson(indent=2) }}", t=tool) == json.dumps(
+        tool, ensure_ascii=False, indent=2)
