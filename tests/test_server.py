@@ -239,6 +239,65 @@ def test_extensions_top_k_min_p_repetition_penalty(client):
     assert r.choices[0].text != plain.choices[0].text  # the penalty breaks the "2 2 2" loop
 
 
+def test_top_p_keeps_only_the_likeliest_tokens(client):
+    """top_p so small that one token is left: temperature 1 samples the greedy reply."""
+    greedy = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20,
+                                       temperature=0).choices[0].text
+    for seed in (1, 2):
+        r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20,
+                                      temperature=1, top_p=1e-6, seed=seed)
+        assert r.choices[0].text == greedy
+    loose = {client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20,
+                                       temperature=1, top_p=1, seed=seed).choices[0].text
+             for seed in (1, 2)}
+    assert loose != {greedy}
+
+
+def test_models_retrieve(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+
+
+def sse_events(server: Server, path: str, body: dict) -> tuple[dict, list[str]]:
+    """(headers, the data of each event) of a raw streamed request, the framing checked."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("POST", path, body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        raw = r.read().decode()
+        headers = {k.lower(): v for k, v in r.getheaders()}
+    finally:
+        conn.close()
+    assert r.status == 200 and raw.endswith("\n\n")
+    events = raw[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), raw[:300]
+    return headers, [e[len("data: "):] for e in events]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+    ("/v1/completions", {"prompt": "Once upon a time"})])
+def test_sse_framing_and_include_usage(server, path, body):
+    headers, events = sse_events(server, path, {**body, "max_tokens": 6, "temperature": 0,
+                                                "stream": True,
+                                                "stream_options": {"include_usage": True}})
+    assert headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1
+    use = chunks[-1]
+    assert use["choices"] == [] and use["usage"]["completion_tokens"] == 6
+    assert use["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    _, plain = sse_events(server, path, {**body, "max_tokens": 6, "temperature": 0,
+                                         "stream": True})
+    assert plain[-1] == "[DONE]" and all("usage" not in json.loads(e) for e in plain[:-1])
+
+
 def test_openai_client_sees_unknown_model_as_404(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
@@ -285,7 +344,7 @@ BAD = [
     (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools", "unsupported_parameter"),
     (CHAT, {"messages": MSGS, "tool_choice": "required"}, 400, "tool_choice",
-     "unsupported_parameter"),
+     "invalid_value"),
     (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}, 400,
      "response_format", "unsupported_parameter"),
     (CHAT, {"messages": MSGS, "audio": {"voice": "x"}}, 400, "audio", "unsupported_parameter"),
@@ -326,6 +385,27 @@ def test_oversized_body_is_413(server):
     body = json.dumps({"messages": [{"role": "user", "content": "x" * (9 * 2**20)}]}).encode()
     status, _, err = server.request("POST", CHAT, body)
     assert status == 413 and err["error"]["code"] == "body_too_large"
+    assert server.health()["status"] == "ok"
+
+
+def test_oversized_chunked_body_is_413(server):
+    """No Content-Length (chunked upload): the limit still holds, the server still serves."""
+    def chunks():
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(9):
+            yield b"x" * 2**20
+        yield b'"}]}'
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("POST", CHAT, body=chunks(), encode_chunked=True,
+                     headers={"Content-Type": "application/json",
+                              "Transfer-Encoding": "chunked"})
+        r = conn.getresponse()
+        err = json.loads(r.read())
+    finally:
+        conn.close()
+    assert r.status == 413 and err["error"]["code"] == "body_too_large"
     assert server.health()["status"] == "ok"
 
 
@@ -615,6 +695,15 @@ def test_messages_greedy_equals_generate(claude):
                                     {"type": "text", "text": "lo"}]}],
                                 extra_body={"temperature": 0})
     assert r2.content[0].text == ref["text"]
+
+
+def test_messages_count_tokens(claude):
+    body = {"system": "Be brief.", "messages": [{"role": "user", "content": "Hello"}]}
+    n = claude.messages.count_tokens(model=MODEL, **body).input_tokens
+    r = claude.messages.create(model=MODEL, max_tokens=2, extra_body={"temperature": 0}, **body)
+    assert n == r.usage.input_tokens > 0
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.count_tokens(model="claude-x", **body)
 
 
 def test_messages_stream_and_stop_sequence(claude):

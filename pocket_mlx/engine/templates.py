@@ -5,6 +5,7 @@ must fail fast with one line, not run the machine out of memory."""
 from __future__ import annotations
 
 import functools
+import json
 import re
 
 from jinja2.compiler import CodeGenerator
@@ -147,6 +148,15 @@ def _guard_filter(name: str, f):
     return guarded
 
 
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None,
+            separators=None, sort_keys: bool = False) -> str:
+    """`tojson` as transformers' chat templates define it: plain `json.dumps` in the caller's
+    key order, non-ASCII kept. Jinja's own sorts keys and escapes <, >, & and ' for HTML, so a
+    tool definition would render differently from what the model was trained on."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=tuple(separators) if separators else None, sort_keys=sort_keys)
+
+
 class _GuardedCodeGenerator(CodeGenerator):
     """Compiles `a ~ b` to a join that checks the size first (jinja's own is unchecked)."""
 
@@ -169,6 +179,7 @@ class TemplateEnvironment(ImmutableSandboxedEnvironment):
 
     def __init__(self) -> None:
         super().__init__(trim_blocks=True, lstrip_blocks=True)
+        self.filters["tojson"] = _tojson
         self.filters = {k: _guard_filter(k, f) for k, f in self.filters.items()}
 
         def raise_exception(msg):

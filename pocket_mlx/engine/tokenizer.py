@@ -112,10 +112,13 @@ class Tokenizer:
             return js
         return None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **extra) -> str:
         """Render the model's chat template in a sandbox with a size limit on its output and on
         every value it builds; any failure of the template (syntax, undefined names, security,
-        limits, Python errors in it) is a `PocketError` naming the template's file."""
+        limits, Python errors in it) is a `PocketError` naming the template's file. `tools`
+        (OpenAI-shaped function definitions) and `extra` (e.g. `enable_thinking`) reach the
+        template as transformers passes them."""
         if not self.chat_template:
             raise PocketError("this model has no chat template; use --raw")
         # Imported here: jinja2 costs ~25 ms of start-up that --raw does not need.
@@ -123,7 +126,9 @@ class Tokenizer:
 
         where = self.chat_template_source or "the chat template"
         try:
-            return render_template(self.chat_template, messages=messages,
+            if tools is not None:  # left undefined otherwise, as before tools existed here
+                extra["tools"] = tools
+            return render_template(self.chat_template, **extra, messages=messages,
                                    add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except PocketError as e:  # raise_exception() called by the template itself

@@ -7,9 +7,10 @@ OpenAPI pages on top of the same Starlette; the request checking lives in `serve
 instead, in the shape of OpenAI's own errors, so nothing here needs it. `http.server` would
 mean threads per connection and hand-written chunked streaming.
 
-Endpoints: GET /health (no key needed), GET /metrics (Prometheus text), GET /v1/models,
-POST /v1/chat/completions and POST /v1/completions (streamed with `"stream": true`), and
-Anthropic's POST /v1/messages (server/anthropic.py). Requests run one at a time on the
+Endpoints: GET /health (no key needed), GET /metrics (Prometheus text), GET /v1/models (and
+/v1/models/{id}), POST /v1/chat/completions and POST /v1/completions (streamed with
+`"stream": true`), and Anthropic's POST /v1/messages and /v1/messages/count_tokens
+(server/anthropic.py). Tool calls: server/tools.py. Requests run one at a time on the
 engine thread (`server/engine.py`); extra requests wait in a bounded queue, then get 429 with
 Retry-After. Every refusal is OpenAI's error object with a 4xx status and one line on stderr;
 anything unexpected is a 500 with a generic message (the details go to the log only).
@@ -42,8 +43,10 @@ from pocket_mlx.server.openai import (
     finish_reason,
     parse_chat,
     parse_completion,
+    tool_call_json,
     usage,
 )
+from pocket_mlx.server.tools import CallSplitter, ToolCall, splitter_for
 
 DEFAULT_MAX_BODY = 8 * 2**20  # bytes; a 2,000-token prompt is ~10 kB of JSON
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
@@ -82,9 +85,10 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def guarded(handler: Callable[[Request], Awaitable[Response]], *, auth: bool = True,
-                errors: Callable[[ApiError], dict] = ApiError.body):
+                errors: Callable[[ApiError], dict] = ApiError.body, label: str | None = None):
         """`handler` with the key check, and every failure as an error object (shaped by
-        `errors`: OpenAI's by default) plus one log line."""
+        `errors`: OpenAI's by default) plus one log line. `label`: the endpoint's name in
+        /metrics when its path has parameters (one series per route, not per URL)."""
 
         def refuse(e: ApiError) -> Response:
             return Response(json.dumps(errors(e)), status_code=e.status, headers=e.headers,
@@ -104,7 +108,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
                     f"{type(e).__name__}: {one_line(e)}")
                 response = refuse(ApiError(500, "internal server error; see the server's log",
                                            type="server_error", code="internal_error"))
-            engine.metrics.request(request.url.path, response.status_code)
+            engine.metrics.request(label or request.url.path, response.status_code)
             return response
 
         return endpoint
@@ -150,17 +154,41 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
                                                        stats() if stats else None),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card() -> dict:
+        return {"id": engine.model_id, "object": "model", "created": engine.created,
+                "owned_by": "pocket-mlx", "context_length": engine.context}
+
+    def unknown_model(name: str) -> ApiError:
+        return ApiError(404, f"the model {name!r} does not exist here; this server serves "
+                             f"{engine.model_id!r} (GET /v1/models)", param="model",
+                        code="model_not_found")
+
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": engine.model_id, "object": "model", "created": engine.created,
-            "owned_by": "pocket-mlx", "context_length": engine.context}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        """GET /v1/models/{id}: OpenAI's clients' `models.retrieve`."""
+        if request.path_params["model"] != engine.model_id:
+            raise unknown_model(request.path_params["model"])
+        return JSONResponse(model_card())
+
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's POST /v1/messages/count_tokens: the prompt's size as this model's
+        template and tokenizer make it (max_tokens is not part of this request)."""
+        body = await read_json(request)
+        if "max_tokens" in body:
+            raise ApiError(400, "max_tokens: Extra inputs are not permitted",
+                           param="max_tokens", code="unknown_parameter")
+        req = anthropic.parse_messages({**body, "max_tokens": 1})
+        if req.model is not None and req.model != engine.model_id:
+            raise unknown_model(req.model)
+        ids = await run_in_threadpool(engine.encode, req)
+        return JSONResponse({"input_tokens": len(ids)})
 
     async def admit(request: Request, req: GenRequest) -> Job:
         """The checked request's model, prompt and slot: a queued job, or an ApiError."""
         if req.model is not None and req.model != engine.model_id:
-            raise ApiError(404, f"the model {req.model!r} does not exist here; this server "
-                                f"serves {engine.model_id!r} (GET /v1/models)", param="model",
-                           code="model_not_found")
+            raise unknown_model(req.model)
         ids = await run_in_threadpool(engine.encode, req)
         try:
             return engine.submit(ids, req, asyncio.get_running_loop())
@@ -240,31 +268,74 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
     def data(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
+    def split_all(split: CallSplitter | None, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole reply as its text and tool calls (no tools: the text as it is)."""
+        if split is None:
+            return text, []
+        parts = split.feed(text) + split.close()
+        return "".join(p for p in parts if isinstance(p, str)), split.calls
+
+    def log_calls(split: CallSplitter | None, where: str) -> None:
+        """One line for each call the model wrote that could not be read (given back as text)
+        and for calls dropped by parallel_tool_calls false."""
+        if split is None:
+            return
+        for why in split.failed:
+            log(f"pocket-mlx serve: {where}: a tool call could not be parsed ({one_line(why)}); "
+                "returned as text")
+        if split.dropped:
+            log(f"pocket-mlx serve: {where}: {split.dropped} tool call(s) past the first "
+                "dropped (parallel_tool_calls is false)")
+
     async def openai_endpoint(request: Request, parse: Callable[[dict], GenRequest]) -> Response:
         req = parse(await read_json(request))
         job = await admit(request, req)
         reply = Reply(req.kind, engine.model_id)
+        split = splitter_for(req, "call_")
         if not req.stream:
             got = await collect(request, job, where(request, req))
             if got is None:
                 return Response(status_code=499)
             text, ev = got
-            return JSONResponse(reply.full(text, finish_reason(ev.finish_reason),
+            text, calls = split_all(split, text)
+            log_calls(split, where(request, req))
+            return JSONResponse(reply.full(text, finish_reason(ev.finish_reason, bool(calls)),
                                            usage(ev.prompt_tokens, ev.completion_tokens,
-                                                 ev.cached_tokens)))
+                                                 ev.cached_tokens), calls))
+
+        def pieces(parts: list[str | ToolCall], inc: bool) -> list[str]:
+            out = []
+            for p in parts:
+                if isinstance(p, str):
+                    out.append(data(reply.chunk(p, with_usage=inc)))
+                else:
+                    index = next(i for i, c in enumerate(split.calls) if c is p)
+                    out.append(data(reply.chunk(with_usage=inc,
+                                                call=tool_call_json(p, index=index))))
+            return out
 
         async def stream() -> AsyncIterator[str]:
-            """OpenAI's chunks; `data: [DONE]` ends them."""
+            """OpenAI's chunks; `data: [DONE]` ends them. With tools, text that may start a
+            call is held back until it is known, and each call goes out whole once parsed."""
             inc = req.include_usage
             if req.kind == "chat":
                 yield data(reply.chunk(role=True, with_usage=inc))
             async for ev in events(job, where(request, req)):
                 if isinstance(ev, Piece):
-                    yield data(reply.chunk(ev.text, with_usage=inc))
+                    if split is None:
+                        yield data(reply.chunk(ev.text, with_usage=inc))
+                    else:
+                        for chunk in pieces(split.feed(ev.text), inc):
+                            yield chunk
                 elif isinstance(ev, Failed):
                     yield data(ev.error.body())
                 elif isinstance(ev, Done):
-                    yield data(reply.chunk(None, finish_reason(ev.finish_reason),
+                    if split is not None:
+                        for chunk in pieces(split.close(), inc):
+                            yield chunk
+                        log_calls(split, where(request, req))
+                    called = split is not None and bool(split.calls)
+                    yield data(reply.chunk(None, finish_reason(ev.finish_reason, called),
                                            with_usage=inc))
                     if inc:
                         yield data(reply.usage_chunk(usage(ev.prompt_tokens, ev.completion_tokens,
@@ -277,31 +348,52 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
         req = anthropic.parse_messages(await read_json(request))
         job = await admit(request, req)
         msg = anthropic.Message(engine.model_id)
+        split = splitter_for(req, "toolu_")
         if not req.stream:
             got = await collect(request, job, where(request, req))
             if got is None:
                 return Response(status_code=499)
             text, ev = got
+            text, calls = split_all(split, text)
+            log_calls(split, where(request, req))
             return JSONResponse(msg.full(text, ev.finish_reason, ev.stop_string, msg.usage(
-                ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)))
+                ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens), calls))
 
         def event(name: str, obj: dict) -> str:
             return f"event: {name}\n{data(obj)}"
 
+        blocks = anthropic.Blocks()
+
+        def content(parts: list[str | ToolCall]) -> list[str]:
+            out = []
+            for p in parts:
+                for name, obj in (blocks.text(p) if isinstance(p, str) else blocks.call(p)):
+                    out.append(event(name, obj))
+            return out
+
         async def stream() -> AsyncIterator[str]:
-            """Anthropic's events: message_start, content_block_start, ping, the deltas,
-            content_block_stop, message_delta (stop reason, output tokens), message_stop."""
+            """Anthropic's events: message_start, ping, each content block's start, deltas
+            and stop (text_delta for text, one input_json_delta per tool_use), message_delta
+            (stop reason, output tokens), message_stop."""
             async for ev in events(job, where(request, req)):
                 if isinstance(ev, Started):
                     for name, obj in msg.start(msg.usage(ev.prompt_tokens, ev.cached_tokens, 0)):
                         yield event(name, obj)
                 elif isinstance(ev, Piece):
-                    yield event(*msg.delta(ev.text))
+                    for e in content(split.feed(ev.text) if split is not None else [ev.text]):
+                        yield e
                 elif isinstance(ev, Failed):
                     yield event("error", anthropic.error_body(ev.error))
                 elif isinstance(ev, Done):
+                    if split is not None:
+                        for e in content(split.close()):
+                            yield e
+                        log_calls(split, where(request, req))
+                    for name, obj in blocks.close():
+                        yield event(name, obj)
+                    called = split is not None and bool(split.calls)
                     for name, obj in msg.end(ev.finish_reason, ev.stop_string,
-                                             {"output_tokens": ev.completion_tokens}):
+                                             {"output_tokens": ev.completion_tokens}, called):
                         yield event(name, obj)
 
         return sse(stream())
@@ -335,9 +427,13 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
         Route("/health", guarded(health, auth=False), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(model, label="/v1/models/{id}"),
+              methods=["GET"]),
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/messages", guarded(anthropic_endpoint, errors=anthropic.error_body),
+              methods=["POST"]),
+        Route("/v1/messages/count_tokens", guarded(count_tokens, errors=anthropic.error_body),
               methods=["POST"]),
     ]
     middleware = []

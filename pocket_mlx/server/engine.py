@@ -38,6 +38,7 @@ from pocket_mlx.engine.prompt_cache import open_store
 from pocket_mlx.errors import PocketError
 from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.openai import ApiError, GenRequest
+from pocket_mlx.server.tools import render_chat
 
 
 class PromptCache(Protocol):
@@ -253,8 +254,7 @@ class Engine:
             if request.kind == "chat":
                 for m in request.messages or []:
                     _utf8(m["content"], "messages")
-                ids = tok.encode(tok.apply_chat_template(request.messages),
-                                 add_special_tokens=False)
+                ids = tok.encode(render_chat(tok, request), add_special_tokens=False)
             elif isinstance(request.prompt, str):
                 ids = tok.encode(_utf8(request.prompt, "prompt"))
             else:

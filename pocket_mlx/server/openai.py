@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies checked into a `GenRequest`, and the response shapes.
 
 Every field a request may carry is named here. A field we do not honour (`n` > 1, `logprobs`,
-`tools`, `response_format` other than text, penalties other than 0, ...) is refused with a 400
+`strict` tools, `response_format` other than text, penalties other than 0, ...) is refused with a 400
 and OpenAI's error object instead of being silently dropped: a client that relies on it learns
 at once. Unknown fields are refused too, as OpenAI itself does ("Unrecognized request
 argument"). Value ranges are engine/params.py's `check_*` functions, the same sentences the CLI
@@ -10,10 +10,13 @@ prints. No MLX here: this module only shapes data.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pocket_mlx.engine.params import (
     check_max_tokens,
@@ -32,16 +35,23 @@ MAX_STOPS = 16
 
 # Accepted and without effect on a local server: who the caller is, what OpenAI would store.
 _HARMLESS = {"user", "metadata", "store", "service_tier", "safety_identifier",
-             "prompt_cache_key", "parallel_tool_calls"}
+             "prompt_cache_key"}
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p",
              "repetition_penalty", "stop", "seed", "stream", "stream_options", "n",
              "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
 CHAT_FIELDS = _HARMLESS | _SAMPLING | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-    "function_call", "response_format", "audio", "modalities", "prediction", "reasoning_effort",
+    "function_call", "parallel_tool_calls", "response_format", "audio", "modalities", "prediction", "reasoning_effort",
     "web_search_options", "verbosity"}
 COMPLETION_FIELDS = _HARMLESS | _SAMPLING | {"prompt", "echo", "suffix", "best_of"}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
+# A function's name: what OpenAI allows (letters, digits, _ and -, up to 64), plus the . and :
+# some clients' namespaced tools use (MCP servers: "server.tool").
+TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+# Fields of an assistant message that clients echo back from a response (the openai SDK's
+# `message.model_dump()`): accepted when empty.
+_ECHOED_EMPTY = {"refusal", "audio", "function_call", "annotations", "reasoning_content"}
 
 
 class ApiError(Exception):
@@ -73,6 +83,16 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    # Tools (chat only): OpenAI-shaped function definitions, as the chat template receives
+    # them; tool_choice is auto | none | required | function (then tool_name names it).
+    tools: list[dict] | None = None
+    tool_choice: str = "none"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+    # Set when the prompt is rendered (server/tools.py `render_chat`): the model's tool-call
+    # format (None: replies are plain text) and the text the reply is forced to start with.
+    tool_format: Any = None
+    reply_prefix: str = ""
 
 
 def _unsupported(name: str, why: str) -> ApiError:
@@ -195,11 +215,9 @@ def _content(content, where: str) -> str:
 def parse_chat(body: dict) -> GenRequest:
     """A /v1/chat/completions body, checked."""
     _check_fields(body, CHAT_FIELDS)
-    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none") \
-            or body.get("function_call") not in (None, "none"):
-        name = next(n for n in ("tools", "functions", "tool_choice", "function_call")
-                    if body.get(n) not in (None, [], "none"))
-        raise _unsupported(name, "tool calls are not implemented yet")
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise _unsupported(name, "the deprecated functions API; send tools and tool_choice")
     if body.get("logprobs") or body.get("top_logprobs") is not None:
         raise _unsupported("logprobs" if body.get("logprobs") else "top_logprobs",
                            "log-probabilities are not returned")
@@ -230,25 +248,179 @@ def parse_chat(body: dict) -> GenRequest:
                        code="invalid_type")
     out = []
     for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(400, f"{where} must be an object", param=where, code="invalid_type")
-        if "tool_calls" in m or "tool_call_id" in m or m.get("role") in ("tool", "function"):
-            raise _unsupported(where, "tool calls and tool results are not implemented yet")
-        extra = sorted(set(m) - {"role", "content", "name"})
-        if extra:
-            raise ApiError(400, f"{where}: unrecognized field {extra[0]}",
-                           param=f"{where}.{extra[0]}", code="unknown_parameter")
-        role = m.get("role")
-        if role not in ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
-                           param=f"{where}.role", code="invalid_value")
-        if "content" not in m or m["content"] is None:
-            raise ApiError(400, f"{where}.content is required", param=f"{where}.content",
-                           code="missing_required")
-        out.append({"role": ROLES[role], "content": _content(m["content"], f"{where}.content")})
+        out.append(_chat_message(m, f"messages[{i}]"))
     req.messages = out
+    req.tools, req.tool_choice, req.tool_name = chat_tools(body)
+    req.parallel_tool_calls = body.get("parallel_tool_calls") is not False
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise ApiError(400, "parallel_tool_calls must be true or false",
+                       param="parallel_tool_calls", code="invalid_type")
     return req
+
+
+def _chat_message(m, where: str) -> dict:
+    """One message of a chat request, as the chat template receives it: role and content
+    text, plus an assistant's `tool_calls` (arguments parsed into objects, as transformers'
+    templates want them) or a tool result's `tool_call_id`."""
+    if not isinstance(m, dict):
+        raise ApiError(400, f"{where} must be an object", param=where, code="invalid_type")
+    role = m.get("role")
+    if role == "function":
+        raise _unsupported(f"{where}.role", "function messages belong to the deprecated "
+                                            "functions API; send role \"tool\" results")
+    if role not in ROLES:
+        raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
+                       param=f"{where}.role", code="invalid_value")
+    allowed = {"role", "content", "name"}
+    if role == "assistant":
+        allowed |= {"tool_calls"} | {k for k in _ECHOED_EMPTY if m.get(k) in (None, [], "")}
+    elif role == "tool":
+        allowed.add("tool_call_id")
+    extra = sorted(set(m) - allowed)
+    if extra:
+        raise ApiError(400, f"{where}: unrecognized field {extra[0]}",
+                       param=f"{where}.{extra[0]}", code="unknown_parameter")
+    calls = m.get("tool_calls")
+    if calls is not None and calls != []:
+        out = {"role": "assistant",
+               "content": "" if m.get("content") is None
+               else _content(m["content"], f"{where}.content"),
+               "tool_calls": [_tool_call(c, f"{where}.tool_calls[{j}]")
+                              for j, c in enumerate(_list(calls, f"{where}.tool_calls"))]}
+        return out
+    if "content" not in m or m["content"] is None:
+        raise ApiError(400, f"{where}.content is required", param=f"{where}.content",
+                       code="missing_required")
+    out = {"role": ROLES[role], "content": _content(m["content"], f"{where}.content")}
+    if role == "tool":
+        tid = m.get("tool_call_id")
+        if not isinstance(tid, str) or not tid:
+            raise ApiError(400, f"{where}.tool_call_id is required (the id of the call this "
+                                "result answers)", param=f"{where}.tool_call_id",
+                           code="missing_required")
+        out["tool_call_id"] = tid
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
+    return out
+
+
+def _list(v, where: str) -> list:
+    if not isinstance(v, list):
+        raise ApiError(400, f"{where} must be a list", param=where, code="invalid_type")
+    return v
+
+
+def _tool_call(c, where: str) -> dict:
+    """An assistant message's tool call, its JSON arguments parsed."""
+    if not isinstance(c, dict) or c.get("type", "function") != "function" \
+            or not isinstance(c.get("function"), dict):
+        raise ApiError(400, f"{where} must be {{\"type\": \"function\", \"id\": ..., "
+                            "\"function\": {\"name\": ..., \"arguments\": ...}}",
+                       param=where, code="invalid_value")
+    extra = sorted(set(c) - {"id", "type", "function", "index"})
+    if extra:
+        raise ApiError(400, f"{where}: unrecognized field {extra[0]}",
+                       param=f"{where}.{extra[0]}", code="unknown_parameter")
+    f = c["function"]
+    name = f.get("name")
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, f"{where}.function.name must be a non-empty string",
+                       param=f"{where}.function.name", code="invalid_value")
+    args = f.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ApiError(400, f"{where}.function.arguments is not valid JSON",
+                           param=f"{where}.function.arguments", code="invalid_value") from None
+    if not isinstance(args, dict):
+        raise ApiError(400, f"{where}.function.arguments must be a JSON object",
+                       param=f"{where}.function.arguments", code="invalid_value")
+    call_id = c.get("id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise ApiError(400, f"{where}.id must be a string", param=f"{where}.id",
+                       code="invalid_type")
+    return {"id": call_id or "", "type": "function",
+            "function": {"name": name, "arguments": args}}
+
+
+def function_tool(name, description, parameters, where: str) -> dict:
+    """One function definition, checked, in the shape chat templates receive (transformers'
+    OpenAI shape, keys in this order: the order they are rendered in)."""
+    if not isinstance(name, str) or not TOOL_NAME_RE.match(name):
+        raise ApiError(400, f"{where}: the name must be 1-128 letters, digits, _, -, . or :, "
+                            f"got {name!r}", param=where, code="invalid_value")
+    fn: dict = {"name": name}
+    if description is not None:
+        if not isinstance(description, str):
+            raise ApiError(400, f"{where}: description must be a string", param=where,
+                           code="invalid_type")
+        fn["description"] = description
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise ApiError(400, f"{where}: parameters must be a JSON Schema object",
+                           param=where, code="invalid_type")
+        fn["parameters"] = parameters
+    return {"type": "function", "function": fn}
+
+
+def chat_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
+    """`tools` and `tool_choice` of a chat request: (tools or None, choice, named function)."""
+    raw = body.get("tools")
+    tools: list[dict] | None = None
+    if raw is not None:
+        tools = []
+        for i, t in enumerate(_list(raw, "tools")):
+            where = f"tools[{i}]"
+            if not isinstance(t, dict):
+                raise ApiError(400, f"{where} must be an object", param=where,
+                               code="invalid_type")
+            if t.get("type") != "function":
+                raise _unsupported(where, f"tools of type {t.get('type')!r} (function tools "
+                                          "only)")
+            f = t.get("function")
+            if not isinstance(f, dict) or set(t) - {"type", "function"}:
+                raise ApiError(400, f'{where} must be {{"type": "function", "function": '
+                                    '{...}}', param=where, code="invalid_value")
+            extra = sorted(set(f) - {"name", "description", "parameters", "strict"})
+            if extra:
+                raise ApiError(400, f"{where}.function: unrecognized field {extra[0]}",
+                               param=f"{where}.function.{extra[0]}", code="unknown_parameter")
+            if f.get("strict"):
+                raise _unsupported(f"{where}.function.strict",
+                                   "decoding is not constrained to the schema here, so strict "
+                                   "adherence cannot be promised; leave strict out or false")
+            tools.append(function_tool(f.get("name"), f.get("description"),
+                                       f.get("parameters"), f"{where}.function"))
+        names = [t["function"]["name"] for t in tools]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ApiError(400, f"tools: the function {dup!r} is defined twice", param="tools",
+                           code="invalid_value")
+        tools = tools or None
+    choice = body.get("tool_choice")
+    name = None
+    if choice is None:
+        choice = "auto" if tools else "none"
+    elif isinstance(choice, dict):
+        f = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(f, dict) \
+                or not isinstance(f.get("name"), str):
+            raise ApiError(400, 'tool_choice must be "none", "auto", "required" or '
+                                '{"type": "function", "function": {"name": ...}}',
+                           param="tool_choice", code="invalid_value")
+        choice, name = "function", f["name"]
+    elif choice not in ("none", "auto", "required"):
+        raise ApiError(400, 'tool_choice must be "none", "auto", "required" or '
+                            '{"type": "function", "function": {"name": ...}}',
+                       param="tool_choice", code="invalid_value")
+    if choice in ("required", "function") and not tools:
+        raise ApiError(400, f"tool_choice {choice!r} needs tools", param="tool_choice",
+                       code="invalid_value")
+    if name is not None and name not in [t["function"]["name"] for t in tools or []]:
+        raise ApiError(400, f"tool_choice names the function {name!r}, which is not in tools",
+                       param="tool_choice", code="invalid_value")
+    return tools, choice, name
 
 
 def parse_completion(body: dict) -> GenRequest:
@@ -291,9 +463,19 @@ def parse_completion(body: dict) -> GenRequest:
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
 
-def finish_reason(engine_reason: str | None) -> str:
-    """The engine's reason (eos, stop, length, context) as OpenAI's (stop, length)."""
-    return FINISH_REASONS.get(engine_reason or "", "stop")
+def finish_reason(engine_reason: str | None, called: bool = False) -> str:
+    """The engine's reason (eos, stop, length, context) as OpenAI's (stop, length), and
+    tool_calls when the reply made calls and ended by itself."""
+    reason = FINISH_REASONS.get(engine_reason or "", "stop")
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def tool_call_json(call, index: int | None = None) -> dict:
+    """A `ToolCall` (server/tools.py) as OpenAI's `tool_calls` item; with `index` (streamed),
+    the whole call in one delta, which clients accumulate by index like piecewise ones."""
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": call.arguments_json()}}
+    return out if index is None else {"index": index, **out}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -314,22 +496,29 @@ class Reply:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, reason: str, use: dict) -> dict:
-        """The non-streaming response."""
+    def full(self, text: str, reason: str, use: dict, calls: list | None = None) -> dict:
+        """The non-streaming response; `calls`: the reply's tool calls (content is then null
+        when the model wrote nothing else, as OpenAI's are)."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": reason}
+            message: dict = {"role": "assistant", "content": text}
+            if calls:
+                message["content"] = text or None
+                message["tool_calls"] = [tool_call_json(c) for c in calls]
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": reason}
             return {**self._head("chat.completion"), "choices": [choice], "usage": use}
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": use}
 
     def chunk(self, text: str | None = None, reason: str | None = None, *, role: bool = False,
-              with_usage: bool = False) -> dict:
-        """One streamed chunk: a text piece, the opening role (chat), or the closing reason.
-        With `with_usage` (stream_options.include_usage) every chunk carries `usage: null`,
-        as OpenAI's do, and `usage_chunk` ends the stream."""
+              with_usage: bool = False, call: dict | None = None) -> dict:
+        """One streamed chunk: a text piece, the opening role (chat), a tool call (`call`, a
+        `tool_call_json` with its index), or the closing reason. With `with_usage`
+        (stream_options.include_usage) every chunk carries `usage: null`, as OpenAI's do, and
+        `usage_chunk` ends the stream."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else (
+                {"tool_calls": [call]} if call is not None else
                 {} if text is None else {"content": text})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
