@@ -42,9 +42,8 @@ lost"), reported as one line; a rank that hangs trips the same watchdog between 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -66,44 +65,64 @@ _LAUNCH_ENV = ("MLX_HOSTFILE", "MLX_RANK", "MLX_JACCL_COORDINATOR", "OMPI_COMM_W
                "NCCL_HOST_IP")
 
 
-def _die(message: str) -> None:
-    """One line on stderr, exit code 2, now: called from the watchdog thread, where raising
-    cannot stop a main thread blocked inside a collective."""
-    try:
-        sys.stderr.write(f"error: {message}\n")
+# The watchdog runs as a child process: MLX holds the GIL while `mx.distributed.init` waits for
+# its peers (checked: no Python thread runs meanwhile), so a thread could never fire. The parent
+# writes "SECONDS MESSAGE" lines to arm it and "-" to disarm; when a deadline passes it prints
+# the message as one line and ends the parent; when the parent ends, its pipe closes and so
+# does the child.
+_WATCHDOG = r"""
+import os, select, signal, sys, time
+parent, deadline, what, buf = int(sys.argv[1]), None, "", b""
+while True:
+    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    ready, _, _ = select.select([0], [], [], wait)
+    if ready:
+        data = os.read(0, 65536)
+        if not data:
+            sys.exit(0)
+        buf += data
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if line == b"-":
+                deadline = None
+            else:
+                secs, _, msg = line.decode().partition(" ")
+                deadline, what = time.monotonic() + float(secs), msg
+    elif deadline is not None and time.monotonic() >= deadline:
+        sys.stderr.write("error: " + what + "\n")
         sys.stderr.flush()
-    finally:
-        os._exit(2)
+        try:
+            os.kill(parent, signal.SIGTERM)
+            time.sleep(2)
+            os.kill(parent, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        sys.exit(0)
+"""
 
 
 class Watchdog:
-    """Ends the process with one line when no progress is reported for `timeout` seconds: a
+    """Ends this process with one line on stderr when a deadline passes without `disarm`: a
     peer that never connects, or hangs, would otherwise block a collective forever (MLX's ring
-    has no timeout of its own)."""
+    has no timeout of its own). Killed by a signal, the process exits with 143 (SIGTERM)."""
 
     def __init__(self, rank: int):
         self.rank = rank
-        self._deadline: float | None = None
-        self._what = ""
-        self._lock = threading.Lock()
-        threading.Thread(target=self._run, daemon=True, name="pocket-dist-watchdog").start()
+        self._proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid())],
+                                      stdin=subprocess.PIPE, close_fds=True)
+
+    def _send(self, line: str) -> None:
+        try:
+            self._proc.stdin.write(line.encode() + b"\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass
 
     def arm(self, seconds: float, what: str) -> None:
-        with self._lock:
-            self._deadline, self._what = time.monotonic() + seconds, what
+        self._send(f"{seconds} rank {self.rank}: {' '.join(what.split())}")
 
     def disarm(self) -> None:
-        with self._lock:
-            self._deadline = None
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(0.2)
-            with self._lock:
-                late = self._deadline is not None and time.monotonic() > self._deadline
-                what = self._what
-            if late:
-                _die(f"rank {self.rank}: {what}")
+        self._send("-")
 
 
 @dataclass
@@ -329,15 +348,20 @@ def setup_pipeline(model, g: Group) -> None:
 
 
 class ExpertParallelMoe(SparseMoeBlock):
-    """SparseMoeBlock holding experts [lo, hi) of `num_experts`: routing as in one process,
-    this rank's experts' outputs, one all_sum, then the one-process combine (exact; see the
-    module's docstring)."""
+    """SparseMoeBlock holding experts [lo, hi) of `num_experts` (plus one all-zero expert, see
+    `setup_experts`): routing as in one process, this rank's experts' outputs, one all_sum, then
+    the one-process combine (exact; see the module's docstring)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         ep: _Experts = self._ep
         group = ep.group.group
         if self.observer is None and x.size <= self.FUSED_MAX_TOKENS * x.shape[-1]:
             mats = self._quantized_mats()
+            if mats:
+                # The extension takes the held experts without the zero one (views, made once).
+                if ep.views is None:
+                    ep.views = [tuple(a[: ep.hi - ep.lo] for a in m[:3]) for m in mats[-3:]]
+                mats = mats[:-3] + [(*v, *m[3:]) for v, m in zip(ep.views, mats[-3:])]
             got = (ops.moe_block_parts(x, mats, self.top_k, self.norm_topk_prob, ep.lo,
                                        ep.shared) if mats else None)
             if got is not None:
@@ -345,7 +369,10 @@ class ExpertParallelMoe(SparseMoeBlock):
                 return ops.moe_combine(mx.distributed.all_sum(parts, group=group), scores)
         inds, scores = ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
         here = (inds >= ep.lo) & (inds < ep.hi)
-        experts = self.switch_mlp(x, mx.where(here, inds - ep.lo, 0).astype(inds.dtype))
+        # Slots of other ranks' experts go to the zero expert: the held experts then see exactly
+        # the rows they see in one process (the kernels' results depend on how rows group).
+        local = mx.where(here, inds - ep.lo, ep.hi - ep.lo).astype(inds.dtype)
+        experts = self.switch_mlp(x, local)
         experts = mx.where(here[..., None], experts, mx.zeros((), experts.dtype))
         if ep.shared:
             shared = self.shared_expert(x)
@@ -364,11 +391,13 @@ class _Experts:
     lo: int
     hi: int
     shared: bool  # this rank computes the layer's shared expert
+    views: list | None = None  # the held experts' (weight, scales, biases) without the zero one
 
 
 def setup_experts(model, g: Group) -> None:
-    """Keep this rank's block of every layer's routed experts (copies: a slice of a mapped
-    tensor would keep the whole tensor alive once evaluated)."""
+    """Keep this rank's block of every layer's routed experts, plus one all-zero expert that
+    other ranks' slots are sent to on the MLX-ops path (copies: a slice of a mapped tensor would
+    keep the whole tensor alive once evaluated)."""
     E = model.args.num_experts
     if E < g.size:
         raise PocketError(f"experts mode over {g.size} ranks needs at least {g.size} experts per "
@@ -380,7 +409,8 @@ def setup_experts(model, g: Group) -> None:
             sw = mlp.switch_mlp[proj]
             for name in ("weight", "scales", "biases"):
                 if name in sw:
-                    sw[name] = mx.contiguous(sw[name][lo:hi] + mx.zeros((), sw[name].dtype))
+                    a = sw[name]
+                    sw[name] = mx.concatenate([a[lo:hi], mx.zeros((1, *a.shape[1:]), a.dtype)])
             object.__setattr__(sw, "experts_global", E)
         mlp.__class__ = ExpertParallelMoe
         object.__setattr__(mlp, "_ep", _Experts(g, lo, hi, i % g.size == g.rank))

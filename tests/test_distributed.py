@@ -1,0 +1,177 @@
+"""`generate --distributed pipeline|experts`: real `mlx.launch -n 2 --backend ring` runs on this
+machine (two CPU processes over loopback TCP) against one process; failures of a peer."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, hf_weights, tiny_config, write_checkpoint
+from mlx.utils import tree_flatten
+
+from pocket_mlx.engine import distributed
+from pocket_mlx.engine.loader import load
+
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+PROMPT = ("The quick brown fox jumps over the lazy dog while the cat watches from the warm "
+          "windowsill and the rain keeps falling on the old roof of the house")
+TOKENS = "12"
+
+pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), POCKET_MLX_THREADS="1")
+    for k in ("MLX_RANK", "MLX_HOSTFILE"):
+        env.pop(k, None)
+    return env
+
+
+def _free_ports(n: int) -> int:
+    """A first port with `n` free ones after it (other test runs may share this machine)."""
+    for _ in range(100):
+        base = random.randint(20000, 60000)
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            for s in socks:
+                s.close()
+            return base
+        except OSError:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def _generate(model: Path | None, mode: str | None, raw: bool) -> dict:
+    args = ["-m", "pocket_mlx", "generate", "-p", PROMPT, "-n", TOKENS, "--device", "cpu",
+            "--json"]
+    args += ["--model", str(model)] if model else []
+    args += ["--raw"] if raw else []
+    if mode is None:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port",
+               str(_free_ports(2)), "--", sys.executable, *args, "--distributed", mode,
+               "--distributed-timeout", "60"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stdout  # rank 0 alone prints
+    return json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def hybrid4(tmp_path_factory) -> Path:
+    """A random float32 model with 2 full-attention and 2 Gated DeltaNet layers (MLX's ops)."""
+    cfg = tiny_config(layer_types=["linear_attention", "full_attention", "linear_attention",
+                                   "full_attention"])
+    return write_checkpoint(tmp_path_factory.mktemp("dist") / "hybrid4", cfg, hf_weights(cfg, 3))
+
+
+def _bytes(model) -> tuple[int, int]:
+    """(all parameter bytes, routed experts' bytes) of a model as generate loads it."""
+    total = experts = 0
+    for k, v in tree_flatten(model.parameters()):
+        total += v.nbytes
+        experts += v.nbytes if ".switch_mlp." in k else 0
+    return total, experts
+
+
+@pytest.mark.parametrize("which", ["bundled", "hybrid4"])
+def test_both_modes_match_one_process(which, hybrid4):
+    """Greedy output token-identical to one process, and each rank holds its share, read from
+    the arrays it loaded: pipeline about half of all bytes (every array on exactly one rank),
+    experts the dense part plus half of the routed experts."""
+    path = hybrid4 if which == "hybrid4" else None
+    raw = which == "hybrid4"
+    one = _generate(path, None, raw)
+    model, _ = load(path, device="cpu", fuse=True)
+    total, experts = _bytes(model)
+    for mode in ("pipeline", "experts"):
+        got = _generate(path, mode, raw)
+        assert got["text"] == one["text"], mode
+        assert got["generation_tokens"] == one["generation_tokens"] == int(TOKENS)
+        d = got["distributed"]
+        assert d["mode"] == mode and d["ranks"] == 2
+        ranks = d["rank_weight_bytes"]
+        if mode == "pipeline":
+            assert sum(ranks) == total
+            assert all(0.35 * total <= b <= 0.65 * total for b in ranks), (ranks, total)
+            (lo0, hi0), (lo1, hi1) = d["layers"]
+            assert lo1 == 0 and hi1 == lo0 and hi0 == model.args.num_hidden_layers
+        else:
+            # Half the experts, plus the all-zero expert each rank adds.
+            E = model.args.num_experts
+            assert ranks == [total - experts + experts * (E // 2 + 1) // E] * 2, (ranks, total)
+            assert all(b < one["bytes_per_token"] for b in d["rank_bytes_per_token"])
+
+
+def test_pipeline_ranges_follow_bytes_and_shares():
+    layers = [10] * 8
+    assert distributed.pipeline_ranges(layers, 0, 0, [1, 1]) == [(4, 8), (0, 4)]
+    # The embedding counts with the first layers, lm_head with the last ones.
+    assert distributed.pipeline_ranges(layers, 20, 0, [1, 1]) == [(3, 8), (0, 3)]
+    assert distributed.pipeline_ranges(layers, 0, 0, [3, 1]) == [(2, 8), (0, 2)]
+    # Every rank keeps at least one layer, whatever the shares.
+    assert distributed.pipeline_ranges([10, 10], 1000, 0, [1, 1]) == [(1, 2), (0, 1)]
+    with pytest.raises(Exception, match="at least 3 layers"):
+        distributed.pipeline_ranges([1, 1], 0, 0, [1, 1, 1])
+
+
+def _rank(rank: int, hostfile: Path, cmd: list[str]) -> subprocess.Popen:
+    env = dict(_env(), MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _hostfile(tmp_path: Path) -> Path:
+    port = _free_ports(2)
+    f = tmp_path / "hosts.json"
+    f.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    return f
+
+
+GEN = [sys.executable, "-m", "pocket_mlx", "generate", "-p", "hi", "-n", "4", "--device", "cpu",
+       "--distributed", "experts"]
+
+
+def test_a_rank_that_never_connects_is_an_error_not_a_hang(tmp_path):
+    t0 = time.monotonic()
+    p = _rank(0, _hostfile(tmp_path), [*GEN, "--distributed-timeout", "3"])
+    out, err = p.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert p.returncode != 0
+    last = err.strip().splitlines()[-1]
+    assert "rank 0: the other ranks did not connect within 3 s" in last
+    assert out == ""
+
+
+def test_a_rank_that_dies_is_a_one_line_error(tmp_path):
+    hosts = _hostfile(tmp_path)
+    p0 = _rank(0, hosts, [*GEN, "--distributed-timeout", "60"])
+    # Rank 1 joins the group, then dies before any work.
+    p1 = _rank(1, hosts, [sys.executable, "-c", "import mlx.core as mx, os; "
+                                                "mx.distributed.init(strict=True); os._exit(1)"])
+    p1.communicate(timeout=60)
+    out, err = p0.communicate(timeout=60)
+    assert p0.returncode == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("pocket-mlx generate: error: rank 0: lost the connection"), err
+    assert out == ""
+
+
+def test_distributed_outside_mlx_launch_says_how_to_start_it():
+    r = subprocess.run(GEN, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "mlx.launch -n 2" in r.stderr
