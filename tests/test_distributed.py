@@ -175,3 +175,38 @@ def test_distributed_outside_mlx_launch_says_how_to_start_it():
     r = subprocess.run(GEN, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "mlx.launch -n 2" in r.stderr
+
+
+def test_info_ranks_estimate_from_the_models_bytes():
+    """`info --ranks N --link L`: per-rank memory and bytes per token follow the model's own
+    accounting (pipeline 1/N; experts: dense + 1/N of the routed experts), the collectives
+    are one per MoE layer plus the token, and a slower link gives a slower estimate."""
+    from pocket_mlx.analysis.accounting import module_costs
+    from pocket_mlx.analysis.info import describe, open_source
+
+    d = describe("synthetic:tiny", ranks=2, link="thunderbolt5", bandwidth_gbps=100.0)
+    e = d["distributed"]
+
+    costs = module_costs(open_source("synthetic:tiny").model)
+    experts = sum(c.bytes for c in costs if ".switch_mlp." in c.path + ".")
+    total = d["weights_bytes"]
+    layers = d["architecture"]["layers"]
+    E = d["experts_per_layer"]
+    assert e["pipeline"]["memory_bytes_per_rank"] == total / 2
+    assert e["experts"]["memory_bytes_per_rank"] == pytest.approx(
+        total - experts / 2 + experts / E)
+    assert e["experts"]["collectives_per_token"] == layers + 1
+    assert e["experts"]["bytes_per_token_per_rank"] < d["bytes_per_token"]
+    slow = describe("synthetic:tiny", ranks=2, link="1gbe", bandwidth_gbps=100.0)["distributed"]
+    assert slow["experts"]["decode_tps"] < e["experts"]["decode_tps"]
+    assert e["bandwidth_gbps"] == 100.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ranks", "1"], "--ranks must be 2 or more"),
+    (["--link", "10gbe"], "add --ranks N"),
+])
+def test_info_ranks_bad_input_is_one_line(argv, message):
+    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "info", *argv], capture_output=True,
+                       text=True, env=_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1
