@@ -94,13 +94,14 @@ def all_sum_s(nbytes: float, ranks: int, lk: Link) -> float:
 
 
 def estimate(s: Split, ranks: int, lk: Link, bandwidth_gbps: float,
-             act_bytes: int = 4) -> dict:
+             act_bytes: int = 4, efficiency: float = 1.0) -> dict:
     """Per-rank memory, bytes per token, collectives per token and tok/s for one process and
     both modes over `ranks` machines of `bandwidth_gbps` each joined by `lk`. `act_bytes`: the
-    activations' element size (4 on the CPU, 2 for bf16 on the GPU)."""
+    activations' element size (4 on the CPU, 2 for bf16 on the GPU). `efficiency`: the share
+    of the memory bandwidth decode achieves (1: the roofline; mlx-lm on Metal reaches ~0.4)."""
     if ranks < 2:
         raise PocketError(f"--ranks must be 2 or more, got {ranks}")
-    bw = bandwidth_gbps * 1e9
+    bw = bandwidth_gbps * 1e9 * efficiency
     one = s.per_token / bw
     # experts: dense replicated, routed experts split, the shared expert on one rank per layer.
     # (+ the all-zero expert each rank adds, engine/distributed.setup_experts)
@@ -127,7 +128,7 @@ def estimate(s: Split, ranks: int, lk: Link, bandwidth_gbps: float,
     return {
         "ranks": ranks, "link": lk.name, "link_nominal_gbit": lk.nominal_gbit,
         "link_usable_gbit": lk.usable_gbit, "link_latency_us": lk.latency_us,
-        "bandwidth_gbps": bandwidth_gbps,
+        "bandwidth_gbps": bandwidth_gbps, "efficiency": efficiency,
         "one_process": {"memory_bytes": s.total, "bytes_per_token": s.per_token,
                         "decode_tps": 1 / one},
         "pipeline": {"memory_bytes_per_rank": s.total / ranks,
