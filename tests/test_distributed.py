@@ -210,3 +210,14 @@ def test_info_ranks_bad_input_is_one_line(argv, message):
     r = subprocess.run([sys.executable, "-m", "pocket_mlx", "info", *argv], capture_output=True,
                        text=True, env=_env(), cwd=ROOT, timeout=60)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_bench_runs_distributed_and_rank_0_alone_reports():
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports(2)),
+           "--", sys.executable, "-m", "pocket_mlx", "bench", "-p", "16", "-n", "4", "-r", "1",
+           "--device", "cpu", "-o", "json", "-q", "--distributed", "experts"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert [row["test"] for row in rows] == ["pp16", "tg4"]
+    assert all("[experts x2, rank 0]" in row["model"] and row["tps_mean"] > 0 for row in rows)
