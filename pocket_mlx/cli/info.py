@@ -19,7 +19,8 @@ def register(sub) -> argparse.ArgumentParser:
                         "published figure of this Apple chip)")
     p.add_argument("--ranks", type=int, default=None, metavar="N",
                    help="also estimate running across N machines (--distributed pipeline and "
-                        "experts): memory per rank, collectives and decode tok/s")
+                        "experts): memory per rank, collectives and decode tok/s (default: "
+                        "one machine, no estimate)")
     p.add_argument("--link", choices=["thunderbolt5", "10gbe", "1gbe"], default=None,
                    help="with --ranks: the link between the machines (default: thunderbolt5; "
                         "typical figures, stated as assumptions)")

@@ -25,8 +25,9 @@ shared expert, then each routed slot; a slot is nonzero on exactly one rank, and
 exactly), and after the all_sum every rank runs the one-process combine on identical inputs. On
 the CPU the extension's `moe_block` is itself `moe_combine(moe_block_parts(...))`, so decode is
 bit-identical to one process by construction; the MLX-ops path (prefill, GPU, no extension)
-reuses the model's own `_combine_experts`. The cost: (k + 1) x D floats per MoE block instead of
-D (36 KB instead of 4 KB for the 35B shape with k = 8, float32), still far under the links'
+reuses the model's own `_combine_experts`, and sends other ranks' slots to an all-zero expert so
+the experts held here see exactly the rows they see in one process. The cost: (k + 1) x D floats per MoE block instead of
+D (72 KiB instead of 8 KiB for the 35B shape with k = 8 in float32), still far under the links'
 bandwidth; the per-collective latency dominates (see `analysis/distributed_estimate.py`).
 
 Dense parts are replicated by design: sharding a dense projection needs one more collective per
