@@ -221,3 +221,35 @@ def test_bench_runs_distributed_and_rank_0_alone_reports():
     rows = json.loads(r.stdout)["rows"]
     assert [row["test"] for row in rows] == ["pp16", "tg4"]
     assert all("[experts x2, rank 0]" in row["model"] and row["tps_mean"] > 0 for row in rows)
+
+
+def test_moe_parts_summed_over_ranks_are_the_block_bit_for_bit(kernels_ext):
+    """The extension's expert-parallel pieces: each rank's parts (its experts, the shared one on
+    one rank) summed, then combined, equal `moe_block` exactly, for 2 and 3 ranks; a router
+    that does not cover the held experts is refused."""
+    import mlx.core as mx
+
+    from pocket_mlx.kernels import ops
+
+    model, _ = load(None, device="cpu", fuse=True)
+    mlp = model.layers[1].mlp
+    mats = mlp._quantized_mats()
+    x = mx.random.normal((1, 3, model.args.hidden_size), key=mx.random.key(1))
+    want = ops.moe_block(x, mats, mlp.top_k, True)
+    E = model.args.num_experts
+    for ranks in (2, 3):
+        total, scores = None, None
+        for r in range(ranks):
+            lo, hi = distributed.split_evenly(E, ranks, r)
+            mine = mats[:-3] + [(w[lo:hi], s[lo:hi], b[lo:hi], bits, gs)
+                                for w, s, b, bits, gs in mats[-3:]]
+            parts, sc = ops.moe_block_parts(x, mine, mlp.top_k, True, lo, r == 0)
+            assert parts.shape == (1, 3, mlp.top_k + 1, x.shape[-1])
+            total = parts if total is None else total + parts
+            scores = sc if scores is None else scores
+            assert mx.array_equal(sc, scores)
+        assert mx.array_equal(ops.moe_combine(total, scores), want)
+    last2 = mats[:-3] + [(w[E - 2:], s[E - 2:], b[E - 2:], bits, gs)
+                         for w, s, b, bits, gs in mats[-3:]]
+    assert ops.moe_block_parts(x, last2, mlp.top_k, True, E - 2, True) is not None
+    assert ops.moe_block_parts(x, last2, mlp.top_k, True, E - 1, True) is None  # past the router
