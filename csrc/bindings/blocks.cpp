@@ -20,13 +20,18 @@ namespace {
 // (or the fused gate_up), [shared up_proj,] shared down_proj, experts' gate, up, down.
 class PocketMoE : public CpuPrimitive {
  public:
-  PocketMoE(mx::Stream s, std::vector<int> bits, std::vector<int> gs, int k, bool norm_topk)
-      : CpuPrimitive(s), bits_(std::move(bits)), gs_(std::move(gs)), k_(k), norm_(norm_topk) {}
+  // lo < 0: the whole block (one output); else its parts (moe_block_parts: parts, scores) for
+  // the experts held here, global [lo, lo + E_local), with the shared expert when with_shared.
+  PocketMoE(mx::Stream s, std::vector<int> bits, std::vector<int> gs, int k, bool norm_topk,
+            int64_t lo = -1, bool with_shared = true)
+      : CpuPrimitive(s), bits_(std::move(bits)), gs_(std::move(gs)), k_(k), norm_(norm_topk),
+        lo_(lo), shared_(with_shared) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    alloc(outputs[0]);
+    for (auto& o : outputs) alloc(o);
     encode(stream(), inputs, outputs,
-           [inputs, out = outputs[0], bits = bits_, gs = gs_, k = k_, norm = norm_]() mutable {
+           [inputs, outputs, bits = bits_, gs = gs_, k = k_, norm = norm_, lo = lo_,
+            with_shared = shared_]() mutable {
              std::vector<uint8_t> tx;
              const mx::array& x = inputs[0];
              const float* xp = static_cast<const float*>(contiguous_bytes(x, tx));
@@ -60,7 +65,11 @@ class PocketMoE : public CpuPrimitive {
              b.k = k;
              b.norm_topk = norm;
              const int64_t D = x.shape(-1);
-             pqk::moe_block(b, xp, (int64_t)x.size() / D, out.data<float>());
+             if (lo < 0)
+               pqk::moe_block(b, xp, (int64_t)x.size() / D, outputs[0].data<float>());
+             else
+               pqk::moe_block_parts(b, xp, (int64_t)x.size() / D, lo, with_shared,
+                                    outputs[0].data<float>(), outputs[1].data<float>());
            });
   }
 
@@ -68,13 +77,40 @@ class PocketMoE : public CpuPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const PocketMoE*>(&other);
-    return o && o->bits_ == bits_ && o->gs_ == gs_ && o->k_ == k_ && o->norm_ == norm_;
+    return o && o->bits_ == bits_ && o->gs_ == gs_ && o->k_ == k_ && o->norm_ == norm_ &&
+           o->lo_ == lo_ && o->shared_ == shared_;
   }
 
  private:
   std::vector<int> bits_, gs_;
   int k_;
   bool norm_;
+  int64_t lo_;
+  bool shared_;
+};
+
+// moe_combine: parts [..., k + 1, D] and scores [..., k] -> the block's output [..., D].
+class PocketMoECombine : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    alloc(outputs[0]);
+    encode(stream(), inputs, outputs, [inputs, out = outputs[0]]() mutable {
+      std::vector<uint8_t> tp, ts;
+      const mx::array& parts = inputs[0];
+      const int64_t D = parts.shape(-1), k = parts.shape(-2) - 1;
+      const auto* pp = static_cast<const float*>(contiguous_bytes(parts, tp));
+      const auto* sp = static_cast<const float*>(contiguous_bytes(inputs[1], ts));
+      pqk::moe_combine(pp, sp, (int64_t)out.size() / D, k, D, out.data<float>());
+    });
+  }
+
+  const char* name() const override { return "PocketMoECombine"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return dynamic_cast<const PocketMoECombine*>(&other) != nullptr;
+  }
 };
 
 // One decode token of a Gated DeltaNet layer after its projections (core/linear_attn.cpp).
@@ -152,9 +188,14 @@ class PocketLinearAttn : public CpuPrimitive {
 }  // namespace
 
 // mats: 7 or 8 (w, scales, biases, bits, group_size) in PocketMoE's order.
-mx::array moe_block(const mx::array& x,
-                    const std::vector<std::tuple<mx::array, mx::array, mx::array, int, int>>& mats,
-                    int k, bool normalize, mx::StreamOrDevice s) {
+namespace {
+
+using Mats = std::vector<std::tuple<mx::array, mx::array, mx::array, int, int>>;
+
+// Checks moe_block's arguments (router over E_router experts, expert matrices of E experts,
+// E_router >= lo + E); returns the node's inputs and fills bits / group sizes.
+std::vector<mx::array> moe_inputs(const mx::array& x, const Mats& mats, int k, int64_t lo,
+                                  std::vector<int>& bits, std::vector<int>& gs) {
   const char* err = "pocket_mlx._qkernels.moe_block: ";
   require_f32(x, "moe_block");
   if (mats.size() != 7 && mats.size() != 8)
@@ -167,7 +208,9 @@ mx::array moe_block(const mx::array& x,
   const int64_t Hs = (int64_t)std::get<0>(sd).shape(-1) * 32 / std::get<3>(sd);
   const auto& ed = mats[mats.size() - 1];
   const int64_t H = (int64_t)std::get<0>(ed).shape(-1) * 32 / std::get<3>(ed);
-  std::vector<int> bits, gs;
+  const int64_t E_router = std::get<0>(mats[0]).shape(-2);
+  if (lo < 0 ? E_router != E : lo + E > E_router)
+    throw std::invalid_argument(std::string(err) + "router and experts disagree on the experts");
   std::vector<mx::array> inputs{x};
   for (size_t i = 0; i < mats.size(); i++) {
     const auto& [w, sc, bi, b, g] = mats[i];
@@ -177,7 +220,7 @@ mx::array moe_block(const mx::array& x,
     mx::array probe = mx::zeros({(int)K}, mx::float32);
     check_common(probe, w, sc, bi, g, b, expert ? 3 : 2);
     int64_t want = 0;
-    if (i == 0) want = E;
+    if (i == 0) want = E_router;
     else if (i == 1) want = 1;
     else if (i == 2) want = fused ? 2 * Hs : Hs;
     else if (!fused && i == 3) want = Hs;
@@ -189,10 +232,51 @@ mx::array moe_block(const mx::array& x,
     gs.push_back(g);
     inputs.insert(inputs.end(), {w, sc, bi});
   }
-  if (k <= 0 || k > E || D == 0)
+  if (k <= 0 || k > E_router || D == 0 || E == 0)
     throw std::invalid_argument(std::string(err) + "bad k or x");
+  return inputs;
+}
+
+}  // namespace
+
+mx::array moe_block(const mx::array& x, const Mats& mats, int k, bool normalize,
+                    mx::StreamOrDevice s) {
+  std::vector<int> bits, gs;
+  auto inputs = moe_inputs(x, mats, k, -1, bits, gs);
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<PocketMoE>(cpu_stream(s), bits, gs, k, normalize), inputs);
+}
+
+std::vector<mx::array> moe_block_parts(const mx::array& x, const Mats& mats, int k,
+                                       bool normalize, int64_t expert_lo, bool with_shared,
+                                       mx::StreamOrDevice s) {
+  if (expert_lo < 0)
+    throw std::invalid_argument("pocket_mlx._qkernels.moe_block_parts: expert_lo < 0");
+  std::vector<int> bits, gs;
+  auto inputs = moe_inputs(x, mats, k, expert_lo, bits, gs);
+  mx::Shape parts = x.shape(), scores = x.shape();
+  parts.insert(parts.end() - 1, k + 1);
+  scores.back() = k;
+  return mx::array::make_arrays(
+      {parts, scores}, {mx::float32, mx::float32},
+      std::make_shared<PocketMoE>(cpu_stream(s), bits, gs, k, normalize, expert_lo, with_shared),
+      inputs);
+}
+
+mx::array moe_combine(const mx::array& parts, const mx::array& scores, mx::StreamOrDevice s) {
+  const char* err = "pocket_mlx._qkernels.moe_combine: ";
+  require_f32(parts, "moe_combine");
+  require_f32(scores, "moe_combine");
+  if (parts.ndim() < 2 || scores.ndim() != parts.ndim() - 1 ||
+      scores.shape(-1) != parts.shape(-2) - 1 || scores.shape(-1) < 1)
+    throw std::invalid_argument(std::string(err) + "parts [..., k + 1, D] and scores [..., k]");
+  for (size_t i = 0; i + 1 < scores.ndim(); i++)
+    if (scores.shape(i) != parts.shape(i))
+      throw std::invalid_argument(std::string(err) + "parts and scores disagree on the tokens");
+  mx::Shape out = scores.shape();
+  out.back() = parts.shape(-1);
+  return mx::array(out, mx::float32, std::make_shared<PocketMoECombine>(cpu_stream(s)),
+                   {parts, scores});
 }
 
 std::vector<mx::array> linear_attn_step(const mx::array& qkv, const mx::array& z,

@@ -53,6 +53,15 @@ NB_MODULE(_qkernels, m) {
         "A whole Qwen3.5-MoE sparse block on the CPU (router, top-k SwiGLU experts, gated shared "
         "expert), float32; mats: (w, scales, biases, bits, group_size) x 7 (fused shared "
         "gate_up) or 8.");
+  m.def("moe_block_parts", &moe_block_parts, nb::arg("x"), nb::arg("mats"), nb::kw_only(),
+        nb::arg("k"), nb::arg("normalize"), nb::arg("expert_lo"), nb::arg("with_shared"),
+        nb::arg("stream") = nb::none(),
+        "Expert parallelism: moe_block's parts (parts [..., k + 1, D]: the gated shared expert "
+        "if with_shared, then each routed slot's output when its expert is held here, global "
+        "[expert_lo, expert_lo + E_local); zero otherwise) and the router's scores [..., k].");
+  m.def("moe_combine", &moe_combine, nb::arg("parts"), nb::arg("scores"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "moe_block's output from its parts (summed over ranks) and scores, float32.");
   m.def("linear_attn_step", &linear_attn_step, nb::arg("qkv"), nb::arg("z"), nb::arg("b"),
         nb::arg("a"), nb::arg("conv_state"), nb::arg("conv_w"), nb::arg("A_log"),
         nb::arg("dt_bias"), nb::arg("norm_w"), nb::arg("state"), nb::kw_only(), nb::arg("Hk"),

@@ -39,6 +39,11 @@ std::vector<mx::array> moe_route(const mx::array& logits, int k, bool normalize,
 mx::array moe_block(const mx::array& x,
                     const std::vector<std::tuple<mx::array, mx::array, mx::array, int, int>>& mats,
                     int k, bool normalize, mx::StreamOrDevice s);
+std::vector<mx::array> moe_block_parts(
+    const mx::array& x,
+    const std::vector<std::tuple<mx::array, mx::array, mx::array, int, int>>& mats, int k,
+    bool normalize, int64_t expert_lo, bool with_shared, mx::StreamOrDevice s);
+mx::array moe_combine(const mx::array& parts, const mx::array& scores, mx::StreamOrDevice s);
 std::vector<mx::array> linear_attn_step(const mx::array& qkv, const mx::array& z,
                                         const mx::array& b, const mx::array& a,
                                         const mx::array& conv_state, const mx::array& conv_w,

@@ -2,6 +2,7 @@
 // experts' SwiGLU, the shared expert behind its sigmoid gate, and the weighted sum. Decode runs
 // one of these per layer; as separate graph nodes the same work was ~19 nodes per layer, each
 // with its own scheduling cost and its own pass over small intermediate arrays.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -38,58 +39,90 @@ void swiglu(const float* gate, const float* up, int64_t rows, int64_t n, int64_t
 
 }  // namespace
 
-void moe_block(const MoeBlock& b, const float* x, int64_t T, float* out) {
+void moe_block_parts(const MoeBlock& b, const float* x, int64_t T, int64_t lo, bool with_shared,
+                     float* parts, float* scores) {
   const int64_t D = b.router.K, E = b.router.N, k = b.k;
+  const int64_t El = b.expert_gate.E;  // this rank's experts: global [lo, lo + El)
   const int64_t H = b.expert_down.K;  // routed experts' hidden size
-  const int64_t Hs = b.shared_down.K;
-  const bool gu_fused = b.shared_up.w == nullptr;  // shared gate/up as one [2 Hs, D] matrix
-  std::vector<int64_t> tok(T), hid(T);
-  for (int64_t t = 0; t < T; t++) {
-    tok[t] = t * D;
-    hid[t] = t * Hs;
-  }
-  std::vector<float> logits(T * E), sgate(T), sgu(T * 2 * Hs), sh(T * Hs), sdown(T * D);
+  const int64_t P = k + 1;  // parts per token
+  std::vector<int64_t> tok(T);
+  for (int64_t t = 0; t < T; t++) tok[t] = t * D;
+  std::fill(parts, parts + T * P * D, 0.f);
+  std::vector<float> logits(T * E);
   matmul(b.router, x, tok, nullptr, logits.data());
-  matmul(b.shared_gate, x, tok, nullptr, sgate.data());
-  if (gu_fused) {
-    matmul(b.shared_gate_proj, x, tok, nullptr, sgu.data());
-    swiglu(sgu.data(), sgu.data() + Hs, T, Hs, 2 * Hs, sh.data());
-  } else {
-    matmul(b.shared_gate_proj, x, tok, nullptr, sgu.data());
-    matmul(b.shared_up, x, tok, nullptr, sgu.data() + T * Hs);
-    swiglu(sgu.data(), sgu.data() + T * Hs, T, Hs, Hs, sh.data());
+  if (with_shared) {
+    const int64_t Hs = b.shared_down.K;
+    const bool gu_fused = b.shared_up.w == nullptr;  // shared gate/up as one [2 Hs, D] matrix
+    std::vector<int64_t> hid(T);
+    for (int64_t t = 0; t < T; t++) hid[t] = t * Hs;
+    std::vector<float> sgate(T), sgu(T * 2 * Hs), sh(T * Hs), sdown(T * D);
+    matmul(b.shared_gate, x, tok, nullptr, sgate.data());
+    if (gu_fused) {
+      matmul(b.shared_gate_proj, x, tok, nullptr, sgu.data());
+      swiglu(sgu.data(), sgu.data() + Hs, T, Hs, 2 * Hs, sh.data());
+    } else {
+      matmul(b.shared_gate_proj, x, tok, nullptr, sgu.data());
+      matmul(b.shared_up, x, tok, nullptr, sgu.data() + T * Hs);
+      swiglu(sgu.data(), sgu.data() + T * Hs, T, Hs, Hs, sh.data());
+    }
+    matmul(b.shared_down, sh.data(), hid, nullptr, sdown.data());
+    for (int64_t t = 0; t < T; t++) {
+      const float sg = 1.f / (1.f + std::exp(-sgate[t]));
+      float* o = parts + t * P * D;
+      for (int64_t d = 0; d < D; d++) o[d] = sg * sdown[t * D + d];
+    }
   }
-  matmul(b.shared_down, sh.data(), hid, nullptr, sdown.data());
 
   std::vector<uint32_t> inds(T * k);
-  std::vector<float> scores(T * k);
-  moe_route(logits.data(), T, E, k, b.norm_topk, inds.data(), scores.data());
-  std::vector<int32_t> ex(T * k);
-  for (int64_t i = 0; i < T * k; i++) ex[i] = (int32_t)inds[i];
-
-  // Routed experts: row t*k + j is token t through expert inds[t, j]; gate and up read the
-  // token's activation, down reads that row's hidden activation.
-  std::vector<int64_t> xrow(T * k), hrow(T * k);
+  moe_route(logits.data(), T, E, k, b.norm_topk, inds.data(), scores);
+  // Routed experts held here: row r is slot sel[r] (token sel[r] / k through expert
+  // inds[sel[r]]); gate and up read the token's activation, down reads the row's hidden one.
+  std::vector<int64_t> sel, xrow, hrow;
+  std::vector<int32_t> ex;
   for (int64_t i = 0; i < T * k; i++) {
-    xrow[i] = (i / k) * D;
-    hrow[i] = i * H;
+    const int64_t e = (int64_t)inds[i] - lo;
+    if (e < 0 || e >= El) continue;
+    hrow.push_back((int64_t)sel.size() * H);
+    sel.push_back(i);
+    xrow.push_back((i / k) * D);
+    ex.push_back((int32_t)e);
   }
-  std::vector<float> g(T * k * H), u(T * k * H), h(T * k * H), down(T * k * D);
+  const int64_t R = (int64_t)sel.size();
+  if (R == 0) return;
+  std::vector<float> g(R * H), u(R * H), h(R * H), down(R * D);
   matmul(b.expert_gate, x, xrow, ex.data(), g.data());
   matmul(b.expert_up, x, xrow, ex.data(), u.data());
-  swiglu(g.data(), u.data(), T * k, H, H, h.data());
+  swiglu(g.data(), u.data(), R, H, H, h.data());
   matmul(b.expert_down, h.data(), hrow, ex.data(), down.data());
+  for (int64_t r = 0; r < R; r++) {
+    const int64_t t = sel[r] / k, j = sel[r] % k;
+    std::copy(down.data() + r * D, down.data() + (r + 1) * D, parts + (t * P + 1 + j) * D);
+  }
+}
 
+void moe_combine(const float* parts, const float* scores, int64_t T, int64_t k, int64_t D,
+                 float* out) {
+  const int64_t P = k + 1;
   for (int64_t t = 0; t < T; t++) {
-    const float sg = 1.f / (1.f + std::exp(-sgate[t]));
+    const float* p = parts + t * P * D;
     float* o = out + t * D;
-    for (int64_t d = 0; d < D; d++) o[d] = sg * sdown[t * D + d];
+    for (int64_t d = 0; d < D; d++) o[d] = p[d];
     for (int64_t j = 0; j < k; j++) {
       const float s = scores[t * k + j];
-      const float* dr = down.data() + (t * k + j) * D;
+      const float* dr = p + (1 + j) * D;
       for (int64_t d = 0; d < D; d++) o[d] += s * dr[d];
     }
   }
+}
+
+// The whole block is its parts (every expert, the shared one included) combined: the one code
+// path makes a single process and an expert-parallel group (parts summed across ranks, each
+// slot nonzero on exactly one rank, so the sum is exact) compute bit-identical outputs.
+void moe_block(const MoeBlock& b, const float* x, int64_t T, float* out) {
+  const int64_t D = b.router.K, k = b.k;
+  std::vector<float> parts(T * (k + 1) * D), scores(T * k);
+  moe_block_parts(b, x, T, 0, true, parts.data(), scores.data());
+  moe_combine(parts.data(), scores.data(), T, k, D, out);
 }
 
 }  // namespace pqk

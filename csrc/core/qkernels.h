@@ -131,6 +131,16 @@ struct MoeBlock {
 // out [T, D] = the block applied to x [T, D] (float32).
 void moe_block(const MoeBlock& b, const float* x, int64_t T, float* out);
 
+// Expert parallelism: the block's parts for x [T, D]: parts [T, k + 1, D] (part 0 the gated
+// shared expert, zero unless with_shared; part 1 + j the token's j-th routed expert's output,
+// unscaled, zero unless that expert is one of this rank's, global [lo, lo + expert_gate.E)) and
+// scores [T, k] (router over all router.N experts). moe_combine(parts, scores) is the block's
+// output; parts summed over ranks first give exactly the one-process result.
+void moe_block_parts(const MoeBlock& b, const float* x, int64_t T, int64_t lo, bool with_shared,
+                     float* parts, float* scores);
+void moe_combine(const float* parts, const float* scores, int64_t T, int64_t k, int64_t D,
+                 float* out);
+
 // One decode token of a Gated DeltaNet layer after its input projections (float32). Per batch
 // row b: qkv at qkv + b * qkv_stride ([conv_dim] = q | k | v), z at z + b * z_stride ([Hv * Dv]),
 // b / a gates at b + b * ab_stride ([Hv]); conv_state [B, kernel - 1, conv_dim], conv_w

@@ -73,7 +73,9 @@ def module_costs(model: nn.Module) -> list[ModuleCost]:
         if not b:
             continue
         if isinstance(m, (SwitchLinear, QuantizedSwitchLinear)):
-            frac = top_k / m.num_experts
+            # A rank of an expert-parallel run holds some of the experts (experts_global in
+            # all): it reads top_k x held / all of them per token on average.
+            frac = top_k / getattr(m, "experts_global", m.num_experts)
             out.append(ModuleCost(path, m, p, int(p * frac), b, int(b * frac)))
         elif path.endswith("embed_tokens") and not args.tie_word_embeddings:
             # By convention the whole table counts as active parameters, but decoding a token

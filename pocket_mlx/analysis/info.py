@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pocket_mlx import kernels
+from pocket_mlx.analysis import distributed_estimate as dist_est
 from pocket_mlx.analysis.accounting import module_costs, weight_stats
 from pocket_mlx.config import (
     checkpoint_dtype,
@@ -115,8 +116,10 @@ def quant_summary(model: nn.Module) -> dict[str, dict]:
 
 
 def describe(model: str | None = None, context: int | None = None,
-             bandwidth_gbps: float | None = None, platform=None) -> dict:
-    """Everything `pocket-mlx info` prints, as one JSON-ready dict."""
+             bandwidth_gbps: float | None = None, platform=None, ranks: int | None = None,
+             link: str | None = None) -> dict:
+    """Everything `pocket-mlx info` prints, as one JSON-ready dict (with `ranks`: the
+    distributed estimate over `link`, see analysis/distributed_estimate.py)."""
     src = open_source(model)
     platform = platform or get_platform()
     args = src.model.args
@@ -144,7 +147,17 @@ def describe(model: str | None = None, context: int | None = None,
             bw_source = f"Apple {chip[0]} (published spec)"
             bandwidth_gbps = chip[1]
     n_linear = sum(1 for t in args.layer_types if t == "linear_attention")
-    return {
+    dist = None
+    if ranks is not None:
+        # Without a measured or detected bandwidth: the Mac mini (M4) the feature is for.
+        bw, bw_from = ((bandwidth_gbps, bw_source) if bandwidth_gbps else
+                       (dist_est.M4_BANDWIDTH_GBPS,
+                        "assumed: Mac mini M4, Apple's published figure"))
+        dist = dist_est.estimate(dist_est.split_of(src.model), ranks,
+                                 dist_est.link(link or "thunderbolt5"), bw,
+                                 act_bytes=dtype_bytes(act_dtype))
+        dist["bandwidth_source"] = bw_from
+    out = {
         "model": src.label,
         "architecture": {
             "model_type": args.model_type, "layers": args.num_hidden_layers,
@@ -184,6 +197,9 @@ def describe(model: str | None = None, context: int | None = None,
                                if bandwidth_gbps else None),
         "kernels": kernels.label(),
     }
+    if dist is not None:
+        out["distributed"] = dist
+    return out
 
 
 def bits_label(q: dict) -> str:
@@ -229,4 +245,6 @@ def format_text(d: dict) -> str:
         lines.append("decode ceiling   unknown: pass --bandwidth GBPS (measure it with "
                      "`pocket-mlx bench --bandwidth`)")
     lines.append(f"kernels          {d['kernels']}")
+    if d.get("distributed"):
+        lines += dist_est.format_text(d["distributed"])
     return "\n".join(lines)

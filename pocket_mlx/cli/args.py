@@ -98,6 +98,13 @@ def int_range(low: int, high: int | None, what: str):
     return _arg_type(int, check, "an integer")
 
 
+def check_positive_seconds(v: float) -> float:
+    if not v > 0 or v != v or v == float("inf"):
+        raise ValueError(f"must be a number of seconds > 0, got {v}")
+    return v
+
+
+positive_seconds = _arg_type(float, check_positive_seconds, "a number of seconds")
 megabytes = int_range(0, None, "a size in MiB, 0 or more (0 = off)")
 utf8_text = _arg_type(_same, check_utf8, "text")
 stop_string = _arg_type(_same, check_stop, "text")
@@ -129,3 +136,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="divide the logits of recently generated tokens by R; 1 = off")
     p.add_argument("--seed", type=seed, default=None, metavar="S",
                    help=f"random seed, 0 to {SEED_MAX} (default: a fresh random seed each run)")
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    """--distributed and its timeout, for the commands that can run under mlx.launch."""
+    p.add_argument("--distributed", choices=["pipeline", "experts"], default=None,
+                   help="run across the ranks mlx.launch started (docs/DISTRIBUTED.md): "
+                        "pipeline = layers split (memory per rank ~1/N), experts = every "
+                        "layer's experts split (bytes per token per rank fall); rank 0 does "
+                        "all I/O (default: one process)")
+    p.add_argument("--distributed-timeout", type=positive_seconds, default=120.0,
+                   metavar="S", help="with --distributed: give up with an error when the other "
+                                     "ranks do not connect, or stop answering, for S seconds")

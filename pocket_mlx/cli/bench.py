@@ -7,10 +7,12 @@ tg row has one; `--bandwidth` runs the longer probe (1 GB, best of 7) and prints
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from pocket_mlx import units
+from pocket_mlx.cli.args import add_distributed_args
 from pocket_mlx.config import read_config, read_pocket_json, recipe_label, weights_bytes
 from pocket_mlx.errors import PocketError
 
@@ -45,18 +47,19 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md",
                    help="table format")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    add_distributed_args(p)
     p.set_defaults(func=run)
     return p
 
 
-def load_for(args, path, device: str):
+def load_for(args, path, device: str, shard=None):
     """The model as `bench` measures it: --dtype (auto: the dtype policy every entry point
-    shares, devices.policy_dtype), fused projections. tests/test_user_path.py compares its
-    decode graph with generate's."""
+    shares, devices.policy_dtype), fused projections (`shard`: this rank's share of a
+    distributed run). tests/test_user_path.py compares its decode graph with generate's."""
     from pocket_mlx.engine.loader import load
 
     dtype = None if args.dtype == "auto" else args.dtype
-    model, _ = load(path, device=device, dtype=dtype, fuse=True)
+    model, _ = load(path, device=device, dtype=dtype, fuse=True, shard=shard)
     return model
 
 
@@ -81,8 +84,19 @@ def run(args) -> int:
     # Before anything imports mlx_lm.generate (see bench.mlx_lm_generate_module).
     mx.set_default_device(devices.mx_device(device))
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    group = None
+    if args.distributed:
+        if args.vs_mlx_lm:
+            raise PocketError("--vs-mlx-lm runs stock mlx-lm in one process: drop it with "
+                              "--distributed")
+        from pocket_mlx.engine import distributed
 
-    from pocket_mlx.engine.loader import model_weight_stats, resolve_model_path
+        group = distributed.init(args.distributed, args.distributed_timeout)
+        if group.rank != 0:  # rank 0 does all output
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+            log = lambda s: None  # noqa: E731
+
+    from pocket_mlx.engine.loader import resolve_model_path
 
     if args.synthetic:
         from pocket_mlx.convert import synthetic
@@ -106,7 +120,28 @@ def run(args) -> int:
         log(f"note: --threads {args.threads} has no effect: MLX runs CPU ops on one thread "
             "and the pocket kernels are not active")
     t0 = time.perf_counter()
-    model = load_for(args, path, device)
+    try:
+        model = load_for(args, path, device,
+                         shard=distributed.shard_for(group) if group else None)
+        if group is not None:
+            group.barrier(max(distributed.LOAD_TIMEOUT_S, group.timeout),
+                          "the other ranks did not finish loading in time")
+            distributed.attach(model, group)
+            log(f"distributed: {args.distributed} over {group.size} ranks")
+            name = f"{name} [{args.distributed} x{group.size}, rank 0]"
+        return _measure(args, model, path, name, recipe, size, device, threads, kinfo, log, t0)
+    except RuntimeError as e:  # MLX's ring: a peer closed its connection
+        if group is None:
+            raise
+        raise distributed.lost(group.rank, e) from None
+
+
+def _measure(args, model, path, name, recipe, size, device, threads, kinfo, log, t0) -> int:
+    from pocket_mlx import kernels
+    from pocket_mlx.analysis import bench
+    from pocket_mlx.engine import devices
+    from pocket_mlx.engine.loader import model_weight_stats
+
     # Said after loading: a checkpoint that fails its load check leaves one error line.
     log(f"loaded {path} ({model.run_dtype or 'checkpoint dtype'}) on {devices.describe(device)} in "
         f"{time.perf_counter() - t0:.1f} s")

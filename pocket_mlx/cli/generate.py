@@ -7,7 +7,7 @@ import json
 import sys
 
 from pocket_mlx.cli import args as argtypes
-from pocket_mlx.cli.args import add_model_args, add_sampling_args
+from pocket_mlx.cli.args import add_distributed_args, add_model_args, add_sampling_args
 from pocket_mlx.errors import PocketError
 from pocket_mlx.units import GB, size
 
@@ -22,14 +22,15 @@ def sampling_from_args(args):
     return s
 
 
-def load_for(args):
+def load_for(args, shard=None):
     """(device, model, tokenizer) as `generate` runs them: the device's dtype policy, fused
-    projections. tests/test_user_path.py compares its decode graph with bench's."""
+    projections (`shard`: this rank's share of a distributed run, see engine/distributed.py).
+    tests/test_user_path.py compares its decode graph with bench's."""
     from pocket_mlx.engine.devices import resolve_device
     from pocket_mlx.engine.loader import load
 
     device = resolve_device(args.device)
-    model, tokenizer = load(args.model, device=device, fuse=True)
+    model, tokenizer = load(args.model, device=device, fuse=True, shard=shard)
     return device, model, tokenizer
 
 
@@ -50,6 +51,7 @@ def register(sub) -> argparse.ArgumentParser:
                                         "repeatable (default: stop only at the end-of-text token "
                                         "or --max-tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    add_distributed_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -58,15 +60,9 @@ def run(args) -> int:
     if args.raw and args.system is not None:
         raise PocketError("--raw has no chat template to put --system in; drop --system, or "
                           "drop --raw, or write the system text into the prompt")
-    if args.prompt == "-":
-        try:
-            prompt = argtypes.decode_utf8(sys.stdin.buffer.read(), "the prompt on stdin (--prompt -)")
-        except ValueError as e:
-            raise PocketError(str(e)) from None
-    else:
-        prompt = args.prompt
-    if not prompt.strip():
-        raise PocketError("the prompt is empty; pass some text with --prompt")
+    if args.distributed:
+        return run_distributed(args)
+    prompt = read_prompt(args)
     sampling = sampling_from_args(args)
     from pocket_mlx.engine.generation import stream_generate
 
@@ -81,9 +77,76 @@ def run(args) -> int:
             if not args.json:
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
+    report(args, "".join(text), stats)
+    return 0
+
+
+def run_distributed(args) -> int:
+    """`generate --distributed MODE` on one rank of an mlx.launch group: rank 0 reads the
+    prompt and prints; every rank loads its share, then all decode the same tokens."""
+    import os
+
+    from pocket_mlx.engine import distributed
+    from pocket_mlx.engine.generation import prompt_tokens, stream_generate
+
+    g = distributed.init(args.distributed, args.distributed_timeout)
+    if g.rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - rank 0 does all output
+    prompt = read_prompt(args) if g.rank == 0 else None
+    sampling = sampling_from_args(args)
+    try:
+        load_s = max(distributed.LOAD_TIMEOUT_S, g.timeout)
+        g.watchdog.arm(load_s, "the other ranks did not finish loading in time")
+        device, model, tokenizer = load_for(args, shard=distributed.shard_for(g))
+        g.barrier(load_s, "the other ranks did not finish loading in time")
+        ids = g.broadcast_ints(prompt_tokens(tokenizer, prompt, system=args.system, raw=args.raw)
+                               if g.rank == 0 else None)
+        distributed.attach(model, g)
+        text, stats = [], None
+
+        def beat(*_) -> None:
+            g.watchdog.arm(g.timeout, f"no answer from the other ranks for {g.timeout:g} s "
+                                      "(--distributed-timeout)")
+
+        beat()
+        for r in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,
+                                 sampling=sampling, stop=args.stop, device=device,
+                                 progress=beat):
+            beat()
+            stats = r.stats
+            if r.text:
+                text.append(r.text)
+                if not args.json:
+                    sys.stdout.write(r.text)
+                    sys.stdout.flush()
+        ranks = distributed.rank_report(model, g)
+        g.watchdog.disarm()
+    except RuntimeError as e:  # MLX's ring: a peer closed its connection
+        raise distributed.lost(g.rank, e) from None
+    if g.rank == 0:
+        report(args, "".join(text), stats, ranks)
+    sys.stdout.flush()
+    return 0
+
+
+def read_prompt(args) -> str:
+    if args.prompt == "-":
+        try:
+            prompt = argtypes.decode_utf8(sys.stdin.buffer.read(), "the prompt on stdin (--prompt -)")
+        except ValueError as e:
+            raise PocketError(str(e)) from None
+    else:
+        prompt = args.prompt
+    if not prompt.strip():
+        raise PocketError("the prompt is empty; pass some text with --prompt")
+    return prompt
+
+
+def report(args, text: str, stats, ranks: dict | None = None) -> None:
+    """The JSON object, or the newline after the streamed reply and the stats line."""
     if args.json:
-        print(json.dumps({
-            "text": "".join(text),
+        out = {
+            "text": text,
             "prompt_tokens": stats.prompt_tokens,
             "generation_tokens": stats.generation_tokens,
             "prompt_tps": round(stats.prompt_tps, 3),
@@ -93,12 +156,15 @@ def run(args) -> int:
             "bytes_per_token": stats.bytes_per_token,
             "device": stats.device,
             "finish_reason": stats.finish_reason,
-        }, ensure_ascii=False))
+        }
+        if ranks is not None:
+            out["distributed"] = ranks
+        print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()  # the reply's last line before the stats line on stderr
         print(f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s | "
               f"generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s | "
               f"ttft {stats.ttft_s:.3f} s | peak memory {size(stats.peak_memory_gb * GB)} | "
-              f"{stats.device} | {stats.finish_reason}", file=sys.stderr)
-    return 0
+              f"{stats.device} | {stats.finish_reason}"
+              + (f" | {ranks['mode']} x{ranks['ranks']}" if ranks else ""), file=sys.stderr)

@@ -189,12 +189,16 @@ def generate_step(
     if fed is not None:
         fed.extend(ids)
 
+    # A distributed run (engine/distributed.py): every rank takes rank 0's token.
+    share = getattr(model, "share_token", None)
+
     def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
         logits = model(tokens[None], cache=cache)[:, -1, :]
         for proc in processors:
             logits = proc(history, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs), logprobs
+        y = sampler(logprobs)
+        return (share(y) if share is not None else y), logprobs
 
     with mx.stream(stream):
         rest = mx.array(ids, mx.uint32)

@@ -7,6 +7,7 @@ layer at a time, so peak memory while loading stays near the model's own size.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -255,11 +256,14 @@ def use_device(model: nn.Module, device: str, cache: list | None = None) -> bool
 
 
 def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
-               lazy: bool = False, fuse: bool = False) -> nn.Module:
+               lazy: bool = False, fuse: bool = False,
+               shard: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """The model of a checkpoint folder, its float parameters cast to `dtype` (see
     `cast_model`). `fuse` (inference only) runs projections that read the same input as one
     matmul (`Model.fuse_projections`); the parameters are then no longer the checkpoint's, so
-    converting, calibrating and saving load without it."""
+    converting, calibrating and saving load without it. `shard` (a distributed run, see
+    engine/distributed.py) cuts the still-lazy model down to this rank's share before anything
+    is evaluated, so the rest of the checkpoint is never read."""
     config = config or read_config(path)
     quant = quantization(config, where=str(path / "config.json"))
     model = build_model(config)
@@ -277,6 +281,8 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
     object.__setattr__(model, "stored_dtypes", {
         k: (v.dtype, v.ndim) for k, v in tree_flatten(model.parameters())})
     cast_model(model, dtype)
+    if shard is not None:
+        shard(model)
     # An explicit dtype sticks; None lets generation apply the device's policy (`use_device`).
     object.__setattr__(model, "dtype_override", dtype)
     if not lazy:
@@ -291,7 +297,8 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
 
 
 def load(path_or_repo: str | os.PathLike | None = None, device: str | None = None,
-         dtype: str | None = None, lazy: bool = False, fuse: bool = False):
+         dtype: str | None = None, lazy: bool = False, fuse: bool = False,
+         shard: Callable[[nn.Module], None] | None = None):
     """Load a model and its tokenizer: `(model, tokenizer)`.
 
     `device` ("gpu"/"cpu"/None) is checked and recorded as the model's default generation device;
@@ -306,7 +313,8 @@ def load(path_or_repo: str | os.PathLike | None = None, device: str | None = Non
     device = resolve_device(device)
     path = resolve_model_path(path_or_repo)
     config = read_config(path)
-    model = load_model(path, config, dtype=dtype or policy_dtype(device), lazy=lazy, fuse=fuse)
+    model = load_model(path, config, dtype=dtype or policy_dtype(device), lazy=lazy, fuse=fuse,
+                       shard=shard)
     model.device = device
     object.__setattr__(model, "dtype_override", dtype)
     tokenizer = load_tokenizer(path, config)

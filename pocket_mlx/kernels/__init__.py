@@ -165,6 +165,24 @@ def moe_block(x, mats: list, k: int, normalize: bool):
         return None
 
 
+def moe_block_parts(x, mats: list, k: int, normalize: bool, expert_lo: int, with_shared: bool):
+    """Expert parallelism: the MoE block's parts for the experts held here (see
+    `_qkernels.moe_block_parts`): (parts [..., k + 1, D], scores [..., k]), or None exactly
+    where `moe_block` would be None (the caller then builds the block from separate ops)."""
+    if not enabled() or not hasattr(_ext, "moe_block_parts") or x.dtype != mx.float32:
+        return None
+    try:
+        return tuple(_ext.moe_block_parts(x, mats, k=k, normalize=normalize, expert_lo=expert_lo,
+                                          with_shared=with_shared))
+    except (ValueError, TypeError):
+        return None
+
+
+def moe_combine(parts, scores):
+    """The MoE block's output from its parts (summed over the ranks) and scores."""
+    return _ext.moe_combine(parts, scores)
+
+
 def linear_attn_step(*arrays, **dims):
     """One decode token of a Gated DeltaNet layer after its projections as one node (see
     `_qkernels.linear_attn_step`), or None when the extension cannot run it."""

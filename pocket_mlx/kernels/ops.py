@@ -41,6 +41,20 @@ def moe_block(x, mats: list, k: int, normalize: bool):
     return k_.moe_block(x, mats, k, normalize) if k_ is not None else None
 
 
+def moe_block_parts(x, mats: list, k: int, normalize: bool, expert_lo: int, with_shared: bool):
+    """Expert parallelism (engine/distributed.py): `moe_block`'s parts for the experts held
+    here, (parts, scores), else None; `moe_combine` of the parts summed over the ranks is
+    bit-identical to `moe_block` in one process."""
+    k_ = _cpu_kernels()
+    if k_ is None:
+        return None
+    return k_.moe_block_parts(x, mats, k, normalize, expert_lo, with_shared)
+
+
+def moe_combine(parts, scores):
+    return kernels.moe_combine(parts, scores)
+
+
 def linear_attn_step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
                      Hk: int, Dk: int, Hv: int, Dv: int, eps: float):
     """One decode token of Gated DeltaNet after its projections (conv, gates, delta rule, gated

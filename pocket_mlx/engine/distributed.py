@@ -1,0 +1,462 @@
+"""One model across several processes (machines) with MLX's own distributed engine.
+
+`pocket-mlx generate --distributed pipeline|experts`, started by `mlx.launch` (ring backend over
+TCP: Thunderbolt or Ethernet; JACCL, MPI or NCCL where MLX has them): MLX's `mx.distributed`
+carries every byte, no sockets of ours. Rank 0 does all I/O (reads the prompt, prints the reply);
+the other ranks compute their share and print nothing.
+
+- pipeline: each rank holds a contiguous range of layers (the last layers, the final norm and
+  lm_head on rank 0, the first layers and the embedding on the last rank: as in mlx-lm, so the
+  logits end up where the output is written). Ranges are cut so each rank's share of the
+  weight bytes is proportional to its RAM (equal machines: equal bytes). Layers a rank does not
+  run are never read from the safetensors files: `mx.load` maps them lazily and they are
+  dropped before anything is evaluated. One send/recv of the hidden state per rank boundary.
+  Memory per rank ~1/N; decode is not faster (one rank works at a time).
+- experts: each rank holds 1/N of every layer's routed experts (a contiguous block of expert
+  ids); everything else (attention, Gated DeltaNet, router, shared expert, embedding, lm_head)
+  is replicated. Routing is computed identically on every rank; each rank computes only its
+  experts' outputs and one `all_sum` per MoE block combines them. The shared expert of layer i
+  is computed by rank i mod N only (it rides in the same all_sum), so its reads are split too.
+
+Exactness. A plain `all_sum` of per-rank partial sums would add the experts in another order than
+one process does, so floats would differ in the last bits (and greedy decoding can then differ).
+Instead every rank contributes the *unweighted per-slot* outputs (`[..., k + 1, D]`: the gated
+shared expert, then each routed slot; a slot is nonzero on exactly one rank, and x + 0 == x
+exactly), and after the all_sum every rank runs the one-process combine on identical inputs. On
+the CPU the extension's `moe_block` is itself `moe_combine(moe_block_parts(...))`, so decode is
+bit-identical to one process by construction; the MLX-ops path (prefill, GPU, no extension)
+reuses the model's own `_combine_experts`, and sends other ranks' slots to an all-zero expert so
+the experts held here see exactly the rows they see in one process. The cost: (k + 1) x D floats per MoE block instead of
+D (72 KiB instead of 8 KiB for the 35B shape with k = 8 in float32), still far under the links'
+bandwidth; the per-collective latency dominates (see `analysis/distributed_estimate.py`).
+
+Dense parts are replicated by design: sharding a dense projection needs one more collective per
+projection (~3-4 per layer), and at batch 1 a collective's latency over Thunderbolt or Ethernet
+(tens of microseconds to ~0.1 ms) costs more than reading those bytes locally on an M4
+(`pocket-mlx info --ranks N --link ...` prints both sides).
+
+Failures: a rank that never connects makes the others exit after `--distributed-timeout`
+seconds with one line; a rank that dies makes MLX's ring raise ("connection to a peer was
+lost"), reported as one line; a rank that hangs trips the same watchdog between tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from pocket_mlx.analysis.accounting import module_costs
+from pocket_mlx.errors import PocketError
+from pocket_mlx.kernels import ops
+from pocket_mlx.models.qwen3_5_moe import LanguageModel, SparseMoeBlock, _combine_experts
+
+MODES = ("pipeline", "experts")
+DEFAULT_TIMEOUT_S = 120.0
+# Loading can take minutes on a big model, and the ranks finish at different times: the first
+# collective after loading waits this much longer than the per-token watchdog.
+LOAD_TIMEOUT_S = 900.0
+_LAUNCH_ENV = ("MLX_HOSTFILE", "MLX_RANK", "MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_RANK",
+               "NCCL_HOST_IP")
+
+
+# The watchdog runs as a child process: MLX holds the GIL while `mx.distributed.init` waits for
+# its peers (checked: no Python thread runs meanwhile), so a thread could never fire. The parent
+# writes "SECONDS MESSAGE" lines to arm it and "-" to disarm; when a deadline passes it prints
+# the message as one line and ends the parent; when the parent ends, its pipe closes and so
+# does the child.
+_WATCHDOG = r"""
+import os, select, signal, sys, time
+parent, deadline, what, buf = int(sys.argv[1]), None, "", b""
+while True:
+    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    ready, _, _ = select.select([0], [], [], wait)
+    if ready:
+        data = os.read(0, 65536)
+        if not data:
+            sys.exit(0)
+        buf += data
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if line == b"-":
+                deadline = None
+            else:
+                secs, _, msg = line.decode().partition(" ")
+                deadline, what = time.monotonic() + float(secs), msg
+    elif deadline is not None and time.monotonic() >= deadline:
+        sys.stderr.write("error: " + what + "\n")
+        sys.stderr.flush()
+        try:
+            os.kill(parent, signal.SIGTERM)
+            time.sleep(2)
+            os.kill(parent, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        sys.exit(0)
+"""
+
+
+class Watchdog:
+    """Ends this process with one line on stderr when a deadline passes without `disarm`: a
+    peer that never connects, or hangs, would otherwise block a collective forever (MLX's ring
+    has no timeout of its own). Killed by a signal, the process exits with 143 (SIGTERM)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid())],
+                                      stdin=subprocess.PIPE, close_fds=True)
+
+    def _send(self, line: str) -> None:
+        try:
+            self._proc.stdin.write(line.encode() + b"\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    def arm(self, seconds: float, what: str) -> None:
+        self._send(f"{seconds} rank {self.rank}: {' '.join(what.split())}")
+
+    def disarm(self) -> None:
+        self._send("-")
+
+
+@dataclass
+class Group:
+    """This process's place in the distributed run."""
+
+    mode: str
+    group: mx.distributed.Group
+    timeout: float
+    watchdog: Watchdog
+    rank: int = 0
+    size: int = 1
+    info: dict = field(default_factory=dict)  # what the mode decided (ranges, experts)
+
+    def barrier(self, seconds: float, what: str) -> None:
+        """A tiny all_sum every rank must reach within `seconds`."""
+        self.watchdog.arm(seconds, what)
+        try:
+            mx.eval(mx.distributed.all_sum(mx.ones(1), group=self.group, stream=mx.cpu))
+        except RuntimeError as e:
+            raise lost(self.rank, e) from None
+        finally:
+            self.watchdog.disarm()
+
+    def broadcast_ints(self, values: list[int] | None) -> list[int]:
+        """Rank 0's list of ints on every rank (the others pass None)."""
+        n = mx.array([len(values) if self.rank == 0 else 0], mx.int32)
+        n = int(mx.distributed.all_sum(n, group=self.group, stream=mx.cpu).item())
+        a = (mx.array(values, mx.int32) if self.rank == 0 else mx.zeros((n,), mx.int32))
+        return mx.distributed.all_sum(a, group=self.group, stream=mx.cpu).tolist()
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Every rank's list (same length on all) on every rank, in rank order."""
+        a = mx.array([values], mx.float64)  # byte counts above 2**24 stay exact
+        out = mx.distributed.all_gather(a, group=self.group, stream=mx.cpu)
+        return out.tolist()
+
+    def share_token(self, y: mx.array) -> mx.array:
+        """Rank 0's sampled token(s) on every rank: the ranks then feed, stop and detokenize
+        alike with no further messages (in pipeline mode only rank 0 has real logits)."""
+        mine = y if self.rank == 0 else mx.zeros_like(y) * y  # keeps y (and its sends) in the graph
+        return mx.distributed.all_sum(mine.astype(mx.int32), group=self.group).astype(y.dtype)
+
+
+def lost(rank: int, e: Exception) -> PocketError:
+    return PocketError(f"rank {rank}: lost the connection to another rank ({e}); "
+                       "check that every rank is running and the hosts can reach each other")
+
+
+def init(mode: str, timeout: float = DEFAULT_TIMEOUT_S) -> Group:
+    """Join the group `mlx.launch` started (its environment says where the peers are). Exits
+    with one line after `timeout` seconds when a peer never connects."""
+    if mode not in MODES:
+        raise PocketError(f"unknown --distributed mode {mode!r}: use pipeline or experts")
+    if timeout <= 0:
+        raise PocketError(f"--distributed-timeout must be > 0 seconds, got {timeout}")
+    if not any(os.environ.get(k) for k in _LAUNCH_ENV):
+        raise PocketError("--distributed runs under mlx.launch, e.g. `mlx.launch -n 2 --backend "
+                          "ring -- $(which python) -m pocket_mlx generate --distributed "
+                          f"{mode} ...` (see docs/DISTRIBUTED.md)")
+    rank = int(os.environ.get("MLX_RANK", "0") or 0)
+    dog = Watchdog(rank)
+    dog.arm(timeout, f"the other ranks did not connect within {timeout:g} s (--distributed-"
+                     "timeout); is every rank started, with the same hostfile?")
+    try:
+        group = mx.distributed.init(strict=True)
+    except RuntimeError as e:
+        raise PocketError(f"rank {rank}: cannot join the distributed group: {e}") from None
+    finally:
+        dog.disarm()
+    g = Group(mode, group, timeout, dog, group.rank(), group.size())
+    dog.rank = g.rank
+    if g.size < 2:
+        raise PocketError("--distributed needs at least 2 ranks (mlx.launch -n 2 or a hostfile "
+                          "with 2 hosts)")
+    return g
+
+
+def split_evenly(n: int, parts: int, i: int) -> tuple[int, int]:
+    """The i-th of `parts` contiguous ranges of range(n), sizes differing by at most 1."""
+    base, extra = divmod(n, parts)
+    lo = i * base + min(i, extra)
+    return lo, lo + base + (1 if i < extra else 0)
+
+
+def _nbytes(module: nn.Module | None) -> int:
+    if module is None:
+        return 0
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+def pipeline_ranges(layer_bytes: list[int], head_bytes: int, tail_bytes: int,
+                    shares: list[float]) -> list[tuple[int, int]]:
+    """Contiguous layer ranges, one per rank, in rank order; rank 0 runs the last layers (and
+    holds `tail_bytes`: norm + lm_head), the last rank the first ones (with `head_bytes`: the
+    embedding). The rule: walk the layers from the first, and cut where the bytes so far pass
+    each rank's cumulative share of all bytes (`shares`, e.g. each rank's RAM), leaving every
+    rank at least one layer."""
+    n, size = len(layer_bytes), len(shares)
+    if n < size:
+        raise PocketError(f"pipeline over {size} ranks needs at least {size} layers; the model "
+                          f"has {n}")
+    total = head_bytes + sum(layer_bytes) + tail_bytes
+    order = list(range(size - 1, -1, -1))  # ranks from the first layers to the last
+    weight = sum(shares)
+    cuts, acc, start = [], head_bytes, 0
+    for pos, r in enumerate(order[:-1]):
+        target = total * sum(shares[q] for q in order[:pos + 1]) / weight
+        end, last = start, n - (size - 1 - pos)  # later ranks keep one layer each at least
+        while end < last:
+            nxt = acc + layer_bytes[end]
+            if end > start and abs(nxt - target) >= abs(acc - target):
+                break
+            acc, end = nxt, end + 1
+        cuts.append((r, start, end))
+        start = end
+    cuts.append((order[-1], start, n))
+    ranges = [(0, 0)] * size
+    for r, lo, hi in cuts:
+        ranges[r] = (lo, hi)
+    return ranges
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1
+
+
+class RemoteLayer(nn.Module):
+    """A layer another rank runs: no weights here, only what `make_cache` asks of a layer."""
+
+    def __init__(self, is_linear: bool):
+        super().__init__()
+        self.is_linear = is_linear
+
+    def __call__(self, x, cache=None):
+        raise RuntimeError("this layer runs on another rank")
+
+
+@dataclass
+class _Pipe:
+    group: Group
+    lo: int
+    hi: int
+    in_dtype: mx.Dtype
+
+
+class PipelineLanguageModel(LanguageModel):
+    """LanguageModel whose forward runs only this rank's layers: receive the hidden state from
+    the rank before (the last rank embeds instead), run the layers, send it on (rank 0 applies
+    the final norm and lm_head instead). Other ranks return placeholder logits that depend on
+    the send, so evaluating a step (or the cache) performs it."""
+
+    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+        pipe: _Pipe = self._pipe
+        g = pipe.group
+        m = self.model
+        cache = cache or [None] * len(m.layers)
+        B, L = inputs.shape[:2]
+        if g.rank == g.size - 1:
+            h = m.embed_tokens(inputs)
+        else:
+            h = mx.distributed.recv((B, L, self.args.hidden_size), pipe.in_dtype, g.rank + 1,
+                                    group=g.group)
+        for i in range(pipe.lo, pipe.hi):
+            h = m.layers[i](h, cache[i])
+        if g.rank == 0:
+            h = m.norm(h)
+            if self.args.tie_word_embeddings:
+                return m.embed_tokens.as_linear(h)
+            return self.lm_head(h)
+        sent = mx.distributed.send(h, g.rank - 1, group=g.group)
+        # Prefill evaluates only the cache: make this rank's last cache depend on the send.
+        c = cache[pipe.hi - 1]
+        if c is not None:
+            for name in ("keys", "state"):
+                if isinstance(getattr(c, name, None), mx.array):
+                    setattr(c, name, mx.depends(getattr(c, name), sent))
+                    break
+        # Full-width (broadcast, never materialized) so any sampler runs on it unchanged.
+        return mx.broadcast_to(mx.depends(mx.zeros((1, 1, 1), h.dtype), sent),
+                               (B, L, self.args.vocab_size))
+
+
+def _layer_input_dtypes(model) -> list[mx.Dtype]:
+    """The dtype of the hidden state entering each layer (and, last, leaving the last one),
+    traced lazily (a graph only, nothing is read or computed): what each rank receives."""
+    m = model.language_model.model
+    h = m.embed_tokens(mx.zeros((1, 1), mx.uint32))
+    out = []
+    for layer in m.layers:
+        out.append(h.dtype)
+        h = layer(h, None)
+    out.append(h.dtype)
+    return out
+
+
+def setup_pipeline(model, g: Group) -> None:
+    """Keep only this rank's layers (before anything is evaluated: the others are never read)."""
+    lm = model.language_model
+    m = lm.model
+    layers = m.layers
+    tail = _nbytes(m.norm) + _nbytes(lm.get("lm_head"))
+    head = _nbytes(m.embed_tokens)
+    shares = [row[0] for row in g.gather_floats([float(_ram_bytes())])]
+    ranges = pipeline_ranges([_nbytes(la) for la in layers], head, tail, shares)
+    lo, hi = ranges[g.rank]
+    dtypes = _layer_input_dtypes(model)
+    for i in range(len(layers)):
+        if not lo <= i < hi:
+            layers[i] = RemoteLayer(layers[i].is_linear)
+    if g.rank != g.size - 1 and not (g.rank == 0 and lm.args.tie_word_embeddings):
+        m.pop("embed_tokens")
+    if g.rank != 0:
+        m.pop("norm")
+        if "lm_head" in lm:
+            lm.pop("lm_head")
+    lm.__class__ = PipelineLanguageModel
+    object.__setattr__(lm, "_pipe", _Pipe(g, lo, hi, dtypes[lo]))
+    g.info = {"layers": [list(r) for r in ranges]}
+
+
+class ExpertParallelMoe(SparseMoeBlock):
+    """SparseMoeBlock holding experts [lo, hi) of `num_experts` (plus one all-zero expert, see
+    `setup_experts`): routing as in one process, this rank's experts' outputs, one all_sum, then
+    the one-process combine (exact; see the module's docstring)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        ep: _Experts = self._ep
+        group = ep.group.group
+        if self.observer is None and x.size <= self.FUSED_MAX_TOKENS * x.shape[-1]:
+            mats = self._quantized_mats()
+            if mats:
+                # The extension takes the held experts without the zero one (views, made once).
+                if ep.views is None:
+                    ep.views = [tuple(a[: ep.hi - ep.lo] for a in m[:3]) for m in mats[-3:]]
+                mats = mats[:-3] + [(*v, *m[3:]) for v, m in zip(ep.views, mats[-3:])]
+            got = (ops.moe_block_parts(x, mats, self.top_k, self.norm_topk_prob, ep.lo,
+                                       ep.shared) if mats else None)
+            if got is not None:
+                parts, scores = got
+                return ops.moe_combine(mx.distributed.all_sum(parts, group=group), scores)
+        inds, scores = ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
+        here = (inds >= ep.lo) & (inds < ep.hi)
+        # Slots of other ranks' experts go to the zero expert: the held experts then see exactly
+        # the rows they see in one process (the kernels' results depend on how rows group).
+        local = mx.where(here, inds - ep.lo, ep.hi - ep.lo).astype(inds.dtype)
+        experts = self.switch_mlp(x, local)
+        experts = mx.where(here[..., None], experts, mx.zeros((), experts.dtype))
+        if ep.shared:
+            shared = self.shared_expert(x)
+        else:
+            shared = mx.zeros((*x.shape[:-1], experts.shape[-1]), experts.dtype)
+        both = mx.distributed.all_sum(
+            mx.concatenate([experts, shared[..., None, :].astype(experts.dtype)], axis=-2),
+            group=group)
+        experts, shared = both[..., :-1, :], both[..., -1, :].astype(shared.dtype)
+        return _combine_experts(experts, scores, self.shared_expert_gate(x), shared)
+
+
+@dataclass
+class _Experts:
+    group: Group
+    lo: int
+    hi: int
+    shared: bool  # this rank computes the layer's shared expert
+    views: list | None = None  # the held experts' (weight, scales, biases) without the zero one
+
+
+def setup_experts(model, g: Group) -> None:
+    """Keep this rank's block of every layer's routed experts, plus one all-zero expert that
+    other ranks' slots are sent to on the MLX-ops path (copies: a slice of a mapped tensor would
+    keep the whole tensor alive once evaluated)."""
+    E = model.args.num_experts
+    if E < g.size:
+        raise PocketError(f"experts mode over {g.size} ranks needs at least {g.size} experts per "
+                          f"layer; the model has {E}")
+    lo, hi = split_evenly(E, g.size, g.rank)
+    for i, layer in enumerate(model.layers):
+        mlp = layer.mlp
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            sw = mlp.switch_mlp[proj]
+            for name in ("weight", "scales", "biases"):
+                if name in sw:
+                    a = sw[name]
+                    sw[name] = mx.concatenate([a[lo:hi], mx.zeros((1, *a.shape[1:]), a.dtype)])
+            object.__setattr__(sw, "experts_global", E)
+        mlp.__class__ = ExpertParallelMoe
+        object.__setattr__(mlp, "_ep", _Experts(g, lo, hi, i % g.size == g.rank))
+    g.info = {"experts": [list(split_evenly(E, g.size, r)) for r in range(g.size)],
+              "shared_expert": "layer i on rank i mod ranks"}
+
+
+def shard_for(g: Group) -> Callable[[nn.Module], None]:
+    """The loader hook (`load(..., shard=...)`) that cuts a lazily built model down to this
+    rank's share before any weight is read."""
+    setup = setup_pipeline if g.mode == "pipeline" else setup_experts
+    return lambda model: setup(model, g)
+
+
+def attach(model, g: Group) -> None:
+    """Generation takes rank 0's token on every rank (`generate_step` looks for
+    `share_token`)."""
+    object.__setattr__(model, "share_token", g.share_token)
+    object.__setattr__(model, "dist", g)
+
+
+def rank_bytes_per_token(model) -> int:
+    """Weight bytes this rank reads per decoded token: `module_costs` with the routed experts
+    counted as top_k x (held / all) of them, and shared experts only in the layers this rank
+    computes them for (experts mode); only the layers held (pipeline)."""
+    total = 0
+    for c in module_costs(model):
+        if ".shared_expert." in c.path + "." or c.path.endswith(".shared_expert_gate"):
+            layer = int(c.path.split(".layers.")[1].split(".")[0])
+            mlp = model.layers[layer].mlp
+            ep = getattr(mlp, "_ep", None)
+            if ep is not None and not ep.shared and not c.path.endswith("shared_expert_gate"):
+                continue
+        total += c.bytes_per_token
+    return total
+
+
+def rank_report(model, g: Group) -> dict:
+    """What each rank holds, measured from its loaded arrays, gathered on every rank."""
+    mine = [float(_nbytes(model)), float(rank_bytes_per_token(model)),
+            float(mx.get_active_memory())]
+    rows = g.gather_floats(mine)
+    return {
+        "mode": g.mode, "ranks": g.size, **g.info,
+        "rank_weight_bytes": [int(r[0]) for r in rows],
+        "rank_bytes_per_token": [int(r[1]) for r in rows],
+        "rank_active_memory_bytes": [int(r[2]) for r in rows],
+    }

@@ -1,0 +1,255 @@
+"""`generate --distributed pipeline|experts`: real `mlx.launch -n 2 --backend ring` runs on this
+machine (two CPU processes over loopback TCP) against one process; failures of a peer."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, hf_weights, tiny_config, write_checkpoint
+from mlx.utils import tree_flatten
+
+from pocket_mlx.engine import distributed
+from pocket_mlx.engine.loader import load
+
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+PROMPT = ("The quick brown fox jumps over the lazy dog while the cat watches from the warm "
+          "windowsill and the rain keeps falling on the old roof of the house")
+TOKENS = "12"
+
+pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), POCKET_MLX_THREADS="1")
+    for k in ("MLX_RANK", "MLX_HOSTFILE"):
+        env.pop(k, None)
+    return env
+
+
+def _free_ports(n: int) -> int:
+    """A first port with `n` free ones after it (other test runs may share this machine)."""
+    for _ in range(100):
+        base = random.randint(20000, 60000)
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            for s in socks:
+                s.close()
+            return base
+        except OSError:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def _generate(model: Path | None, mode: str | None, raw: bool) -> dict:
+    args = ["-m", "pocket_mlx", "generate", "-p", PROMPT, "-n", TOKENS, "--device", "cpu",
+            "--json"]
+    args += ["--model", str(model)] if model else []
+    args += ["--raw"] if raw else []
+    if mode is None:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port",
+               str(_free_ports(2)), "--", sys.executable, *args, "--distributed", mode,
+               "--distributed-timeout", "60"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stdout  # rank 0 alone prints
+    return json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def hybrid4(tmp_path_factory) -> Path:
+    """A random float32 model with 2 full-attention and 2 Gated DeltaNet layers (MLX's ops)."""
+    cfg = tiny_config(layer_types=["linear_attention", "full_attention", "linear_attention",
+                                   "full_attention"])
+    return write_checkpoint(tmp_path_factory.mktemp("dist") / "hybrid4", cfg, hf_weights(cfg, 3))
+
+
+def _bytes(model) -> tuple[int, int]:
+    """(all parameter bytes, routed experts' bytes) of a model as generate loads it."""
+    total = experts = 0
+    for k, v in tree_flatten(model.parameters()):
+        total += v.nbytes
+        experts += v.nbytes if ".switch_mlp." in k else 0
+    return total, experts
+
+
+@pytest.mark.parametrize("which", ["bundled", "hybrid4"])
+def test_both_modes_match_one_process(which, hybrid4):
+    """Greedy output token-identical to one process, and each rank holds its share, read from
+    the arrays it loaded: pipeline about half of all bytes (every array on exactly one rank),
+    experts the dense part plus half of the routed experts."""
+    path = hybrid4 if which == "hybrid4" else None
+    raw = which == "hybrid4"
+    one = _generate(path, None, raw)
+    model, _ = load(path, device="cpu", fuse=True)
+    total, experts = _bytes(model)
+    for mode in ("pipeline", "experts"):
+        got = _generate(path, mode, raw)
+        assert got["text"] == one["text"], mode
+        assert got["generation_tokens"] == one["generation_tokens"] == int(TOKENS)
+        d = got["distributed"]
+        assert d["mode"] == mode and d["ranks"] == 2
+        ranks = d["rank_weight_bytes"]
+        if mode == "pipeline":
+            assert sum(ranks) == total
+            assert all(0.35 * total <= b <= 0.65 * total for b in ranks), (ranks, total)
+            (lo0, hi0), (lo1, hi1) = d["layers"]
+            assert lo1 == 0 and hi1 == lo0 and hi0 == model.args.num_hidden_layers
+        else:
+            # Half the experts, plus the all-zero expert each rank adds.
+            E = model.args.num_experts
+            assert ranks == [total - experts + experts * (E // 2 + 1) // E] * 2, (ranks, total)
+            assert all(b < one["bytes_per_token"] for b in d["rank_bytes_per_token"])
+
+
+def test_pipeline_ranges_follow_bytes_and_shares():
+    layers = [10] * 8
+    assert distributed.pipeline_ranges(layers, 0, 0, [1, 1]) == [(4, 8), (0, 4)]
+    # The embedding counts with the first layers, lm_head with the last ones.
+    assert distributed.pipeline_ranges(layers, 20, 0, [1, 1]) == [(3, 8), (0, 3)]
+    assert distributed.pipeline_ranges(layers, 0, 0, [3, 1]) == [(2, 8), (0, 2)]
+    # Every rank keeps at least one layer, whatever the shares.
+    assert distributed.pipeline_ranges([10, 10], 1000, 0, [1, 1]) == [(1, 2), (0, 1)]
+    with pytest.raises(Exception, match="at least 3 layers"):
+        distributed.pipeline_ranges([1, 1], 0, 0, [1, 1, 1])
+
+
+def _rank(rank: int, hostfile: Path, cmd: list[str]) -> subprocess.Popen:
+    env = dict(_env(), MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _hostfile(tmp_path: Path) -> Path:
+    port = _free_ports(2)
+    f = tmp_path / "hosts.json"
+    f.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    return f
+
+
+GEN = [sys.executable, "-m", "pocket_mlx", "generate", "-p", "hi", "-n", "4", "--device", "cpu",
+       "--distributed", "experts"]
+
+
+def test_a_rank_that_never_connects_is_an_error_not_a_hang(tmp_path):
+    t0 = time.monotonic()
+    p = _rank(0, _hostfile(tmp_path), [*GEN, "--distributed-timeout", "3"])
+    out, err = p.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert p.returncode != 0
+    last = err.strip().splitlines()[-1]
+    assert "rank 0: the other ranks did not connect within 3 s" in last
+    assert out == ""
+
+
+def test_a_rank_that_dies_is_a_one_line_error(tmp_path):
+    hosts = _hostfile(tmp_path)
+    p0 = _rank(0, hosts, [*GEN, "--distributed-timeout", "60"])
+    # Rank 1 joins the group, then dies before any work.
+    p1 = _rank(1, hosts, [sys.executable, "-c", "import mlx.core as mx, os; "
+                                                "mx.distributed.init(strict=True); os._exit(1)"])
+    p1.communicate(timeout=60)
+    out, err = p0.communicate(timeout=60)
+    assert p0.returncode == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("pocket-mlx generate: error: rank 0: lost the connection"), err
+    assert out == ""
+
+
+def test_distributed_outside_mlx_launch_says_how_to_start_it():
+    r = subprocess.run(GEN, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "mlx.launch -n 2" in r.stderr
+
+
+def test_info_ranks_estimate_from_the_models_bytes():
+    """`info --ranks N --link L`: per-rank memory and bytes per token follow the model's own
+    accounting (pipeline 1/N; experts: dense + 1/N of the routed experts), the collectives
+    are one per MoE layer plus the token, and a slower link gives a slower estimate."""
+    from pocket_mlx.analysis.accounting import module_costs
+    from pocket_mlx.analysis.info import describe, open_source
+
+    d = describe("synthetic:tiny", ranks=2, link="thunderbolt5", bandwidth_gbps=100.0)
+    e = d["distributed"]
+
+    costs = module_costs(open_source("synthetic:tiny").model)
+    experts = sum(c.bytes for c in costs if ".switch_mlp." in c.path + ".")
+    total = d["weights_bytes"]
+    layers = d["architecture"]["layers"]
+    E = d["experts_per_layer"]
+    assert e["pipeline"]["memory_bytes_per_rank"] == total / 2
+    assert e["experts"]["memory_bytes_per_rank"] == pytest.approx(
+        total - experts / 2 + experts / E)
+    assert e["experts"]["collectives_per_token"] == layers + 1
+    assert e["experts"]["bytes_per_token_per_rank"] < d["bytes_per_token"]
+    slow = describe("synthetic:tiny", ranks=2, link="1gbe", bandwidth_gbps=100.0)["distributed"]
+    assert slow["experts"]["decode_tps"] < e["experts"]["decode_tps"]
+    assert e["bandwidth_gbps"] == 100.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ranks", "1"], "--ranks must be 2 or more"),
+    (["--link", "10gbe"], "add --ranks N"),
+])
+def test_info_ranks_bad_input_is_one_line(argv, message):
+    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "info", *argv], capture_output=True,
+                       text=True, env=_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_bench_runs_distributed_and_rank_0_alone_reports():
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports(2)),
+           "--", sys.executable, "-m", "pocket_mlx", "bench", "-p", "16", "-n", "4", "-r", "1",
+           "--device", "cpu", "-o", "json", "-q", "--distributed", "experts"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert [row["test"] for row in rows] == ["pp16", "tg4"]
+    assert all("[experts x2, rank 0]" in row["model"] and row["tps_mean"] > 0 for row in rows)
+
+
+def test_moe_parts_summed_over_ranks_are_the_block_bit_for_bit(kernels_ext):
+    """The extension's expert-parallel pieces: each rank's parts (its experts, the shared one on
+    one rank) summed, then combined, equal `moe_block` exactly, for 2 and 3 ranks; a router
+    that does not cover the held experts is refused."""
+    import mlx.core as mx
+
+    from pocket_mlx.kernels import ops
+
+    model, _ = load(None, device="cpu", fuse=True)
+    mlp = model.layers[1].mlp
+    mats = mlp._quantized_mats()
+    x = mx.random.normal((1, 3, model.args.hidden_size), key=mx.random.key(1))
+    want = ops.moe_block(x, mats, mlp.top_k, True)
+    E = model.args.num_experts
+    for ranks in (2, 3):
+        total, scores = None, None
+        for r in range(ranks):
+            lo, hi = distributed.split_evenly(E, ranks, r)
+            mine = mats[:-3] + [(w[lo:hi], s[lo:hi], b[lo:hi], bits, gs)
+                                for w, s, b, bits, gs in mats[-3:]]
+            parts, sc = ops.moe_block_parts(x, mine, mlp.top_k, True, lo, r == 0)
+            assert parts.shape == (1, 3, mlp.top_k + 1, x.shape[-1])
+            total = parts if total is None else total + parts
+            scores = sc if scores is None else scores
+            assert mx.array_equal(sc, scores)
+        assert mx.array_equal(ops.moe_combine(total, scores), want)
+    last2 = mats[:-3] + [(w[E - 2:], s[E - 2:], b[E - 2:], bits, gs)
+                         for w, s, b, bits, gs in mats[-3:]]
+    assert ops.moe_block_parts(x, last2, mlp.top_k, True, E - 2, True) is not None
+    assert ops.moe_block_parts(x, last2, mlp.top_k, True, E - 1, True) is None  # past the router
