@@ -46,6 +46,7 @@ class Metrics:
         self.decode_steps = 0  # batched decode steps (one forward each)
         self.decode_rows = 0  # sequences those steps advanced, summed
         self.batch_size = 0  # sequences in the last step
+        self.prefill_s = 0.0  # engine time in prefill (chunks and first tokens)
         self.bytes_per_token = bytes_per_token
 
     def request(self, endpoint: str, status: int) -> None:
@@ -66,6 +67,10 @@ class Metrics:
     def token(self, latency_s: float) -> None:
         with self._lock:
             self.token_latency.observe(latency_s)
+
+    def prefill(self, seconds: float) -> None:
+        with self._lock:
+            self.prefill_s += seconds
 
     def step(self, batch_size: int) -> None:
         """One decode step advanced `batch_size` sequences together."""
@@ -136,6 +141,9 @@ class Metrics:
                    "summed (divided by the steps: the mean batch size).", [("", self.decode_rows)])
             metric("decode_batch_size", "gauge", "Sequences in the last decode step.",
                    [("", self.batch_size)])
+            metric("prefill_seconds_total", "counter", "Time the engine spent prefilling "
+                   "prompts (up to each one's first token); the rest of its busy time decodes.",
+                   [("", round(self.prefill_s, 6))])
         metric("active_requests", "gauge", "Requests generating now.", [("", active)])
         metric("queued_requests", "gauge", "Requests waiting for a slot.", [("", queued)])
         if cache:
