@@ -5,8 +5,11 @@
     prompts, temperature 0, --max-tokens each), and its ratio to one stream. Wall rate = all
     completion tokens / (first request sent -> last stream's finish chunk), the short prompts'
     prefill included. Decode rate = the tokens after each stream's first / (that wall time -
-    the server's summed time to first token, from /metrics' ttft_seconds_sum): the engine
-    thread either prefills or decodes, so this is the time it spent decoding.
+    the engine's time in prefill, from /metrics' prefill_seconds_total): the engine thread
+    either prefills (prompts up to their first token) or runs decode steps of every sequence
+    past its first token, so the rest is the time it spent decoding. Per round also the mean
+    batch (sequences per decode step) and the time per decode step. The server runs with
+    --max-concurrency (default 4; 1 = one request at a time, the unbatched peer).
 (b) TTFT (request sent -> first chunk that carries content or the finish reason, through the
     client) of a conversation's 2nd turn whose 1st turn had a ~--prompt-tokens prompt (served
     from the prompt cache), against a cold request of the same length (another part of the
@@ -95,10 +98,11 @@ class Server:
     """A `python -m pocket_mlx serve` child; stops with SIGTERM (writes RAM entries to disk)."""
 
     def __init__(self, model: str, device: str, port: int, cache_dir: Path, home: Path,
-                 log: Path) -> None:
+                 log: Path, max_concurrency: int = 4) -> None:
         self.port, self.log = port, log
         cmd = [sys.executable, "-m", "pocket_mlx", "serve", "--port", str(port),
-               "--device", device, "--prompt-cache-dir", str(cache_dir)]
+               "--device", device, "--prompt-cache-dir", str(cache_dir),
+               "--max-concurrency", str(max_concurrency)]
         if model:
             cmd += ["--model", model]
         env = {**os.environ, "POCKET_MLX_HOME": str(home),
@@ -225,18 +229,20 @@ class Texts:
 
 # ---- the measurements -------------------------------------------------------------------------
 
-def server_ttft_sum(server: Server) -> float:
-    """The server's summed time to first token so far (/metrics, ttft_seconds_sum)."""
+def server_metrics(server: Server) -> dict[str, float]:
+    """The server's /metrics samples without labels ({name: value})."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()
     finally:
         conn.close()
+    out = {}
     for line in text.splitlines():
-        if line.startswith("pocket_mlx_ttft_seconds_sum "):
-            return float(line.split()[1])
-    raise SystemExit("bench_serve: /metrics has no pocket_mlx_ttft_seconds_sum")
+        if line.startswith("pocket_mlx_") and "{" not in line:
+            name, value = line.split()
+            out[name[len("pocket_mlx_"):]] = float(value)
+    return out
 
 
 def streams_once(server: Server, texts: Texts, n: int, max_tokens: int) -> dict:
@@ -252,7 +258,7 @@ def streams_once(server: Server, texts: Texts, n: int, max_tokens: int) -> dict:
         except BaseException as e:  # noqa: BLE001 - reported below
             out[i] = e
 
-    load0, ttft0 = loadavg(), server_ttft_sum(server)
+    load0, m0 = loadavg(), server_metrics(server)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
@@ -264,14 +270,20 @@ def streams_once(server: Server, texts: Texts, n: int, max_tokens: int) -> dict:
     streams: list[Stream] = out  # type: ignore[assignment]
     decode_tokens = sum(max(s.completion_tokens - 1, 0) for s in streams)
     wall = max(s.done for s in streams) - min(s.sent for s in streams)
-    prefill = server_ttft_sum(server) - ttft0
+    m1 = server_metrics(server)
+    prefill = m1["prefill_seconds_total"] - m0["prefill_seconds_total"]
+    steps = m1["decode_steps_total"] - m0["decode_steps_total"]
+    rows = m1["decode_batch_rows_total"] - m0["decode_batch_rows_total"]
     decoding = wall - prefill
     return {
         "streams": n,
         "decode_tok_s": decode_tokens / decoding if decoding else None,
         "wall_tok_s": sum(s.completion_tokens for s in streams) / wall,
         "wall_s": wall,
-        "server_ttft_sum_s": prefill,
+        "server_prefill_s": prefill,
+        "decode_steps": steps,
+        "mean_batch": rows / steps if steps else None,
+        "step_ms": 1e3 * decoding / steps if steps else None,
         "completion_tokens": [s.completion_tokens for s in streams],
         "prompt_tokens": [s.prompt_tokens for s in streams],
         "cached_tokens": [s.cached_tokens for s in streams],
@@ -342,6 +354,9 @@ def main() -> int:
     ap.add_argument("--parts", default="abc",
                     help="'a' alone skips (b) and (c) (they need two cold --prompt-tokens "
                          "prefills); (b) and (c) always run together")
+    ap.add_argument("--max-concurrency", type=int, default=4,
+                    help="the server's --max-concurrency (1: one request at a time, the "
+                         "others queued: the unbatched peer)")
     ap.add_argument("--port", type=int, default=8090)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--keep", action="store_true",
@@ -357,6 +372,7 @@ def main() -> int:
     home.mkdir()
     texts = Texts()
     result: dict = {"model": args.model, "device": args.device, "machine": machine(),
+                    "max_concurrency": args.max_concurrency,
                     "loadavg_start": loadavg(), "max_tokens": args.max_tokens,
                     "reply_tokens": args.reply_tokens, "prompt_tokens_target": args.prompt_tokens}
     # (b)'s texts first: the two long ones, the same token count.
@@ -367,7 +383,8 @@ def main() -> int:
     server = None
     try:
         say(f"starting the server ({model}, {args.device}); log {log}")
-        server = Server(model, args.device, args.port, cache_dir, home, log)
+        server = Server(model, args.device, args.port, cache_dir, home, log,
+                        args.max_concurrency)
         result["server_start_s"] = server.start_s
         say(f"up in {server.start_s:.1f} s; warm-up request")
         result["warm_up_1"] = summary(warm_up(server, texts))
@@ -401,7 +418,8 @@ def main() -> int:
             result["cache_files"] = len(list(cache_dir.rglob("*.safetensors")))
             result["cache_dir_bytes"] = sum(f.stat().st_size for f in cache_dir.rglob("*")
                                             if f.is_file())
-            server = Server(model, args.device, args.port, cache_dir, home, log)
+            server = Server(model, args.device, args.port, cache_dir, home, log,
+                            args.max_concurrency)
             result["server_restart_s"] = server.start_s
             result["warm_up_2"] = summary(warm_up(server, texts))
             t2d = chat(server, conv.turn2, 1)
@@ -436,11 +454,15 @@ def report(r: dict) -> None:
           f"{m['cores']} cores ({m['threads_usable']} usable); {m['system']}")
     print(f"load average: start {r['loadavg_start']}, end {r['loadavg_end']}")
     print(f"\n(a) concurrent streaming clients, max_tokens {r['max_tokens']}, temperature 0")
-    print("streams  decode tok/s  vs 1  wall tok/s  vs 1  (medians)  decode tok/s per round")
+    print(f"server --max-concurrency {r['max_concurrency']}")
+    print("streams  decode tok/s  vs 1  wall tok/s  vs 1  (medians)  decode tok/s per round"
+          "  [mean batch, ms per step]")
     for c in r["concurrency"]:
         each = " ".join(f"{x['decode_tok_s']:.2f}" for x in c["runs"])
+        steps = " ".join(f"[{x['mean_batch']:.2f}, {x['step_ms']:.0f}]" for x in c["runs"]
+                         if x.get("mean_batch"))
         print(f"{c['streams']:>7}  {c['decode_tok_s']:>12.2f}  {c['decode_vs_1']:>4.2f}  "
-              f"{c['wall_tok_s']:>10.2f}  {c['wall_vs_1']:>4.2f}  {'':>9}  {each}")
+              f"{c['wall_tok_s']:>10.2f}  {c['wall_vs_1']:>4.2f}  {'':>9}  {each}  {steps}")
     if "turn2" not in r:
         return
     print(f"\nserver restart {r['server_restart_s']:.1f} s")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pocket_mlx.cli import args as argtypes
 from pocket_mlx.cli.args import add_model_args
-from pocket_mlx.engine.params import PROMPT_CACHE_MB
+from pocket_mlx.engine.params import PROMPT_CACHE_MB, SERVE_MAX_CONCURRENCY
 from pocket_mlx.errors import PocketError
 
 LAUNCHD_LABEL = "com.pocket-mlx.serve"
@@ -29,7 +29,8 @@ def register(sub) -> argparse.ArgumentParser:
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve one model over HTTP: GET /health, GET /v1/models, "
                     "POST /v1/chat/completions and POST /v1/completions (streaming or not), "
-                    "as OpenAI's API. One request generates at a time; others wait in a queue.")
+                    "as OpenAI's API. Up to --max-concurrency requests generate at once, decoded together "
+                    "(one forward per token for all of them); others wait in a queue.")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; anything but loopback requires --api-key")
@@ -37,8 +38,11 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $POCKET_MLX_API_KEY, else no key: loopback only)")
-    p.add_argument("--max-concurrency", type=_positive, default=1, metavar="N",
-                   help="requests generating at once (this version: 1; batched decode is later)")
+    p.add_argument("--max-concurrency", type=_positive, default=SERVE_MAX_CONCURRENCY,
+                   metavar="N",
+                   help="requests generating at once, decoded together in one batch per step "
+                        "(continuous batching: they join and leave between steps); 1 runs them "
+                        f"one at a time (default: {SERVE_MAX_CONCURRENCY})")
     p.add_argument("--max-queue", type=_non_negative, default=8, metavar="N",
                    help="requests waiting for a slot; beyond it: 429 with Retry-After")
     p.add_argument("--max-tokens", type=argtypes.max_tokens, default=DEFAULT_MAX_TOKENS,
@@ -86,10 +90,6 @@ def check_args(args: argparse.Namespace) -> None:
                           "--host 127.0.0.1")
     if args.api_key is not None and not args.api_key.strip():
         raise PocketError("--api-key is empty; pass a non-empty key")
-    if args.max_concurrency != 1:
-        raise PocketError(f"--max-concurrency {args.max_concurrency}: this version generates "
-                          "one request at a time (batched decode is not built yet); use 1, and "
-                          "--max-queue for the requests that wait")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -121,7 +121,8 @@ def launchd_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--model", str(local.resolve()) if local.exists() else args.model]
     if args.device:
         argv += ["--device", args.device]
-    argv += ["--host", args.host, "--port", str(args.port), "--max-queue", str(args.max_queue),
+    argv += ["--host", args.host, "--port", str(args.port),
+             "--max-concurrency", str(args.max_concurrency), "--max-queue", str(args.max_queue),
              "--max-tokens", str(args.max_tokens), "--max-body-mb", str(args.max_body_mb)]
     if args.cors:
         argv += ["--cors", args.cors]

@@ -25,6 +25,8 @@ PROMPT_CACHE_DISK_BYTES = 4 << 30
 # (`make_logits_processors(repetition_context_size=20)`), so equal settings penalise alike.
 DEFAULT_REPETITION_CONTEXT = 20
 DEFAULT_PREFILL_STEP = 512
+# `serve`: requests decoded together (continuous batching), one forward per step for all.
+SERVE_MAX_CONCURRENCY = 4
 
 
 def _is_number(v) -> bool:

@@ -57,12 +57,12 @@ def categorical(logprobs: mx.array, temp: float) -> mx.array:
     return mx.random.categorical(logprobs * (1.0 / temp))
 
 
-def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0,
-                 top_k: int = 0) -> Sampler:
-    """A function from log-probabilities [B, V] to token ids [B]. `temp` 0 is greedy (the
-    filters then change nothing); top_p 1, min_p 0 and top_k 0 are off."""
-    if temp == 0:
-        return greedy
+@mx.compile
+def categorical_with_key(logprobs: mx.array, key: mx.array, temp: float) -> mx.array:
+    return mx.random.categorical(logprobs * (1.0 / temp), key=key)
+
+
+def _filters(top_p: float, min_p: float, top_k: int) -> list[Callable[[mx.array], mx.array]]:
     filters: list[Callable[[mx.array], mx.array]] = []
     if 0 < top_p < 1:
         filters.append(lambda x: apply_top_p(x, top_p))
@@ -71,6 +71,16 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0,
     if top_k > 0:
         # top-k of the whole vocabulary or more keeps everything (mlx-lm raises instead).
         filters.append(lambda x: apply_top_k(x, top_k) if top_k < x.shape[-1] else x)
+    return filters
+
+
+def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0,
+                 top_k: int = 0) -> Sampler:
+    """A function from log-probabilities [B, V] to token ids [B]. `temp` 0 is greedy (the
+    filters then change nothing); top_p 1, min_p 0 and top_k 0 are off."""
+    if temp == 0:
+        return greedy
+    filters = _filters(top_p, min_p, top_k)
 
     def sampler(logprobs: mx.array) -> mx.array:
         for f in filters:
@@ -78,6 +88,28 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0,
         return categorical(logprobs, temp)
 
     return sampler
+
+
+class KeyedSampler:
+    """`make_sampler(temp > 0, ...)` drawing from its own key instead of MLX's global one, so
+    several sequences sampled on one thread (the server's batch) each keep their own random
+    stream. Seeded with `seed`, it draws exactly what `make_sampler` draws after
+    `mx.random.seed(seed)`: MLX's global key sequence splits its key the same way per draw."""
+
+    def __init__(self, seed: int, temp: float, top_p: float = 1.0, min_p: float = 0.0,
+                 top_k: int = 0) -> None:
+        if temp <= 0:
+            raise ValueError("a keyed sampler draws: temp must be above 0 (greedy draws nothing)")
+        self.key = mx.random.key(seed)
+        self.temp = temp
+        self.filters = _filters(top_p, min_p, top_k)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        for f in self.filters:
+            logprobs = f(logprobs)
+        keys = mx.random.split(self.key)
+        self.key = keys[0]
+        return categorical_with_key(logprobs, keys[1], self.temp)
 
 
 def make_repetition_penalty(penalty: float,

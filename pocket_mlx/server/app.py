@@ -10,9 +10,10 @@ mean threads per connection and hand-written chunked streaming.
 Endpoints: GET /health (no key needed), GET /metrics (Prometheus text), GET /v1/models (and
 /v1/models/{id}), POST /v1/chat/completions and POST /v1/completions (streamed with
 `"stream": true`), and Anthropic's POST /v1/messages and /v1/messages/count_tokens
-(server/anthropic.py). Tool calls: server/tools.py. Requests run one at a time on the
-engine thread (`server/engine.py`); extra requests wait in a bounded queue, then get 429 with
-Retry-After. Every refusal is OpenAI's error object with a 4xx status and one line on stderr;
+(server/anthropic.py). Tool calls: server/tools.py. Requests run on the engine thread
+(`server/engine.py`), up to --max-concurrency decoded together; extra requests wait in a
+bounded queue, then get 429 with Retry-After. Every refusal is OpenAI's error object with a
+4xx status and one line on stderr;
 anything unexpected is a 500 with a generic message (the details go to the log only).
 """
 

@@ -1,17 +1,29 @@
-"""The generation worker behind the server: one thread owns the model and runs every request.
+"""The generation worker behind the server: one thread owns the model and runs every request,
+decoding the active ones together (continuous batching).
 
 Why one thread: MLX streams belong to the thread that made them (engine/devices.py), and the
 model's caches and the `mx.random` state are not safe to share between threads. The HTTP side
 (asyncio) never touches MLX: it tokenizes, then hands a `Job` to this thread through a bounded
 queue and reads the job's events (text pieces, then the end) from an asyncio queue.
 
-This slice decodes ONE sequence at a time: `max_concurrency` must be 1, and up to `max_queue`
-more requests wait their turn in order; beyond that `submit` raises `Busy` (HTTP 429).
-Batched decode of several sequences per step is later work.
+Continuous batching: up to `max_concurrency` jobs hold a slot; beyond them up to `max_queue`
+wait in order, and beyond that `submit` raises `Busy` (HTTP 429 with Retry-After). Each turn of
+the loop (1) admits waiting jobs into free slots, (2) runs one prefill chunk of the oldest job
+still prefilling (so a long prompt delays the others by a chunk per step, never by its whole
+prefill), then its first token alone, exactly as `generate` does, and (3) runs ONE decode step
+for every sequence past its first token: one forward of [B, 1] tokens (models/batched.py), in
+which every weight matrix is read once for all B. Sequences join after their first token and
+leave when they finish, between steps. Each keeps its own sampling parameters, repetition
+history and random key (`seed`), so its tokens are those it would get alone: greedy outputs
+equal sequential runs bit for bit (tests/test_batched.py, tests/test_server_batch.py).
 
-Cancelling: a job's `cancel()` (the client went away) is checked by `stream_generate` after
-every prefill chunk and every token, so a generation stops within one step and frees its slot;
-a job still waiting is dropped from the queue at once.
+Decoding is pipelined as in `generation.generate_step`: the next step is queued from the
+still-lazy sampled tokens before they are read, so building a step's graph in Python overlaps
+the previous step's compute.
+
+Cancelling: a job's `cancel()` (the client went away) is checked after every prefill chunk and
+every token it receives, so a generation stops within one step and frees its slot; a job still
+waiting is dropped from the queue at once.
 
 Prompt cache: engine/prompt_cache.py's store (built once the model is loaded, from
 `prompt_cache_mb` / `prompt_cache_dir`), or any object with its `fetch` / `store` (the
@@ -23,22 +35,38 @@ what `fetch` returned. `NoPromptCache` when it is off.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pocket_mlx.engine.generation import SamplingParams, context_limit, stream_generate
-from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_path
+import mlx.core as mx
+
+from pocket_mlx.engine import devices
+from pocket_mlx.engine.generation import (
+    SamplingParams,
+    _cache_arrays,
+    _StopText,
+    context_limit,
+    make_logits_processors,
+)
+from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_path, use_device
+from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
 from pocket_mlx.engine.prompt_cache import open_store
+from pocket_mlx.engine.sampling import KeyedSampler, greedy
 from pocket_mlx.errors import PocketError
+from pocket_mlx.models.batched import DecodeBatch
 from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.openai import ApiError, GenRequest
 from pocket_mlx.server.tools import render_chat
+from pocket_mlx.system.memory import wired_limit
 
 
 class PromptCache(Protocol):
@@ -123,22 +151,65 @@ class Job:
         self.engine._drop_if_queued(self)
 
 
+
+class _Seq:
+    """A running job on the engine thread: its cache, sampling state and reply so far."""
+
+    def __init__(self, job: Job, cache: list, n_cached: int, sampling: SamplingParams,
+                 max_tokens: int, room: int, tokenizer) -> None:
+        ids = job.ids
+        self.job, self.ids, self.cache, self.n_cached = job, ids, cache, n_cached
+        self.rest = mx.array(ids[n_cached:], mx.uint32)  # prompt tokens not yet fed
+        self.fed: list[int] | None = list(ids[n_cached:])  # what the cache consumed
+        # Each sequence draws from its own key, as `generate --seed` draws from a freshly seeded
+        # global one: the same seed gives the same tokens alone or batched. Greedy draws nothing.
+        if sampling.temperature > 0:
+            seed = sampling.seed if sampling.seed is not None else \
+                int.from_bytes(os.urandom(8), "little") >> 1
+            self.sampler = KeyedSampler(seed, sampling.temperature, sampling.top_p,
+                                        sampling.min_p, sampling.top_k)
+        else:
+            self.sampler = greedy
+        self.processors = make_logits_processors(sampling)
+        self.keep = sampling.repetition_context
+        self.history = mx.array(ids[n_cached:][-self.keep:], mx.uint32)
+        self.max_tokens = max_tokens
+        self.limit = min(max_tokens, room)  # tokens that may be sampled
+        self.text = _StopText(tokenizer, [s for s in (job.request.stop or []) if s])
+        self.eos = set(tokenizer.eos_token_ids)
+        self.read = 0  # sampled tokens read so far (an EOS included)
+        self.n = 0  # reply tokens (no EOS)
+        self.unread: mx.array | None = None  # sampled, not yet read
+        self.next: mx.array | None = None  # sampled in the step just queued
+        self.fed_now = False  # `unread` was fed to the step just queued
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_prev = 0.0
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """The next token [1] from logits [1, vocab] (lazy), as `generate_step` samples."""
+        for proc in self.processors:
+            logits = proc(self.history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return self.sampler(logprobs)
+
+
 class Engine:
     """The loaded model, the request queue and the thread that generates."""
 
     def __init__(self, model: str | None = None, device: str | None = None, *,
-                 max_concurrency: int = 1, max_queue: int = 8, default_max_tokens: int = 512,
-                 prompt_cache: PromptCache | None = None, prompt_cache_mb: int = 0,
-                 prompt_cache_dir: Path | None = None, log=None) -> None:
-        if max_concurrency != 1:
-            raise PocketError(f"--max-concurrency {max_concurrency}: this version generates "
-                              "one request at a time (batched decode is not built yet); use 1, "
-                              "and --max-queue for the requests that wait")
+                 max_concurrency: int = SERVE_MAX_CONCURRENCY, max_queue: int = 8,
+                 default_max_tokens: int = 512, prompt_cache: PromptCache | None = None,
+                 prompt_cache_mb: int = 0, prompt_cache_dir: Path | None = None, log=None,
+                 prefill_step: int = DEFAULT_PREFILL_STEP) -> None:
+        if max_concurrency < 1:
+            raise PocketError(f"--max-concurrency {max_concurrency}: must be 1 or more")
         if max_queue < 0:
             raise PocketError(f"--max-queue {max_queue}: must be 0 or more")
         self.model_ref, self.device_name = model, device
         self.max_concurrency, self.max_queue = max_concurrency, max_queue
         self.default_max_tokens = default_max_tokens
+        self.prefill_step = prefill_step
         self.prompt_cache: PromptCache = (prompt_cache if prompt_cache is not None
                                           else NoPromptCache())
         # Without a store given, one is built once the model is loaded (it fingerprints it):
@@ -153,7 +224,7 @@ class Engine:
         self._load_error: BaseException | None = None
         self._avg_s = 5.0  # running mean of a job's time, for Retry-After
         self._thread: threading.Thread | None = None
-        self._current: Job | None = None  # the job generating now
+        self._active: set[Job] = set()  # the jobs holding a slot
         self.model = self.tokenizer = None
         self.model_id = ""
         self.context = 0
@@ -171,7 +242,7 @@ class Engine:
             raise self._load_error
 
     def stop(self) -> None:
-        """Finish the running job's current step, drop the rest, end the thread."""
+        """Finish the running jobs' current step, drop the rest, end the thread."""
         with self._lock:
             pending = []
             while True:
@@ -179,11 +250,10 @@ class Engine:
                     pending.append(self._jobs.get_nowait())
                 except queue.Empty:
                     break
-        for job in pending:
+            active = list(self._active)
+        for job in pending + active:
             if job is not None:
                 job.cancelled.set()
-        if self._current is not None:
-            self._current.cancelled.set()
         self._jobs.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -196,18 +266,25 @@ class Engine:
             self.model_id = Path(path).name
             self.context = context_limit(self.model)
             self.device = self.model.device
-            self.metrics.bytes_per_token = model_weight_stats(self.model).bytes_per_token
+            weights = model_weight_stats(self.model)
+            self.metrics.bytes_per_token = weights.bytes_per_token
             if self._store_args:
                 store = open_store(self.model, *self._store_args)  # (empty: len() is 0)
                 if store is not None:
                     self.prompt_cache = store
+            use_device(self.model, self.device)
         except BaseException as e:  # noqa: BLE001 - handed to start(), which raises it
             self._load_error = e
             self._ready.set()
             return
         self._ready.set()
+        stream = devices.stream_for(self.device)
         try:
-            self._serve()
+            with ExitStack() as wired:
+                if self.device == "gpu":  # wire the model's memory while serving
+                    wired.enter_context(wired_limit(weights.bytes_total, self.device,
+                                                    streams=[stream], warn=self.log))
+                self._serve(stream)
         finally:
             # Entries still only in RAM go to disk (on this thread, which made them), so a
             # restarted server finds them.
@@ -215,34 +292,198 @@ class Engine:
             if flush is not None:
                 flush()
 
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            with self._lock:
-                if job.state == "dropped":
-                    continue
-                job.state = "running"
-                self._running += 1
-                self._current = job
-            t0 = time.perf_counter()
-            final: Done | Failed
+    # ---- the loop ----------------------------------------------------------------------------
+    def _serve(self, stream: mx.Stream) -> None:
+        prefilling: deque[_Seq] = deque()  # in arrival order; the first one prefills
+        decoding: list[_Seq] = []  # past their first token
+        batch = DecodeBatch(self.model)
+        stopping = False
+        while True:
+            # 1. Waiting jobs take the free slots (blocking only when there is nothing to do).
+            while not stopping and len(prefilling) + len(decoding) < self.max_concurrency:
+                idle = not prefilling and not decoding
+                try:
+                    job = self._jobs.get() if idle else self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    break
+                with self._lock:
+                    if job.state == "dropped":
+                        continue
+                    job.state = "running"
+                    self._running += 1
+                    self._active.add(job)
+                try:
+                    with mx.stream(stream):
+                        prefilling.append(self._begin(job))
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    self._release(job, self._failure(e))
+            if stopping and not prefilling and not decoding:
+                return
+
+            # 2. Prefill: cancelled ones leave; the oldest runs one chunk, or its first token.
+            for s in [s for s in prefilling if s.job.cancelled.is_set()]:
+                prefilling.remove(s)
+                s.fed = None  # the cache is part-way: never stored
+                self._finish(s, "cancelled", batch)
+            if prefilling:
+                s = prefilling[0]
+                try:
+                    with mx.stream(stream):
+                        # The step in flight first, so the time below is the prefill's alone
+                        # (/metrics' prefill_seconds_total: decode time = the rest).
+                        mx.eval([d.unread for d in decoding])
+                        t = time.perf_counter()
+                        ready = self._prefill(s)
+                        self.metrics.prefill(time.perf_counter() - t)
+                except Exception as e:  # noqa: BLE001
+                    prefilling.popleft()
+                    self._release(s.job, self._failure(e))
+                    ready = False
+                if ready:
+                    prefilling.popleft()
+                    decoding.append(s)
+
+            # 3. One decode step for every sequence that needs another token (pipelined: from
+            # the tokens sampled last step, not yet read).
+            feed = [s for s in decoding if s.read + 1 < s.limit]
             try:
-                final = self._run(job)
-            except PocketError as e:
-                final = Failed(ApiError(400, str(e), code="invalid_value"))
-            except Exception as e:  # noqa: BLE001 - one request failed, the server goes on
-                self.log(f"pocket-mlx serve: generation failed: {type(e).__name__}: "
+                with mx.stream(stream):
+                    members = batch.set_members(feed)
+                    if members:
+                        for s in members:
+                            if s.processors:
+                                s.history = mx.concatenate(
+                                    [s.history, s.unread.astype(mx.uint32)])[-s.keep:]
+                        logits = batch.step(mx.concatenate(
+                            [s.unread.astype(mx.uint32) for s in members]))
+                        for i, s in enumerate(members):
+                            s.next, s.fed_now = s.sample(logits[i:i + 1]), True
+                        mx.async_eval([s.next for s in members])
+                        self.metrics.step(len(members))
+            except Exception as e:  # noqa: BLE001 - the step failed: so do its sequences
+                failure = self._failure(e)
+                for s in decoding:
+                    self._release(s.job, failure)
+                decoding, batch = [], DecodeBatch(self.model)
+                continue
+
+            # 4. Read what the previous step sampled; finished sequences leave.
+            for s in list(decoding):
+                try:
+                    reason = self._take(s, s.unread.item())
+                    if reason is not None:
+                        decoding.remove(s)
+                        self._finish(s, reason, batch)
+                        continue
+                except Exception as e:  # noqa: BLE001
+                    decoding.remove(s)
+                    if s.fed_now:
+                        batch.release(s)
+                    self._release(s.job, self._failure(e))
+                    continue
+                s.unread, s.next, s.fed_now = s.next, None, False
+
+    def _begin(self, job: Job) -> _Seq:
+        """A slot's job made ready to prefill: its prompt-cache prefix, its sampling state."""
+        ids, req = job.ids, job.request
+        sampling = SamplingParams(**req.sampling)
+        sampling.validate()
+        cache, n_cached = self.prompt_cache.fetch(ids)
+        if cache is None or not 0 <= n_cached < len(ids):
+            cache, n_cached = self.model.make_cache(), 0
+        use_device(self.model, self.device, cache)  # a restored cache in the model's dtypes
+        self.metrics.cache_lookup(n_cached)
+        s = _Seq(job, cache, n_cached, sampling, req.max_tokens or self.default_max_tokens,
+                 self.context - len(ids), self.tokenizer)
+        job.emit(Started(len(ids), n_cached))
+        return s
+
+    def _prefill(self, s: _Seq) -> bool:
+        """One chunk of `s`'s prompt into its cache (all but the last token, as
+        `generate_step`), or, once only the last is left, that token alone: its first sampled
+        token is then queued and True returned (it joins the batch)."""
+        if s.rest.size > 1:
+            n = min(self.prefill_step, s.rest.size - 1)
+            self.model(s.rest[:n][None], cache=s.cache)
+            mx.eval([a for c in s.cache for a in _cache_arrays(c)])
+            s.rest = s.rest[n:]
+            return False
+        logits = self.model(s.rest[None], cache=s.cache)[:, -1, :]
+        s.unread = s.sample(logits)
+        mx.eval(s.unread)
+        return True
+
+    def _take(self, s: _Seq, token: int) -> str | None:
+        """Account for `s`'s next sampled token (emit its text); the finish reason when this
+        token ends the reply (as `stream_generate` decides), else None."""
+        s.read += 1
+        if s.fed_now:
+            s.fed.append(token)
+        if token in s.eos:
+            return "eos"
+        now = time.perf_counter()
+        if s.t_first is None:
+            s.t_first = now
+            self.metrics.first_token(now - s.t0)
+        else:
+            self.metrics.token(now - s.t_prev)
+        s.t_prev = now
+        s.n += 1
+        piece, stopped = s.text.add(token)
+        if piece:
+            s.job.emit(Piece(piece))
+        if stopped:
+            return "stop"
+        if s.read >= s.limit:
+            return "length" if s.n >= s.max_tokens else "context"
+        if s.job.cancelled.is_set():
+            return "cancelled"
+        return None
+
+    def _finish(self, s: _Seq, reason: str, batch: DecodeBatch) -> None:
+        """Close `s`: the held-back text, the metrics, its cache into the prompt cache (before
+        the client hears the end, so its next turn finds it), the slot, then `Done`."""
+        job = s.job
+        if reason != "stop" and s.fed is not None and (tail := s.text.flush()):
+            job.emit(Piece(tail))
+        tps = (s.n - 1) / (time.perf_counter() - s.t_first) if s.n > 1 else 0.0
+        self.metrics.reply(len(s.ids), s.n, tps, reason == "cancelled")
+        # fed is None only when the cache was left part-way (cancelled in prefill); a reply
+        # cancelled while decoding still leaves a cache worth keeping for a retry.
+        if s.fed is not None:
+            if s.fed_now:
+                batch.release(s)  # its linear states, this last step included
+            try:
+                self.prompt_cache.store(s.ids[:s.n_cached] + s.fed, s.cache)
+            except Exception as e:  # noqa: BLE001 - the reply is complete: a cache that
+                # could not be kept costs a later prefill, not this answer
+                self.log(f"pocket-mlx serve: prompt cache: not stored: {type(e).__name__}: "
                          f"{' '.join(str(e).split())}")
-                final = Failed(ApiError(500, "internal error while generating; see the "
-                                             "server's log", type="server_error",
-                                        code="internal_error"))
-            self._avg_s = 0.8 * self._avg_s + 0.2 * (time.perf_counter() - t0)
-            # The slot is free before the client hears the end: its next request finds it so.
-            with self._lock:
-                job.state = "done"
-                self._current = None
-                self._running -= 1
-                self._admitted -= 1
-            job.emit(final)
+        stop_string = s.text.hit if reason == "stop" else None
+        self._release(job, Done(reason, len(s.ids), s.n, s.n_cached, stop_string),
+                      time.perf_counter() - s.t0)
+
+    def _failure(self, e: Exception) -> Failed:
+        if isinstance(e, PocketError):
+            return Failed(ApiError(400, str(e), code="invalid_value"))
+        self.log(f"pocket-mlx serve: generation failed: {type(e).__name__}: "
+                 f"{' '.join(str(e).split())}")
+        return Failed(ApiError(500, "internal error while generating; see the server's log",
+                               type="server_error", code="internal_error"))
+
+    def _release(self, job: Job, final: Done | Failed, seconds: float | None = None) -> None:
+        """Free `job`'s slot, then send its last event: its next request finds the slot free."""
+        if seconds is not None:
+            self._avg_s = 0.8 * self._avg_s + 0.2 * seconds
+        with self._lock:
+            job.state = "done"
+            self._active.discard(job)
+            self._running -= 1
+            self._admitted -= 1
+        job.emit(final)
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, request: GenRequest) -> list[int]:
@@ -280,7 +521,8 @@ class Engine:
         with self._lock:
             if self._admitted >= self.max_concurrency + self.max_queue:
                 waiting = self._admitted - self._running
-                raise Busy(max(1, round(self._avg_s * (waiting + 1))))
+                # Slots free up max_concurrency at a time, a job's mean time apart.
+                raise Busy(max(1, round(self._avg_s * (waiting + 1) / self.max_concurrency)))
             self._admitted += 1
             job = Job(self, ids, request, loop)
             self._jobs.put(job)
@@ -297,45 +539,6 @@ class Engine:
         with self._lock:
             return {"active": self._running, "queued": self._admitted - self._running,
                     "max_concurrency": self.max_concurrency, "max_queue": self.max_queue}
-
-    def _run(self, job: Job) -> Done:
-        """Generate `job`'s reply, emitting its pieces; returns the closing event."""
-        ids, req = job.ids, job.request
-        cache, n_cached = self.prompt_cache.fetch(ids)
-        if cache is None or not 0 <= n_cached < len(ids):
-            cache, n_cached = self.model.make_cache(), 0
-        self.metrics.cache_lookup(n_cached)
-        job.emit(Started(len(ids), n_cached))
-        sampling = SamplingParams(**req.sampling)
-        last, t_token = None, None
-        for r in stream_generate(self.model, self.tokenizer, ids[n_cached:], cache=cache,
-                                 max_tokens=req.max_tokens or self.default_max_tokens,
-                                 sampling=sampling, stop=req.stop, device=self.device,
-                                 should_stop=job.cancelled.is_set, warn=self.log):
-            if r.token is not None:
-                now = time.perf_counter()
-                if t_token is None:
-                    self.metrics.first_token(r.stats.ttft_s)
-                else:
-                    self.metrics.token(now - t_token)
-                t_token = now
-            if r.text:
-                job.emit(Piece(r.text))
-            last = r
-        stats = last.stats
-        self.metrics.reply(len(ids), stats.generation_tokens, stats.generation_tps,
-                           stats.finish_reason == "cancelled")
-        # fed_tokens is None only when the cache was left part-way (cancelled in prefill); a
-        # reply cancelled while decoding still leaves a cache worth keeping for a retry.
-        if last.fed_tokens is not None:
-            try:
-                self.prompt_cache.store(ids[:n_cached] + last.fed_tokens, cache)
-            except Exception as e:  # noqa: BLE001 - the reply is complete: a cache that
-                # could not be kept costs a later prefill, not this answer
-                self.log(f"pocket-mlx serve: prompt cache: not stored: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())}")
-        return Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached,
-                    stats.stop_string)
 
 
 def _utf8(text: str, where: str) -> str:

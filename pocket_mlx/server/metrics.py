@@ -43,6 +43,10 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.token_latency = Histogram(TOKEN_BUCKETS)
         self.decode_tps = 0.0  # of the last reply with 2+ tokens
+        self.decode_steps = 0  # batched decode steps (one forward each)
+        self.decode_rows = 0  # sequences those steps advanced, summed
+        self.batch_size = 0  # sequences in the last step
+        self.prefill_s = 0.0  # engine time in prefill (chunks and first tokens)
         self.bytes_per_token = bytes_per_token
 
     def request(self, endpoint: str, status: int) -> None:
@@ -63,6 +67,17 @@ class Metrics:
     def token(self, latency_s: float) -> None:
         with self._lock:
             self.token_latency.observe(latency_s)
+
+    def prefill(self, seconds: float) -> None:
+        with self._lock:
+            self.prefill_s += seconds
+
+    def step(self, batch_size: int) -> None:
+        """One decode step advanced `batch_size` sequences together."""
+        with self._lock:
+            self.decode_steps += 1
+            self.decode_rows += batch_size
+            self.batch_size = batch_size
 
     def reply(self, prompt_tokens: int, completion_tokens: int, decode_tps: float,
               cancelled: bool) -> None:
@@ -120,6 +135,15 @@ class Metrics:
             metric("decode_gigabytes_per_second", "gauge", "Weights read per second while "
                    "decoding the last reply (bytes per token x tokens per second / 1e9).",
                    [("", round(self.bytes_per_token * self.decode_tps / 1e9, 3))])
+            metric("decode_steps_total", "counter", "Decode steps (one forward of every "
+                   "sequence decoding together).", [("", self.decode_steps)])
+            metric("decode_batch_rows_total", "counter", "Sequences advanced by decode steps, "
+                   "summed (divided by the steps: the mean batch size).", [("", self.decode_rows)])
+            metric("decode_batch_size", "gauge", "Sequences in the last decode step.",
+                   [("", self.batch_size)])
+            metric("prefill_seconds_total", "counter", "Time the engine spent prefilling "
+                   "prompts (up to each one's first token); the rest of its busy time decodes.",
+                   [("", round(self.prefill_s, 6))])
         metric("active_requests", "gauge", "Requests generating now.", [("", active)])
         metric("queued_requests", "gauge", "Requests waiting for a slot.", [("", queued)])
         if cache:
