@@ -61,7 +61,8 @@ def test_isa_matches_cpuinfo(kernels_ext, restore):
     variant = _expected_x86_variant(set(line.split(":", 1)[1].split()))
     assert info["variant"] == variant
     assert info["isa"] == variant.split("-")[0]
-    want_bits = {"scalar": [], "avx2": [2, 4, 6], "avx512": [2, 4, 6]}.get(variant, [2, 4, 6, 8])
+    want_bits = {"scalar": [], "avx2": [1, 2, 4, 6], "avx512": [1, 2, 4, 6]}.get(variant,
+                                                                            [1, 2, 4, 6, 8])
     assert info["fast_bits"] == want_bits
 
 
@@ -83,7 +84,7 @@ def test_reported_mode_is_the_one_that_runs(isa, kernels_ext, restore):
     kernels.set_threads(1)  # one summation order
     kernels.set_mode("fast")
     info = kernels.info()
-    for bits in (2, 3, 4, 8):
+    for bits in (1, 2, 3, 4, 8):
         exact, fast = _qmm(bits, "exact"), _qmm(bits, "fast")
         runs_fast = info["mode"] == "fast" and bits in info["fast_bits"]
         assert np.array_equal(exact, fast) != runs_fast, (info, bits)

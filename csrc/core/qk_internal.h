@@ -130,7 +130,7 @@ static inline QK_INLINE uint32_t get_q(const uint8_t* row, int64_t k, int bits) 
 // W lanes = W * vals_per_lane values. Activations are permuted so that, inside a block, the
 // vector for step t holds values j * T + t for lanes j.
 constexpr int vals_per_lane(int bits) {
-  return bits == 2 ? 16 : (bits == 3 || bits == 4) ? 8 : 4;
+  return bits == 1 ? 32 : bits == 2 ? 16 : (bits == 3 || bits == 4) ? 8 : 4;
 }
 
 // FAST kernels take rows in chunks whose scales fit ~1024 floats; their scratch holds scales,

@@ -411,7 +411,7 @@ bool force_isa(const char* name) {
 void set_single_thread_bytes(int64_t bytes) { g_single_bytes.store(bytes); }
 
 bool supported(int bits, int group_size, int64_t K) {
-  bool b = bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
+  bool b = bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
   bool g = group_size == 32 || group_size == 64 || group_size == 128;
   return b && g && K > 0 && K % group_size == 0;
 }

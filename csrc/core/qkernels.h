@@ -4,7 +4,7 @@
 // a little-endian bit stream of `bits`-bit codes stored in uint32 words (3/5/6-bit codes straddle
 // words), K * bits / 32 words per row. Per group of `group_size` consecutive values along K:
 //   w = scale * q + bias, with scales/biases of shape [E, N, K / group_size].
-// Supported: bits 2,3,4,5,6,8; group sizes 32,64,128; x/scales/out in float32/float16/bfloat16;
+// Supported: bits 1,2,3,4,5,6,8 (1-bit: 32 codes per word); group sizes 32,64,128; x/scales/out in float32/float16/bfloat16;
 // accumulation in float32.
 #pragma once
 

@@ -183,7 +183,7 @@ int main(int argc, char** argv) {
     if (!force_isa(isa_name)) continue;
     std::printf("isa %s (variant %s, FAST bits mask 0x%x)\n", isa_name, isa_variant(),
                 fast_bits_mask());
-    for (int bits : {2, 3, 4, 5, 6, 8}) {
+    for (int bits : {1, 2, 3, 4, 5, 6, 8}) {
       for (int gs : {32, 64, 128}) {
         for (DType xdt : dts) {
           DType sdt = dts[rng() % 3];
@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
       }
     }
     // FAST mode (bits without a fast kernel run EXACT).
-    for (int bits : {2, 3, 4, 5, 6, 8})
+    for (int bits : {1, 2, 3, 4, 5, 6, 8})
       for (int gs : {32, 64, 128}) {
         int64_t K = gs * (1 + rng() % 9);
         run_case(rng, bits, gs, F32, BF16, 1, 1 + rng() % 40, K, 1 + rng() % 12, false, isa_name,
@@ -207,7 +207,7 @@ int main(int argc, char** argv) {
                  1, true);
       }
     // A larger, block-aligned case per bits.
-    for (int bits : {2, 3, 4, 5, 6, 8})
+    for (int bits : {1, 2, 3, 4, 5, 6, 8})
       run_case(rng, bits, 64, F32, BF16, 3, 67, 512, 19, true, isa_name, 2);
   }
   force_isa("auto");

@@ -31,7 +31,7 @@ except ImportError as e:  # not built (no compiler at install time) or ABI misma
     else:
         _import_error = f"C++ extension pocket_mlx._qkernels failed to load: {e}"
 
-_SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+_SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)
 _SUPPORTED_GROUPS = (32, 64, 128)
 _FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
 _MODES = {"exact": 0, "fast": 1}
@@ -189,7 +189,7 @@ def get_threads() -> int:
 
 def set_mode(mode: str) -> None:
     """'fast' (default: activations as int8 per group, integer dot products, for the bit widths
-    the instruction set has FAST kernels for, info()["fast_bits"]: 2/4/6 on AVX2 and AVX-512, 8
+    the instruction set has FAST kernels for, info()["fast_bits"]: 1/2/4/6 on AVX2 and AVX-512, 8
     too with VNNI, none on NEON or scalar; the rest runs EXACT) or 'exact' (float32 products,
     MLX's result up to summation order)."""
     m = mode.lower()
