@@ -2,7 +2,8 @@
 # Builds the plain C++ core (csrc/core) with its parity test program (test_core.cpp, which compares
 # against a scalar reference written inside the program) and runs it:
 #   1. natively (x86-64: AVX-512 / AVX2 / scalar paths the CPU supports; arm64: NEON + scalar),
-#   2. cross-compiled for arm64 with Debian's aarch64-linux-gnu-g++, under qemu-aarch64 (NEON).
+#   2. cross-compiled for arm64 with Debian's aarch64-linux-gnu-g++, under qemu-aarch64 (NEON EXACT,
+#      and FAST with sdot / i8mm usdot) on three emulated CPUs (see neon()).
 # Usage: scripts/check_neon.sh [native|neon|all]   (default: all)
 # Exit: 0 all ran and passed, 1 a build or a test failed, 77 a required tool is missing (skip).
 # Tools: apt-get install -y g++ g++-aarch64-linux-gnu qemu-user
@@ -40,7 +41,18 @@ neon() {
   fi
   echo "== arm64 cross build ($cxx), run under qemu-aarch64"
   "$cxx" "${FLAGS[@]}" -static "${SRCS[@]}" -o "$OUT/test_core_arm64" || return 1
-  QEMU_LD_PREFIX=/usr/aarch64-linux-gnu qemu-aarch64 "$OUT/test_core_arm64" --quick || return 1
+  local q=(env QEMU_LD_PREFIX=/usr/aarch64-linux-gnu qemu-aarch64)
+  # Three emulated CPUs, so that the run-time pick of the NEON variant and every variant run:
+  #   max         dotprod + i8mm: all variants forced in turn (neon-i8mm, neon-dotprod, neon-base)
+  #   cortex-a76  dotprod only:   picks neon-dotprod, refuses neon-i8mm
+  #   cortex-a53  neither:        picks plain neon (FAST requests run EXACT), refuses both
+  echo "-- qemu-aarch64 -cpu max"
+  "${q[@]}" -cpu max "$OUT/test_core_arm64" --quick --expect=neon-i8mm || return 1
+  echo "-- qemu-aarch64 -cpu cortex-a76"
+  "${q[@]}" -cpu cortex-a76 "$OUT/test_core_arm64" --quick --only=neon --expect=neon-dotprod \
+    || return 1
+  echo "-- qemu-aarch64 -cpu cortex-a53"
+  "${q[@]}" -cpu cortex-a53 "$OUT/test_core_arm64" --quick --only=neon --expect=neon || return 1
 }
 
 run() {

@@ -1,9 +1,28 @@
-// NEON kernels (AArch64: NEON is always present).
+// NEON kernels (AArch64: NEON is always present). EXACT runs on any AArch64 CPU; FAST (int8
+// activations) needs the dot-product instructions and comes in two variants, picked at run time
+// by neon_select() from what the CPU reports (neon_cpu_features()):
+//   neon-dotprod  FEAT_DotProd (Apple M1 on, Cortex-A76/Neoverse-N1 on): `sdot` (vdotq_s32),
+//                 signed x signed, so codes must be < 128: 1/2/4/6-bit codes as they are, 8-bit
+//                 codes as two nibbles (two sdots, the high one shifted by 4).
+//   neon-i8mm     FEAT_I8MM as well (Apple M2 on, Neoverse-V1/N2 on): `usdot` (vusdotq_s32),
+//                 unsigned x signed, one instruction for every bit width, like x86 VNNI's dpbusd.
+// Both reuse the generic FAST kernel (qk_fast.inc) with W = 4 lanes. The code for each variant
+// is compiled for its extension only (target pragmas below), so the baseline build stays
+// armv8-a and runs everywhere.
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
 #include <cstdint>
 #include <cstring>
+#include <string>
+
+#if defined(__linux__)
+#include <sys/auxv.h>
+#endif
+#if defined(__APPLE__)
+#include <sys/sysctl.h>
+#include <sys/types.h>
+#endif
 
 #include "qk_internal.h"
 #include "qk_shuffle_ctrl.h"
@@ -23,15 +42,116 @@ static inline __attribute__((always_inline)) auto qk_shuffle_load(const uint8_t*
 }
 
 #include "qk_simd.inc"
-#undef QK_W
-
 }  // namespace isa_neon
 }  // namespace pqk
 
+// GCC enables an extension for a region with `#pragma GCC target`; Clang (Apple) needs the
+// target attribute on every function, which `#pragma clang attribute` applies to the region.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("dotprod"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("arch=armv8.2-a+dotprod")
+#endif
+namespace pqk {
+namespace isa_neon {
+namespace dotprod {
+static inline vi qk_dot8(vi acc, vu q, vu x) {
+  return (vi)vdotq_s32((int32x4_t)acc, (int8x16_t)q, (int8x16_t)x);
+}
+// sdot is signed x signed: 8-bit codes (0..255) go as two nibbles.
+#define QK_HAVE_DOT8_BITS
+template <int BITS>
+static inline vi qk_dot8_bits(vi acc, vu q, vu x) {
+  if constexpr (BITS == 8) {
+    const vi lo = qk_dot8(acc, q & 0x0F0F0F0Fu, x);
+    const vi hi = qk_dot8(vi{}, (q >> 4) & 0x0F0F0F0Fu, x);
+    return lo + (hi << 4);
+  } else {
+    return qk_dot8(acc, q, x);
+  }
+}
+#include "qk_fast.inc"
+#undef QK_HAVE_DOT8_BITS
+}  // namespace dotprod
+}  // namespace isa_neon
+}  // namespace pqk
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("dotprod,i8mm"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("arch=armv8.2-a+dotprod+i8mm")
+#endif
+namespace pqk {
+namespace isa_neon {
+namespace i8mm {
+static inline vi qk_dot8(vi acc, vu q, vu x) {
+  return (vi)vusdotq_s32((int32x4_t)acc, (uint8x16_t)q, (int8x16_t)x);
+}
+#include "qk_fast.inc"
+}  // namespace i8mm
+#undef QK_W
+}  // namespace isa_neon
+}  // namespace pqk
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
 namespace pqk {
 namespace detail {
+
+int neon_cpu_features() {
+  int f = 0;
+#if defined(__linux__)
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  if (hw & HWCAP_ASIMDDP) f |= NEON_DOTPROD;
+  if (hw2 & HWCAP2_I8MM) f |= NEON_I8MM;
+#elif defined(__APPLE__)
+  auto has = [](const char* name) {
+    int v = 0;
+    size_t len = sizeof v;
+    return sysctlbyname(name, &v, &len, nullptr, 0) == 0 && v != 0;
+  };
+  if (has("hw.optional.arm.FEAT_DotProd")) f |= NEON_DOTPROD;
+  if (has("hw.optional.arm.FEAT_I8MM")) f |= NEON_I8MM;
+#endif
+  // usdot is only used together with the dot-product path.
+  if (!(f & NEON_DOTPROD)) f &= ~NEON_I8MM;
+  return f;
+}
+
 extern const IsaOps neon_ops;
+extern const IsaOps neon_dotprod_ops;
+extern const IsaOps neon_i8mm_ops;
 const IsaOps neon_ops = {"neon", 4, &isa_neon::rows_exact, nullptr, {}};
+const IsaOps neon_dotprod_ops = {"neon", 4, &isa_neon::rows_exact, &isa_neon::dotprod::rows_fast,
+                                 {false, true, true, false, true, false, true, false, true},
+                                 "neon-dotprod"};
+const IsaOps neon_i8mm_ops = {"neon", 4, &isa_neon::rows_exact, &isa_neon::i8mm::rows_fast,
+                              {false, true, true, false, true, false, true, false, true},
+                              "neon-i8mm"};
+
+const IsaOps* neon_select(const char* name) {
+  const int f = neon_cpu_features();
+  const std::string n = name;
+  if (n == "neon")
+    return (f & NEON_I8MM) ? &neon_i8mm_ops : (f & NEON_DOTPROD) ? &neon_dotprod_ops : &neon_ops;
+  if (n == "neon-base") return &neon_ops;
+  if (n == "neon-dotprod") return (f & NEON_DOTPROD) ? &neon_dotprod_ops : nullptr;
+  if (n == "neon-i8mm") return (f & NEON_I8MM) ? &neon_i8mm_ops : nullptr;
+  return nullptr;
+}
+
 }  // namespace detail
 }  // namespace pqk
 #endif

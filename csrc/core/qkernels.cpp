@@ -32,9 +32,6 @@ extern const IsaOps avx512vnni_ops;
 extern const IsaOps avx512vbmi_ops;
 extern const IsaOps avx2_ops;
 #endif
-#if defined(__aarch64__)
-extern const IsaOps neon_ops;
-#endif
 
 // ---------------------------------------------------------------- scalar kernels (any CPU)
 template <int MR>
@@ -95,7 +92,7 @@ static const IsaOps* isa_by_name(const std::string& name) {
   }
 #endif
 #if defined(__aarch64__)
-  if (name == "neon") return &neon_ops;
+  if (name.rfind("neon", 0) == 0) return neon_select(name.c_str());
 #endif
   if (name == "scalar") return &scalar_ops;
   return nullptr;
