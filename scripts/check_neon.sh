@@ -53,6 +53,39 @@ neon() {
     || return 1
   echo "-- qemu-aarch64 -cpu cortex-a53"
   "${q[@]}" -cpu cortex-a53 "$OUT/test_core_arm64" --quick --only=neon --expect=neon || return 1
+  neon_clang
+}
+
+# Apple's compiler is Clang: when a clang++ is here, the same program cross-built with it (against
+# the GCC cross toolchain's headers and libraries), run under qemu -cpu max and cortex-a53. Clang
+# takes other paths in csrc/core (qk_permute's table lookup, the dot instructions by encoding).
+# Optional: skipped without clang++.
+neon_clang() {
+  local clang="${AARCH64_CLANG:-}"
+  if [ -z "$clang" ]; then
+    for c in clang++ clang++-19 clang++-18 clang++-17 clang++-16 clang++-15 clang++-14; do
+      command -v "$c" >/dev/null 2>&1 && { clang="$c"; break; }
+    done
+  fi
+  local gccdir
+  gccdir="$(dirname "$(aarch64-linux-gnu-g++ -print-libgcc-file-name 2>/dev/null)")"
+  local cxxinc=(/usr/aarch64-linux-gnu/include/c++/*)
+  if [ -z "$clang" ] || [ ! -d "$gccdir" ] || [ ! -d "${cxxinc[-1]}" ]; then
+    echo "-- (no clang++ for the arm64 Clang build: skipped)"; return 0
+  fi
+  local v="${cxxinc[-1]##*/}"
+  echo "== arm64 cross build ($clang), run under qemu-aarch64"
+  "$clang" --target=aarch64-linux-gnu "${FLAGS[@]}" -Wno-unknown-warning-option -static \
+    --gcc-toolchain=/usr \
+    -isystem /usr/aarch64-linux-gnu/include -isystem "/usr/aarch64-linux-gnu/include/c++/$v" \
+    -isystem "/usr/aarch64-linux-gnu/include/c++/$v/aarch64-linux-gnu" \
+    -B"$gccdir" -L"$gccdir" "${SRCS[@]}" -o "$OUT/test_core_arm64_clang" || return 1
+  echo "-- qemu-aarch64 -cpu max (clang)"
+  "${q[@]}" -cpu max "$OUT/test_core_arm64_clang" --quick --only=neon,neon-dotprod \
+    --expect=neon-i8mm || return 1
+  echo "-- qemu-aarch64 -cpu cortex-a53 (clang)"
+  "${q[@]}" -cpu cortex-a53 "$OUT/test_core_arm64_clang" --quick --only=neon --expect=neon \
+    || return 1
 }
 
 run() {

@@ -50,4 +50,4 @@ def test_core_neon_under_qemu(tmp_path):
     # Every NEON variant ran, each with its FAST bit widths (mask 0x156: 1/2/4/6/8 bits).
     for variant, mask in (("neon-i8mm", "0x156"), ("neon-dotprod", "0x156"), ("neon", "0x0")):
         assert f"(variant {variant}, FAST bits mask {mask})" in out, out[-3000:]
-    assert out.count("cases passed") == 3
+    assert out.count("cases passed") >= 3  # 5 with the optional Clang build

@@ -6,9 +6,7 @@
 //                 codes as two nibbles (two sdots, the high one shifted by 4).
 //   neon-i8mm     FEAT_I8MM as well (Apple M2 on, Neoverse-V1/N2 on): `usdot` (vusdotq_s32),
 //                 unsigned x signed, one instruction for every bit width, like x86 VNNI's dpbusd.
-// Both reuse the generic FAST kernel (qk_fast.inc) with W = 4 lanes. The code for each variant
-// is compiled for its extension only (target pragmas below), so the baseline build stays
-// armv8-a and runs everywhere.
+// Both reuse the generic FAST kernel (qk_fast.inc) with W = 4 lanes.
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
@@ -42,14 +40,48 @@ static inline __attribute__((always_inline)) auto qk_shuffle_load(const uint8_t*
 }
 
 #include "qk_simd.inc"
+
+// How the dot-product instructions are emitted, so that the baseline build stays armv8-a (these
+// functions only run after neon_select() saw the feature):
+//  - the compiler already targets the extension (__ARM_FEATURE_DOTPROD / __ARM_FEATURE_MATMUL_INT8,
+//    e.g. Apple Clang's default arm64 CPU has dotprod): the intrinsic as it is;
+//  - GCC: the intrinsic inside a `#pragma GCC target` region;
+//  - Clang otherwise: its arm_neon.h (<= 15) does not declare the intrinsic and its assembler
+//    (<= 16) takes no `.arch_extension dotprod`, so the instruction goes in as its encoding
+//    (`.inst`) on fixed registers v0 (accumulator), v1 (codes), v2 (activations).
+#if defined(__ARM_FEATURE_DOTPROD)
+#define QK_SDOT(acc, a, b) vdotq_s32(acc, a, b)
+#elif !defined(__clang__)
+#define QK_SDOT(acc, a, b) vdotq_s32(acc, a, b)
+#define QK_SDOT_PRAGMA
+#else
+#define QK_SDOT(acc, a, b) qk_inst_dot<0x4E829420u>(acc, (uint8x16_t)(a), (int8x16_t)(b))
+#endif
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+#define QK_USDOT(acc, a, b) vusdotq_s32(acc, a, b)
+#elif !defined(__clang__)
+#define QK_USDOT(acc, a, b) vusdotq_s32(acc, a, b)
+#define QK_USDOT_PRAGMA
+#else
+#define QK_USDOT(acc, a, b) qk_inst_dot<0x4E829C20u>(acc, a, b)
+#endif
+
+#if defined(__clang__)
+// sdot / usdot v0.4s, v1.16b, v2.16b by encoding (see above).
+template <uint32_t INST>
+static inline __attribute__((always_inline)) int32x4_t qk_inst_dot(int32x4_t acc, uint8x16_t a,
+                                                                  int8x16_t b) {
+  register int32x4_t r __asm__("v0") = acc;
+  register uint8x16_t ra __asm__("v1") = a;
+  register int8x16_t rb __asm__("v2") = b;
+  __asm__(".inst %c3" : "+w"(r) : "w"(ra), "w"(rb), "i"(INST));
+  return r;
+}
+#endif
 }  // namespace isa_neon
 }  // namespace pqk
 
-// GCC enables an extension for a region with `#pragma GCC target`; Clang (Apple) needs the
-// target attribute on every function, which `#pragma clang attribute` applies to the region.
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("dotprod"))), apply_to = function)
-#else
+#ifdef QK_SDOT_PRAGMA
 #pragma GCC push_options
 #pragma GCC target("arch=armv8.2-a+dotprod")
 #endif
@@ -57,7 +89,7 @@ namespace pqk {
 namespace isa_neon {
 namespace dotprod {
 static inline vi qk_dot8(vi acc, vu q, vu x) {
-  return (vi)vdotq_s32((int32x4_t)acc, (int8x16_t)q, (int8x16_t)x);
+  return (vi)QK_SDOT((int32x4_t)acc, (int8x16_t)q, (int8x16_t)x);
 }
 // sdot is signed x signed: 8-bit codes (0..255) go as two nibbles.
 #define QK_HAVE_DOT8_BITS
@@ -76,28 +108,27 @@ static inline vi qk_dot8_bits(vi acc, vu q, vu x) {
 }  // namespace dotprod
 }  // namespace isa_neon
 }  // namespace pqk
-#if defined(__clang__)
-#pragma clang attribute pop
-#pragma clang attribute push(__attribute__((target("dotprod,i8mm"))), apply_to = function)
-#else
+#ifdef QK_SDOT_PRAGMA
 #pragma GCC pop_options
+#endif
+
+#ifdef QK_USDOT_PRAGMA
 #pragma GCC push_options
 #pragma GCC target("arch=armv8.2-a+dotprod+i8mm")
 #endif
 namespace pqk {
 namespace isa_neon {
 namespace i8mm {
+// usdot (FEAT_I8MM): unsigned codes x signed activations, any code width in one instruction.
 static inline vi qk_dot8(vi acc, vu q, vu x) {
-  return (vi)vusdotq_s32((int32x4_t)acc, (uint8x16_t)q, (int8x16_t)x);
+  return (vi)QK_USDOT((int32x4_t)acc, (uint8x16_t)q, (int8x16_t)x);
 }
 #include "qk_fast.inc"
 }  // namespace i8mm
 #undef QK_W
 }  // namespace isa_neon
 }  // namespace pqk
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
+#ifdef QK_USDOT_PRAGMA
 #pragma GCC pop_options
 #endif
 
