@@ -350,3 +350,46 @@ def test_exact_shared_activation_rows():
         out = kernels.gather_qmm(xg, we, se, be, idx, group_size=gs, bits=bits)
         _check(out, _ref_gather(xg, we, se, be, idx, gs, bits), mx.float32,
                f"shared rows bits={bits} gs={gs}")
+
+
+def test_one_bit_experts_moe_block(tiny_ckpt):
+    """A decode MoE block whose routed experts are 1-bit (MLX's bits=1, re-quantized from the
+    tiny model's experts) runs as the extension's one node and equals the block built from MLX's
+    own ops: within float32 rounding in EXACT, within FAST's tolerance in FAST."""
+    import io
+
+    from pocket_mlx.engine.loader import load
+    from pocket_mlx.kernels import ops
+    from pocket_mlx.models.qwen3_5_moe import _combine_experts
+
+    model, _ = load(tiny_ckpt, device="cpu", dtype="float32")
+    block = model.layers[1].mlp
+    for proj in (block.switch_mlp.gate_proj, block.switch_mlp.up_proj, block.switch_mlp.down_proj):
+        w = mx.dequantize(proj["weight"], proj["scales"], proj["biases"],
+                          group_size=proj.group_size, bits=proj.bits)
+        proj["weight"], proj["scales"], proj["biases"] = mx.quantize(w, 32, 1)
+        proj.group_size, proj.bits = 32, 1
+    x = _x((1, 1, model.args.hidden_size), mx.float32)
+    kernels.set_enabled(False)
+    try:
+        ref = np.array(block(x))
+    finally:
+        kernels.set_enabled(True)
+    # FAST: three chained int8-activation products, so against MLX's float result only loosely;
+    # against the same block built from the extension's separate FAST matmuls (the path prefill
+    # takes) tightly.
+    for mode, tol in (("exact", 1e-4), ("fast", 5e-2)):
+        kernels.set_mode(mode)
+        out = block(x)
+        dot = io.StringIO()
+        mx.export_to_dot(dot, out)
+        assert "PocketMoE" in dot.getvalue(), "1-bit experts did not run in the extension"
+        err = np.abs(np.array(out) - ref).max() / np.abs(ref).max()
+        assert err <= tol, f"1-bit MoE block, {mode}: relative error {err:.3g}"
+        if mode == "fast":
+            inds, scores = ops.moe_route(block.gate(x), block.top_k, block.norm_topk_prob)
+            sep = _combine_experts(block.switch_mlp(x, inds), scores, block.shared_expert_gate(x),
+                                   block.shared_expert(x))
+            err = np.abs(np.array(out) - np.array(sep)).max() / np.abs(np.array(sep)).max()
+            assert err <= 1e-3, f"1-bit MoE block, fast vs separate fast matmuls: {err:.3g}"
+    kernels.set_mode("exact")
