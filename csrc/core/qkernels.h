@@ -20,7 +20,7 @@ enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 //        Equals MLX's quantized_matmul computed in float32 up to summation order.
 // FAST:  activations quantized to int8 per group (like llama.cpp's Q8 blocks), integer dot
 //        products, for the bit widths fast_bits_mask() names on the ISA in use (AVX2 and AVX-512:
-//        1/2/4/6, plus 8 with VNNI; NEON with dotprod: 1/2/4/6/8 with sdot, or usdot with i8mm);
+//        1/2/4/6, plus 8 with VNNI; NEON with dotprod: 1/2/4/6/8 with sdot, or usdot/usmmla with i8mm);
 //        every other case (3/5 bits, NEON without dotprod, scalar) runs EXACT.
 //        The core starts in EXACT; pocket_mlx.kernels switches to FAST when it loads.
 enum Mode : int { MODE_EXACT = 0, MODE_FAST = 1 };

@@ -274,8 +274,12 @@ int main(int argc, char** argv) {
                  1, true);
       }
     // A larger, block-aligned case per bits.
-    for (int bits : {1, 2, 3, 4, 5, 6, 8})
+    for (int bits : {1, 2, 3, 4, 5, 6, 8}) {
       run_case(rng, bits, 64, F32, BF16, 3, 67, 512, 19, true, isa_name, 2);
+      // FAST with many rows per expert (NEON i8mm: usmmla pairs, odd rows left over).
+      run_case(rng, bits, 64, F32, BF16, 3, 67, 512, 19, true, isa_name, 2, true);
+      run_case(rng, bits, 128, BF16, F16, 1, 30, 1024, 7, false, isa_name, 1, true);
+    }
   }
   force_isa("auto");
   std::printf("%d/%d cases passed\n", checks - failures, checks);
