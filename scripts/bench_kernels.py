@@ -5,8 +5,10 @@ Reports GB/s of quantized weights (packed words + scales + biases actually read)
   - decode MoE matvec of the POCKET-35B shape: 8 of 128 experts, gate/up K=2048 -> N=512 and
     down K=512 -> N=2048, 2-bit, group 64, bf16 scales (float32 activations),
   - a 4-bit 2048x4096 matvec (K=2048 -> N=4096, g64),
-  - a prefill-size matmul (M=512) on the 4-bit 2048x4096 weight and a prefill MoE (sorted).
-Usage: python scripts/bench_kernels.py [--threads N] [--mode exact|fast] [--quick]
+  - a prefill-size matmul (M=512) on the 4-bit 2048x4096 weight and a prefill MoE (sorted),
+  - 1-bit vs 2-bit decode (same weights quantized both ways, interleaved, best of each): the
+    MoE gate/up and down matvecs and a 2048->4096 matvec; the ratio is the 1-bit speed-up.
+Usage: python scripts/bench_kernels.py [--threads N] [--mode exact|fast] [--quick] [--only-1bit]
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--mode", default="exact")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only-1bit", action="store_true", help="only the 1-bit vs 2-bit section")
     args = ap.parse_args()
     mx.set_default_device(mx.cpu)
     print("kernels:", kernels.info())
@@ -72,6 +75,9 @@ def main():
     idx = mx.array([[[3, 17, 25, 40, 64, 77, 99, 120]]], dtype=mx.uint32)
     h = mx.random.normal((1, 1, k, 1, I))
     frac = k / E
+    if args.only_1bit:
+        one_vs_two_bits(Wg, Wd, x, h, idx, frac, mt)
+        return
     for name, xx, w, s, b in (("moe gate/up 2048->512 x8 of 128 (2b g64)", x, wg, sg, bg),
                               ("moe down 512->2048 x8 of 128 (2b g64)", h, wd, sd, bd)):
         f_o = lambda xx=xx, w=w, s=s, b=b: kernels.gather_qmm(xx, w, s, b, idx, group_size=gs,  # noqa: E731
@@ -132,6 +138,45 @@ def main():
            timeit(lambda: mx.gather_qmm(xs, wg, sg, bg, rhs_indices=si, transpose=True,
                                         group_size=gs, bits=bits, sorted_indices=True), mt, 5),
            flops=fl)
+
+    one_vs_two_bits(Wg, Wd, x, h, idx, frac, mt)
+
+
+def one_vs_two_bits(Wg, Wd, x, h, idx, frac, mt, rounds=5):
+    """Decode GEMVs with the same weights at 1 and 2 bits (group 64), interleaved `rounds` times,
+    best of each: how much of halving the bytes the kernels turn into speed."""
+    gs = 64
+    K, N = 2048, 4096
+    W = mx.random.normal((N, K)) * 0.02
+    xv = mx.random.normal((1, K))
+    cases = []
+    for name, src, xx, gathered in (("moe gate/up 2048->512 x8 of 128", Wg, x, True),
+                                    ("moe down 512->2048 x8 of 128", Wd, h, True),
+                                    ("matvec 2048->4096 (f32 scales)", W, xv, False)):
+        fns = {}
+        for bits in (1, 2):
+            w, s, b = mx.quantize(src, gs, bits)
+            mx.eval(w, s, b)
+            nb = qbytes(w, s, b, frac if gathered else 1.0)
+            if gathered:
+                f = lambda xx=xx, w=w, s=s, b=b, bits=bits: kernels.gather_qmm(  # noqa: E731
+                    xx, w, s, b, idx, group_size=gs, bits=bits)
+            else:
+                f = lambda xx=xx, w=w, s=s, b=b, bits=bits: kernels.quantized_matmul(  # noqa: E731
+                    xx, w, s, b, group_size=gs, bits=bits)
+            fns[bits] = (f, nb)
+        cases.append((name, fns))
+    print(f"1-bit vs 2-bit decode, g{gs}, {kernels.label()} ({kernels.info().get('variant')}), "
+          f"best of {rounds} interleaved rounds", flush=True)
+    for name, fns in cases:
+        best = {1: float("inf"), 2: float("inf")}
+        for _ in range(rounds):
+            for bits in (2, 1):
+                best[bits] = min(best[bits], timeit(fns[bits][0], mt / 2))
+        gb = {b_: fns[b_][1] / best[b_] / 1e9 for b_ in (1, 2)}
+        print(f"{name:36s} 1-bit {best[1] * 1e6:8.1f} us {gb[1]:6.2f} GB/s | 2-bit "
+              f"{best[2] * 1e6:8.1f} us {gb[2]:6.2f} GB/s | 1-bit x{best[2] / best[1]:5.2f} faster, "
+              f"bytes x{fns[2][1] / fns[1][1]:4.2f} fewer", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import pytest
 
 from pocket_mlx import kernels
 
-BITS = (2, 3, 4, 5, 6, 8)
+BITS = (1, 2, 3, 4, 5, 6, 8)
 GROUPS = (32, 64, 128)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 RTOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
@@ -156,7 +156,8 @@ def test_gathered_parity(bits, gs):
                out_dtype, "gather sorted " + tag, _magnitude(xs, w, s, b, gs, bits))
 
 
-@pytest.mark.parametrize("bits,gs", [(2, 64), (3, 32), (4, 64), (6, 128), (8, 32), (5, 64)])
+@pytest.mark.parametrize("bits,gs", [(1, 32), (1, 128), (2, 64), (3, 32), (4, 64), (6, 128), (8, 32),
+                                     (5, 64)])
 def test_prefill_sizes(bits, gs):
     """Large M (tiles of 8 rows reuse each dequantized weight row), plain and MoE-sorted."""
     K, N = gs * 3, 67
@@ -212,14 +213,15 @@ def test_fallbacks_and_switches():
     gs, bits, K, N = 64, 4, 128, 8
     w, s, b = _quantized((N, K), gs, bits, mx.float32)
     x = _x((1, K), mx.float32)
-    assert kernels.supports(x, bits, gs)
-    assert not kernels.supports(x, 1, gs) and not kernels.supports(x, 4, 16)
+    assert kernels.supports(x, bits, gs) and kernels.supports(x, 1, gs)
+    assert not kernels.supports(x, 7, gs) and not kernels.supports(x, 4, 16)
     assert not kernels.supports(_x((1, 96), mx.float32), 4, 64)
-    # Unsupported -> MLX's op, same result.
-    w1, s1, b1 = mx.quantize(mx.array(RNG.standard_normal((N, K)).astype(np.float32)), 32, 1)
-    out = kernels.quantized_matmul(x, w1, s1, b1, group_size=32, bits=1)
-    ref = mx.quantized_matmul(x, w1, s1, b1, transpose=True, group_size=32, bits=1)
-    _check(out, ref, mx.float32, "fallback 1-bit")
+    # Unsupported (a batch of weight matrices in quantized_matmul) -> MLX's op, same result.
+    w3, s3, b3 = mx.quantize(mx.array(RNG.standard_normal((2, N, K)).astype(np.float32)), 32, 1)
+    x3 = _x((2, 1, K), mx.float32)
+    out = kernels.quantized_matmul(x3, w3, s3, b3, group_size=32, bits=1)
+    ref = mx.quantized_matmul(x3, w3, s3, b3, transpose=True, group_size=32, bits=1)
+    _check(out, ref, mx.float32, "fallback batched weights")
     info = kernels.info()
     assert info["active"] and info["isa"] in ("avx512", "avx2", "neon", "scalar")
     assert info["mode"] in ("exact", "fast") and info["threads"] >= 1
@@ -305,7 +307,7 @@ def test_fast_mode_shapes(isa):
     if not kernels.set_isa(isa):
         pytest.skip(f"{isa} not available")
     try:
-        for bits, gs in itertools.product((2, 4, 6, 8), GROUPS):
+        for bits, gs in itertools.product((1, 2, 4, 6, 8), GROUPS):
             for K in (gs * 3, 1024 + gs):
                 N = 37
                 w, s, b = _quantized((N, K), gs, bits, mx.float32)
@@ -348,3 +350,46 @@ def test_exact_shared_activation_rows():
         out = kernels.gather_qmm(xg, we, se, be, idx, group_size=gs, bits=bits)
         _check(out, _ref_gather(xg, we, se, be, idx, gs, bits), mx.float32,
                f"shared rows bits={bits} gs={gs}")
+
+
+def test_one_bit_experts_moe_block(tiny_ckpt):
+    """A decode MoE block whose routed experts are 1-bit (MLX's bits=1, re-quantized from the
+    tiny model's experts) runs as the extension's one node and equals the block built from MLX's
+    own ops: within float32 rounding in EXACT, within FAST's tolerance in FAST."""
+    import io
+
+    from pocket_mlx.engine.loader import load
+    from pocket_mlx.kernels import ops
+    from pocket_mlx.models.qwen3_5_moe import _combine_experts
+
+    model, _ = load(tiny_ckpt, device="cpu", dtype="float32")
+    block = model.layers[1].mlp
+    for proj in (block.switch_mlp.gate_proj, block.switch_mlp.up_proj, block.switch_mlp.down_proj):
+        w = mx.dequantize(proj["weight"], proj["scales"], proj["biases"],
+                          group_size=proj.group_size, bits=proj.bits)
+        proj["weight"], proj["scales"], proj["biases"] = mx.quantize(w, 32, 1)
+        proj.group_size, proj.bits = 32, 1
+    x = _x((1, 1, model.args.hidden_size), mx.float32)
+    kernels.set_enabled(False)
+    try:
+        ref = np.array(block(x))
+    finally:
+        kernels.set_enabled(True)
+    # FAST: three chained int8-activation products, so against MLX's float result only loosely;
+    # against the same block built from the extension's separate FAST matmuls (the path prefill
+    # takes) tightly.
+    for mode, tol in (("exact", 1e-4), ("fast", 5e-2)):
+        kernels.set_mode(mode)
+        out = block(x)
+        dot = io.StringIO()
+        mx.export_to_dot(dot, out)
+        assert "PocketMoE" in dot.getvalue(), "1-bit experts did not run in the extension"
+        err = np.abs(np.array(out) - ref).max() / np.abs(ref).max()
+        assert err <= tol, f"1-bit MoE block, {mode}: relative error {err:.3g}"
+        if mode == "fast":
+            inds, scores = ops.moe_route(block.gate(x), block.top_k, block.norm_topk_prob)
+            sep = _combine_experts(block.switch_mlp(x, inds), scores, block.shared_expert_gate(x),
+                                   block.shared_expert(x))
+            err = np.abs(np.array(out) - np.array(sep)).max() / np.abs(np.array(sep)).max()
+            assert err <= 1e-3, f"1-bit MoE block, fast vs separate fast matmuls: {err:.3g}"
+    kernels.set_mode("exact")

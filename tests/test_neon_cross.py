@@ -1,5 +1,9 @@
 """The plain C++ core's own parity program (csrc/core/test_core.cpp), built natively and
 cross-built for arm64 (NEON) and run under qemu-aarch64, via scripts/check_neon.sh.
+Under qemu it runs on three emulated CPUs: `-cpu max` (dotprod + i8mm: the NEON FAST variants
+neon-i8mm and neon-dotprod and plain NEON EXACT, all forced in turn), `-cpu cortex-a76` (dotprod
+only: the run-time pick must be neon-dotprod) and `-cpu cortex-a53` (neither: plain NEON, FAST
+requests run EXACT). FAST results are checked against FAST's own int8-activation result.
 Skips with the reason when a compiler / the cross tools are missing."""
 
 from __future__ import annotations
@@ -40,4 +44,10 @@ def test_core_neon_under_qemu(tmp_path):
         pytest.skip("aarch64-linux-gnu-g++ not installed (apt-get install -y g++-aarch64-linux-gnu)")
     if not shutil.which("qemu-aarch64"):
         pytest.skip("qemu-aarch64 not installed (apt-get install -y qemu-user)")
-    _verdict(_run("neon", tmp_path))
+    p = _run("neon", tmp_path)
+    _verdict(p)
+    out = p.stdout
+    # Every NEON variant ran, each with its FAST bit widths (mask 0x156: 1/2/4/6/8 bits).
+    for variant, mask in (("neon-i8mm", "0x156"), ("neon-dotprod", "0x156"), ("neon", "0x0")):
+        assert f"(variant {variant}, FAST bits mask {mask})" in out, out[-3000:]
+    assert out.count("cases passed") >= 3  # 5 with the optional Clang build

@@ -45,7 +45,7 @@ namespace pqk {
 namespace detail {
 extern const IsaOps avx2_ops;
 const IsaOps avx2_ops = {"avx2", 8, &isa_avx2::rows_exact, &isa_avx2::rows_fast,
-                         {false, false, true, false, true, false, true, false, false}};
+                         {false, true, true, false, true, false, true, false, false}};
 }  // namespace detail
 }  // namespace pqk
 #endif

@@ -105,15 +105,15 @@ namespace detail {
 extern const IsaOps avx512_ops;
 extern const IsaOps avx512vnni_ops;
 extern const IsaOps avx512vbmi_ops;
-// maddubs would saturate for 8-bit codes: FAST handles 2/4/6 bits without VNNI, 2/4/6/8 with it
+// maddubs would saturate for 8-bit codes: FAST handles 1/2/4/6 bits without VNNI, 1/2/4/6/8 with it
 // (6-bit: 63 * 127 * 2 < 32767).
 const IsaOps avx512_ops = {"avx512", 16, &isa_avx512::rows_exact, &isa_avx512::rows_fast,
-                           {false, false, true, false, true, false, true, false, false}, "avx512"};
+                           {false, true, true, false, true, false, true, false, false}, "avx512"};
 const IsaOps avx512vnni_ops = {"avx512", 16, &isa_avx512::rows_exact, &isa_avx512::vnni::rows_fast,
-                               {false, false, true, false, true, false, true, false, true},
+                               {false, true, true, false, true, false, true, false, true},
                                "avx512-vnni"};
 const IsaOps avx512vbmi_ops = {"avx512", 16, &isa_avx512::rows_exact, &isa_avx512::vbmi::rows_fast,
-                               {false, false, true, false, true, false, true, false, true},
+                               {false, true, true, false, true, false, true, false, true},
                                "avx512-vbmi"};
 }  // namespace detail
 }  // namespace pqk

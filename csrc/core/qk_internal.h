@@ -130,7 +130,7 @@ static inline QK_INLINE uint32_t get_q(const uint8_t* row, int64_t k, int bits) 
 // W lanes = W * vals_per_lane values. Activations are permuted so that, inside a block, the
 // vector for step t holds values j * T + t for lanes j.
 constexpr int vals_per_lane(int bits) {
-  return bits == 2 ? 16 : (bits == 3 || bits == 4) ? 8 : 4;
+  return bits == 1 ? 32 : bits == 2 ? 16 : (bits == 3 || bits == 4) ? 8 : 4;
 }
 
 // FAST kernels take rows in chunks whose scales fit ~1024 floats; their scratch holds scales,
@@ -169,6 +169,15 @@ struct IsaOps {
   bool fast_bits[9];   // bits handled by rows_fast
   const char* variant = nullptr;  // finer name for reports ("avx512-vnni"); nullptr: name
 };
+
+#if defined(__aarch64__)
+// AArch64 dot-product extensions this CPU has (qk_neon.cpp: getauxval / sysctlbyname).
+enum NeonFeature : int { NEON_DOTPROD = 1, NEON_I8MM = 2 };
+int neon_cpu_features();
+// "neon" (best this CPU runs), "neon-base" (EXACT only), "neon-dotprod", "neon-i8mm"; nullptr
+// when the CPU lacks the extension or the name is none of these.
+const IsaOps* neon_select(const char* name);
+#endif
 
 }  // namespace detail
 }  // namespace pqk

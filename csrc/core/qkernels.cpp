@@ -32,9 +32,6 @@ extern const IsaOps avx512vnni_ops;
 extern const IsaOps avx512vbmi_ops;
 extern const IsaOps avx2_ops;
 #endif
-#if defined(__aarch64__)
-extern const IsaOps neon_ops;
-#endif
 
 // ---------------------------------------------------------------- scalar kernels (any CPU)
 template <int MR>
@@ -95,7 +92,7 @@ static const IsaOps* isa_by_name(const std::string& name) {
   }
 #endif
 #if defined(__aarch64__)
-  if (name == "neon") return &neon_ops;
+  if (name.rfind("neon", 0) == 0) return neon_select(name.c_str());
 #endif
   if (name == "scalar") return &scalar_ops;
   return nullptr;
@@ -411,7 +408,7 @@ bool force_isa(const char* name) {
 void set_single_thread_bytes(int64_t bytes) { g_single_bytes.store(bytes); }
 
 bool supported(int bits, int group_size, int64_t K) {
-  bool b = bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
+  bool b = bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
   bool g = group_size == 32 || group_size == 64 || group_size == 128;
   return b && g && K > 0 && K % group_size == 0;
 }

@@ -4,7 +4,7 @@
 // a little-endian bit stream of `bits`-bit codes stored in uint32 words (3/5/6-bit codes straddle
 // words), K * bits / 32 words per row. Per group of `group_size` consecutive values along K:
 //   w = scale * q + bias, with scales/biases of shape [E, N, K / group_size].
-// Supported: bits 2,3,4,5,6,8; group sizes 32,64,128; x/scales/out in float32/float16/bfloat16;
+// Supported: bits 1,2,3,4,5,6,8 (1-bit: 32 codes per word); group sizes 32,64,128; x/scales/out in float32/float16/bfloat16;
 // accumulation in float32.
 #pragma once
 
@@ -20,7 +20,8 @@ enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 //        Equals MLX's quantized_matmul computed in float32 up to summation order.
 // FAST:  activations quantized to int8 per group (like llama.cpp's Q8 blocks), integer dot
 //        products, for the bit widths fast_bits_mask() names on the ISA in use (AVX2 and AVX-512:
-//        2/4/6, plus 8 with VNNI); every other case (other bits, NEON, scalar) runs EXACT.
+//        1/2/4/6, plus 8 with VNNI; NEON with dotprod: 1/2/4/6/8 with sdot, or usdot/usmmla with i8mm);
+//        every other case (3/5 bits, NEON without dotprod, scalar) runs EXACT.
 //        The core starts in EXACT; pocket_mlx.kernels switches to FAST when it loads.
 enum Mode : int { MODE_EXACT = 0, MODE_FAST = 1 };
 
@@ -73,14 +74,15 @@ int get_mode();
 // Instruction set in use: "avx512", "avx2", "neon" or "scalar".
 const char* isa();
 // The variant of isa() in use, for reports: "avx512-vbmi", "avx512-vnni", "avx512", "avx2",
-// "neon" or "scalar".
+// "neon-i8mm", "neon-dotprod", "neon" (no dot products: EXACT only) or "scalar".
 const char* isa_variant();
-// Bit widths that FAST mode runs with the ISA in use: bit b set for b-bit weights. 0 (NEON,
-// scalar): FAST falls back to EXACT for every matrix.
+// Bit widths that FAST mode runs with the ISA in use: bit b set for b-bit weights. 0 (NEON
+// without dotprod, scalar): FAST falls back to EXACT for every matrix.
 int fast_bits_mask();
 // Best instruction set this CPU supports (what isa() is unless forced).
 const char* best_isa();
-// Force an instruction set ("avx512", "avx2", "neon", "scalar", or "auto"). Returns false if the
+// Force an instruction set ("avx512", "avx2", "neon" = the best NEON variant, "neon-i8mm",
+// "neon-dotprod", "neon-base" = NEON EXACT only, "scalar", or "auto"). Returns false if the
 // CPU cannot run it (the setting is then unchanged).
 bool force_isa(const char* name);
 

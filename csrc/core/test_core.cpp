@@ -1,7 +1,10 @@
 // Parity test for the plain C++ core against a scalar reference written here (independent of the
 // library's own code paths). Runs every bits x group size x dtype x layout for every instruction
 // set this CPU supports, with 1 and several threads. Exit status 0 = all passed.
-//   test_core [--quick]
+//   test_core [--quick] [--only=ISA,ISA...] [--expect=VARIANT] [seed]
+// --only: the instruction sets to force (default: avx512, avx2, and on arm64 neon (the best NEON
+// variant), neon-dotprod, neon-base, then scalar); --expect: the variant "neon"/"auto" must pick
+// on this CPU (e.g. neon-i8mm under `qemu-aarch64 -cpu max`, neon under `-cpu cortex-a53`).
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -122,6 +125,23 @@ static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, 
   // FAST kernel for (fast_bits_mask(), what kernels.info() reports) must give EXACT's result;
   // where the mask says FAST runs, a float32 output must show int8 rounding somewhere.
   const bool fast_here = fast && ((fast_bits_mask() >> bits) & 1);
+  // FAST's own exact result: activations as int8 codes per group (scale max|x| / 127, round to
+  // nearest, the documented scheme), products with the codes, the bias term with float sums.
+  std::vector<float> xq8;
+  if (fast_here) {
+    xq8.resize(x.f.size());
+    for (int64_t r = 0; r < R; r++)
+      for (int64_t g = 0; g < K / gs; g++) {
+        const float* src = x.f.data() + off[r] + g * gs;
+        float amax = 0.f;
+        for (int i = 0; i < gs; i++) amax = std::max(amax, std::fabs(src[i]));
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        for (int i = 0; i < gs; i++) {
+          float v = std::min(127.f, std::max(-127.f, std::nearbyint(src[i] * id)));
+          xq8[off[r] + g * gs + i] = v * d;
+        }
+      }
+  }
   double max_err = 0, max_ref = 0;
   bool bad = false, beyond_exact = false;
   const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.data());
@@ -129,7 +149,7 @@ static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, 
     int64_t e = ex[r];
     for (int64_t n = 0; n < N; n++) {
       const uint8_t* row = wb + (e * N + n) * words * 4;
-      double acc = 0, mag = 0;
+      double acc = 0, mag = 0, acc8 = 0;
       for (int64_t k = 0; k < K; k++) {
         uint32_t q = 0;
         for (int i = 0; i < bits; i++) {
@@ -140,16 +160,22 @@ static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, 
         float wv = s.f[gi] * (float)q + b.f[gi];
         acc += (double)x.f[off[r] + k] * wv;
         mag += std::fabs((double)x.f[off[r] + k] * wv);
+        if (fast_here)
+          acc8 += (double)s.f[gi] * q * xq8[off[r] + k] + (double)b.f[gi] * x.f[off[r] + k];
       }
       double got = out_val(out, odt, r * N + n);
       double tol = (odt == F32 ? 1e-5 : odt == BF16 ? 8e-3 : 1e-3) * (std::fabs(acc) + 1e-3 * mag) +
                    2e-6 * mag;
       double err = std::fabs(got - acc);
       if (!(err <= tol)) beyond_exact = true;
-      if (!fast_here && !(err <= tol)) {
+      // FAST: within float rounding of its int8-activation result (tight), as well as close to
+      // the float result (the loose bound below).
+      const double want = fast_here ? acc8 : acc;
+      const double tol_here = fast_here ? tol + 1e-5 * mag : tol;
+      if (!(std::fabs(got - want) <= tol_here)) {
         if (!bad && std::getenv("QK_VERBOSE"))
           std::printf("  r=%lld n=%lld got=%.8g ref=%.8g mag=%.6g\n", (long long)r, (long long)n,
-                      got, acc, mag);
+                      got, want, mag);
         bad = true;
       }
       max_err = std::max(max_err, err);
@@ -203,19 +229,60 @@ static void run_rows_case(std::mt19937& rng, int bits, int gs, int64_t N, int64_
 }
 
 int main(int argc, char** argv) {
-  bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  bool quick = false;
+  std::vector<std::string> isas = {"avx512", "avx2", "neon", "neon-dotprod", "neon-base", "scalar"};
+  std::string expect;
   std::random_device rd;
-  unsigned seed = argc > 2 ? (unsigned)std::stoul(argv[2]) : rd();
+  unsigned seed = rd();
+  for (int i = 1; i < argc; i++) {
+    const std::string a = argv[i];
+    if (a == "--quick") {
+      quick = true;
+    } else if (a.rfind("--only=", 0) == 0) {
+      isas.clear();
+      std::string rest = a.substr(7);
+      for (size_t p = 0; p != std::string::npos;) {
+        size_t q = rest.find(',', p);
+        isas.push_back(rest.substr(p, q == std::string::npos ? q : q - p));
+        p = q == std::string::npos ? q : q + 1;
+      }
+    } else if (a.rfind("--expect=", 0) == 0) {
+      expect = a.substr(9);
+    } else {
+      seed = (unsigned)std::stoul(a);
+    }
+  }
   std::mt19937 rng(seed);
-  std::printf("seed %u, best isa %s, default threads %d\n", seed, best_isa(), default_threads());
+  force_isa("auto");
+  std::printf("seed %u, best isa %s (variant %s), default threads %d\n", seed, best_isa(),
+              isa_variant(), default_threads());
+  if (!expect.empty() && expect != isa_variant()) {
+    std::printf("FAIL: expected the variant %s on this CPU, got %s\n", expect.c_str(),
+                isa_variant());
+    return 1;
+  }
+  // A NEON variant the CPU lacks must be refused, not run (it would be an illegal instruction).
+  if (expect == "neon" && (force_isa("neon-dotprod") || force_isa("neon-i8mm"))) {
+    std::printf("FAIL: a dot-product NEON variant was accepted on a CPU without it\n");
+    return 1;
+  }
+  if (expect == "neon-dotprod" && force_isa("neon-i8mm")) {
+    std::printf("FAIL: neon-i8mm was accepted on a CPU without i8mm\n");
+    return 1;
+  }
   set_single_thread_bytes(0);  // exercise the pool even on small shapes
-  const char* isas[] = {"avx512", "avx2", "neon", "scalar"};
   const DType dts[] = {F32, F16, BF16};
-  for (const char* isa_name : isas) {
+  std::vector<std::string> seen;
+  for (const std::string& isa_s : isas) {
+    const char* isa_name = isa_s.c_str();
     if (!force_isa(isa_name)) continue;
+    bool dup = false;
+    for (const auto& v : seen) dup = dup || v == isa_variant();
+    if (dup) continue;  // "neon" forced to the variant another name already ran
+    seen.push_back(isa_variant());
     std::printf("isa %s (variant %s, FAST bits mask 0x%x)\n", isa_name, isa_variant(),
                 fast_bits_mask());
-    for (int bits : {2, 3, 4, 5, 6, 8}) {
+    for (int bits : {1, 2, 3, 4, 5, 6, 8}) {
       for (int gs : {32, 64, 128}) {
         for (DType xdt : dts) {
           DType sdt = dts[rng() % 3];
@@ -230,7 +297,7 @@ int main(int argc, char** argv) {
       }
     }
     // FAST mode (bits without a fast kernel run EXACT).
-    for (int bits : {2, 3, 4, 5, 6, 8})
+    for (int bits : {1, 2, 3, 4, 5, 6, 8})
       for (int gs : {32, 64, 128}) {
         int64_t K = gs * (1 + rng() % 9);
         run_case(rng, bits, gs, F32, BF16, 1, 1 + rng() % 40, K, 1 + rng() % 12, false, isa_name,
@@ -239,10 +306,14 @@ int main(int argc, char** argv) {
                  1, true);
       }
     // A larger, block-aligned case per bits.
-    for (int bits : {2, 3, 4, 5, 6, 8})
+    for (int bits : {1, 2, 3, 4, 5, 6, 8}) {
       run_case(rng, bits, 64, F32, BF16, 3, 67, 512, 19, true, isa_name, 2);
+      // FAST with many rows per expert (NEON i8mm: usmmla pairs, odd rows left over).
+      run_case(rng, bits, 64, F32, BF16, 3, 67, 512, 19, true, isa_name, 2, true);
+      run_case(rng, bits, 128, BF16, F16, 1, 30, 1024, 7, false, isa_name, 1, true);
+    }
     // Rows of a multi-row product equal single rows, EXACT and FAST.
-    for (int bits : {2, 3, 4, 5, 6, 8})
+    for (int bits : {1, 2, 3, 4, 5, 6, 8})
       for (bool fast : {false, true})
         run_rows_case(rng, bits, 64, 1 + rng() % 70, 64 * (1 + rng() % 9), 2 + rng() % 12,
                       isa_name, fast);

@@ -7,7 +7,7 @@ Environment:
   POCKET_MLX_KERNELS=0        disable the extension (MLX's own kernels are used)
   POCKET_MLX_THREADS=N        worker threads (default: physical cores)
   POCKET_MLX_KERNEL_MODE=exact|fast  start mode (default: fast; see set_mode)
-  POCKET_MLX_ISA=avx2|scalar  force an instruction set (testing)
+  POCKET_MLX_ISA=avx2|scalar|neon-dotprod|...  force an instruction set (testing; see set_isa)
   POCKET_MLX_REQUIRE_KERNELS=1  CI: a failed build of the extension fails `pip install`, and the
                               kernel tests fail instead of skipping when it is missing (required())
 """
@@ -31,7 +31,7 @@ except ImportError as e:  # not built (no compiler at install time) or ABI misma
     else:
         _import_error = f"C++ extension pocket_mlx._qkernels failed to load: {e}"
 
-_SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+_SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)
 _SUPPORTED_GROUPS = (32, 64, 128)
 _FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
 _MODES = {"exact": 0, "fast": 1}
@@ -207,8 +207,9 @@ def get_threads() -> int:
 
 def set_mode(mode: str) -> None:
     """'fast' (default: activations as int8 per group, integer dot products, for the bit widths
-    the instruction set has FAST kernels for, info()["fast_bits"]: 2/4/6 on AVX2 and AVX-512, 8
-    too with VNNI, none on NEON or scalar; the rest runs EXACT) or 'exact' (float32 products,
+    the instruction set has FAST kernels for, info()["fast_bits"]: 1/2/4/6 on AVX2 and AVX-512, 8
+    too with VNNI, 1/2/4/6/8 on NEON with dotprod (sdot; i8mm's usdot where present), none on
+    NEON without dotprod or scalar; the rest runs EXACT) or 'exact' (float32 products,
     MLX's result up to summation order)."""
     m = mode.lower()
     if m not in _MODES:
@@ -225,15 +226,16 @@ def get_mode() -> str:
 
 
 def set_isa(name: str) -> bool:
-    """Force 'avx512' | 'avx2' | 'neon' | 'scalar' | 'auto'; False if this CPU cannot."""
+    """Force 'avx512' | 'avx2' | 'neon' (the best NEON variant) | 'neon-i8mm' | 'neon-dotprod' |
+    'neon-base' (NEON without FAST) | 'scalar' | 'auto'; False if this CPU cannot."""
     return bool(_ext is not None and _ext.force_isa(name))
 
 
 def active_info(isa: str, variant: str, fast_bits: Sequence[int], requested: str,
                 threads: int) -> dict:
     """info() of an active extension from the facts it reports. "mode" is the mode that runs:
-    "fast" only where the instruction set has FAST kernels (NEON and scalar have none, so a
-    requested "fast" runs, and is reported, as "exact"); "fast_bits" are the bit widths the
+    "fast" only where the instruction set has FAST kernels (NEON without dotprod and scalar have
+    none, so a requested "fast" runs, and is reported, as "exact"); "fast_bits" are the bit widths the
     instruction set has FAST kernels for (the others run EXACT in either mode)."""
     return {
         "active": True,
