@@ -60,6 +60,10 @@ NB_MODULE(_qkernels, m) {
         nb::arg("stream") = nb::none(),
         "One decode token of a Gated DeltaNet layer after its projections, on the CPU: "
         "(out [B, 1, Hv*Dv], new conv_state, new state), float32.");
+  m.def("causal_attention", &causal_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::kw_only(), nb::arg("scale"), nb::arg("stream") = nb::none(),
+        "mx.fast.scaled_dot_product_attention(q, k, v, scale, mask='causal') on the CPU, "
+        "float32, without materialising the scores.");
   m.def("set_threads", [](int n) { pqk::set_threads(n); }, nb::arg("n"));
   m.def("get_threads", []() { return pqk::get_threads(); });
   m.def("default_threads", []() { return pqk::default_threads(); });
