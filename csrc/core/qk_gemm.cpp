@@ -4,6 +4,7 @@
 #include "qk_gemm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -36,13 +37,14 @@ const GemmKernels* gemm_kernels(int bits) {
   return k && k->bits[bits] ? k : nullptr;
 }
 
-int64_t gemm_min_rows() {
-  static const int64_t v = [] {
-    const char* e = std::getenv("POCKET_MLX_GEMM_MIN_ROWS");
-    return (int64_t)(e ? std::atoi(e) : 4);
-  }();
-  return v;
-}
+static std::atomic<int64_t> g_min_rows{[] {
+  const char* e = std::getenv("POCKET_MLX_GEMM_MIN_ROWS");
+  return (int64_t)(e ? std::atoi(e) : 4);
+}()};
+
+int64_t gemm_min_rows() { return g_min_rows.load(std::memory_order_relaxed); }
+
+void set_gemm_min_rows(int64_t n) { g_min_rows.store(n); }
 
 namespace {
 

@@ -30,6 +30,7 @@ const GemmKernels* gemm_kernels(int bits);
 // Activation rows per expert from which gather_qmm takes the GEMM path in FAST mode
 // (POCKET_MLX_GEMM_MIN_ROWS; 0 turns the GEMM path off).
 int64_t gemm_min_rows();
+void set_gemm_min_rows(int64_t n);
 
 // The rows of one expert that go through the GEMM.
 struct GemmSeg {
