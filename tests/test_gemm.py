@@ -87,19 +87,17 @@ def _nll(logits, ids):
 
 
 def test_fast_prefill_close_to_exact():
-    """A whole prefill of real text on the bundled (trained) model in FAST mode (projections,
-    router and lm_head through the GEMM, the fused MoE block for 60 tokens, causal attention)
-    stays as close to EXACT as FAST without the GEMM does: mean token NLL within 1% (measured
-    +0.3%; FAST's own budget is perplexity within 0.5% on long texts) and the same top token
-    almost everywhere. Exact equality is not expected: a float sum in another order can move an
-    activation across an int8 rounding boundary, and a router's top-k with it."""
+    """A 512-token prefill of the English validation text on the bundled (trained) model in
+    FAST mode (projections, router and lm_head through the GEMM, the fused MoE block, causal
+    attention) stays close to EXACT: mean token NLL within 0.02 (perplexity within 2%; measured
+    +0.3%, and -0.1% / +0.07% on the code and Chinese texts) and the same top token almost
+    everywhere. Exact equality is not expected: int8 activations, and a float sum in another
+    order can move an activation across a rounding boundary, and a router's top-k with it."""
     from pocket_mlx.engine.loader import load
-    from tests.conftest import ASSET
+    from tests.conftest import ASSET, ROOT
 
     model, tok = load(str(ASSET), device="cpu", dtype="float32")
-    text = ("The quick brown fox jumps over the lazy dog. In the beginning was the word, and "
-            "the word was with the model, which predicted the next token as well as it could.")
-    ids = mx.array([tok.encode(text)[:60]])
+    ids = mx.array([tok.encode((ROOT / "assets" / "text" / "en.val.txt").read_text())[:512]])
     old = kernels._ext.gemm_min_rows()
     kernels.set_mode("exact")
     try:
@@ -112,4 +110,4 @@ def test_fast_prefill_close_to_exact():
         kernels.set_mode("exact")
     ne, ng = _nll(exact, ids), _nll(gemm, ids)
     agree = float((gemm.argmax(-1) == exact.argmax(-1)).mean())
-    assert abs(ng - ne) / ne < 0.01 and agree > 0.85, f"NLL {ng:.4f} vs {ne:.4f}, top-1 {agree:.2f}"
+    assert abs(ng - ne) < 0.02 and agree > 0.85, f"NLL {ng:.4f} vs {ne:.4f}, top-1 {agree:.2f}"
