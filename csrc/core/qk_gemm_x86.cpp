@@ -23,7 +23,34 @@ typedef uint32_t vu __attribute__((vector_size(64)));
 static inline vi qk_dot8(vi acc, vu q, vu x) {
   return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)q, (__m512i)x);
 }
+// 16 rows of 16 dwords (row i at src + i * stride bytes) -> dst[c * 16 + i] = row i dword c.
+static inline void qk_transpose16(const uint8_t* src, int64_t stride, uint32_t* dst) {
+  __m512i r[16], t[16], u[16], v[16];
+  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void*)(src + i * stride));
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + k] lane j: column 4j + k of rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int k = 0; k < 4; k++) {
+      v[h + k] = _mm512_shuffle_i32x4(u[h + k], u[h + k + 4], 0x88);
+      v[h + k + 4] = _mm512_shuffle_i32x4(u[h + k], u[h + k + 4], 0xdd);
+    }
+  for (int c = 0; c < 16; c++) {
+    const __m512i o = c < 8 ? _mm512_shuffle_i32x4(v[c % 8], v[8 + c % 8], 0x88)
+                            : _mm512_shuffle_i32x4(v[c % 8], v[8 + c % 8], 0xdd);
+    _mm512_storeu_si512((void*)(dst + c * 16), o);
+  }
+}
+#define QK_GEMM_T16
 #include "qk_gemm.inc"
+#undef QK_GEMM_T16
 #undef QK_W
 #undef QK_GEMM_MR
 }  // namespace gemm_avx512vnni
@@ -43,7 +70,34 @@ static inline vi qk_dot8(vi acc, vu q, vu x) {
   __m512i p = _mm512_maddubs_epi16((__m512i)q, (__m512i)x);
   return acc + (vi)_mm512_madd_epi16(p, _mm512_set1_epi16(1));
 }
+// 16 rows of 16 dwords (row i at src + i * stride bytes) -> dst[c * 16 + i] = row i dword c.
+static inline void qk_transpose16(const uint8_t* src, int64_t stride, uint32_t* dst) {
+  __m512i r[16], t[16], u[16], v[16];
+  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void*)(src + i * stride));
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + k] lane j: column 4j + k of rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int k = 0; k < 4; k++) {
+      v[h + k] = _mm512_shuffle_i32x4(u[h + k], u[h + k + 4], 0x88);
+      v[h + k + 4] = _mm512_shuffle_i32x4(u[h + k], u[h + k + 4], 0xdd);
+    }
+  for (int c = 0; c < 16; c++) {
+    const __m512i o = c < 8 ? _mm512_shuffle_i32x4(v[c % 8], v[8 + c % 8], 0x88)
+                            : _mm512_shuffle_i32x4(v[c % 8], v[8 + c % 8], 0xdd);
+    _mm512_storeu_si512((void*)(dst + c * 16), o);
+  }
+}
+#define QK_GEMM_T16
 #include "qk_gemm.inc"
+#undef QK_GEMM_T16
 #undef QK_W
 #undef QK_GEMM_MR
 }  // namespace gemm_avx512
