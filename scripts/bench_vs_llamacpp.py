@@ -36,7 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from check_user_path import prompt_of  # noqa: E402
+from check_user_path import WORDS  # noqa: E402
+
+from pocket_mlx.engine.tokenizer import load_tokenizer  # noqa: E402
 
 DEFAULT_LLAMA_BENCH = Path.home() / ".cache" / "llamacpp-anchor" / "build" / "bin" / "llama-bench"
 
@@ -70,13 +72,28 @@ def ours(name: str, p: int, n: int, threads: int) -> tuple[float, dict]:
     return float(row["tps_mean"]), {"machine": out["machine"], "kernels": row.get("kernels")}
 
 
+def long_prompt(n_tokens: int) -> str:
+    """Plain text of about `n_tokens` tokens (the synthetic models share the bundled
+    tokenizer), grown 64 words at a time (check_user_path.prompt_of re-encodes per word)."""
+    tok = load_tokenizer(ROOT / "assets" / "pocket-tiny")
+    words: list[str] = []
+    i = 0
+    while len(tok.encode(" ".join(words))) < n_tokens:
+        for _ in range(64):
+            words.append(WORDS[i % len(WORDS)])
+            i += 7
+    while len(words) > 1 and len(tok.encode(" ".join(words[:-1]))) >= n_tokens:
+        words.pop()
+    return " ".join(words)
+
+
 def ttft(name: str, tokens: int) -> dict:
     """Seconds from the start of prefill to the first token, as `generate --json` reports."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
     out = json.loads(_run([sys.executable, "-m", "pocket_mlx", "generate", "--model",
                            f"synthetic:{name}", "--device", "cpu", "--json", "--raw",
-                           "--prompt", prompt_of(tokens, 0), "--max-tokens", "1"], env))
+                           "--prompt", long_prompt(tokens), "--max-tokens", "1"], env))
     wall = time.perf_counter() - t0
     return {"prompt_tokens": out["prompt_tokens"], "prompt_tps": out["prompt_tps"],
             "ttft_s": out["prompt_tokens"] / out["prompt_tps"], "process_s": wall}
@@ -105,6 +122,9 @@ def main() -> int:
         tests.append((0, args.n))
     best: dict[str, dict[str, float]] = {}
     meta: dict = {}
+    # Other jobs on the machine: llama.cpp's threads wait for each other at barriers, so it
+    # suffers more than our pool when a core is taken away; the load average goes on record.
+    loads = [os.getloadavg()[0]]
     t0 = time.perf_counter()
     for r in range(args.rounds):
         for p, n in tests:
@@ -116,8 +136,10 @@ def main() -> int:
             meta.setdefault("ours", ometa)
             b = best.setdefault(name, {"llama": 0.0, "ours": 0.0})
             b["llama"], b["ours"] = max(b["llama"], lt), max(b["ours"], ot)
+            load = os.getloadavg()[0]
+            loads.append(load)
             log(f"round {r + 1}/{args.rounds} {name}: llama.cpp {lt:.2f} | pocket-mlx {ot:.2f} "
-                f"tok/s ({time.perf_counter() - t0:.0f} s)")
+                f"tok/s ({time.perf_counter() - t0:.0f} s, load average {load:.1f})")
     tt = None
     if args.ttft:
         runs = []
@@ -131,10 +153,11 @@ def main() -> int:
               "ours": min((x[1] for x in runs), key=lambda o: o["ttft_s"])}
     result = {"gguf": str(args.gguf), "synthetic": args.synthetic, "threads": args.threads,
               "rounds": args.rounds, "host": platform.node(), "meta": meta, "best": best,
-              "ttft": tt, "seconds": round(time.perf_counter() - t0, 1)}
+              "ttft": tt, "load_average": loads, "seconds": round(time.perf_counter() - t0, 1)}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
+    print(f"load average (1 min) during the run: {min(loads):.1f}-{max(loads):.1f}\n")
     print("| test | llama.cpp t/s | pocket-mlx t/s | ratio |\n| --- | ---: | ---: | ---: |")
     for name, b in best.items():
         print(f"| {name} | {b['llama']:.2f} | {b['ours']:.2f} | {b['ours'] / b['llama']:.2f}x |")
