@@ -1,7 +1,9 @@
 // Causal attention for prefill (core/attention.cpp) as one primitive: q [B, Hq, L, D], k and v
 // [B, Hkv, S, D] (strided views such as the KV cache's filled part are read in place; the last
-// dim must be contiguous, else it is copied) -> out [B, Hq, L, D], float32.
+// dim must be contiguous, else it is copied) -> out [B, L, Hq, D], float32 (the layout the output
+// projection reads; ops.causal_attention hands it back as a [B, Hq, L, D] view).
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -21,10 +23,11 @@ class PocketCausalAttention : public CpuPrimitive {
     alloc(out);
     const float scale = scale_;
     encode(stream(), inputs, outputs, [inputs, out, scale]() mutable {
-      std::vector<uint8_t> tmp[3];
-      const float* p[3];
-      int64_t st[3][3];
-      for (int i = 0; i < 3; i++) {
+      const int n = (int)inputs.size();  // 4: with the output gate
+      std::vector<uint8_t> tmp[4];
+      const float* p[4] = {nullptr, nullptr, nullptr, nullptr};
+      int64_t st[4][3] = {};
+      for (int i = 0; i < n; i++) {
         const mx::array& a = inputs[i];
         if (a.strides()[3] == 1) {
           p[i] = a.data<float>();
@@ -38,8 +41,9 @@ class PocketCausalAttention : public CpuPrimitive {
       }
       const mx::array& q = inputs[0];
       const mx::array& k = inputs[1];
-      pqk::causal_attention(p[0], st[0], p[1], st[1], p[2], st[2], out.data<float>(), q.shape(0),
-                            q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3), scale);
+      pqk::causal_attention(p[0], st[0], p[1], st[1], p[2], st[2], p[3], st[3], out.data<float>(),
+                            q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3),
+                            scale);
     });
   }
 
@@ -57,16 +61,23 @@ class PocketCausalAttention : public CpuPrimitive {
 }  // namespace
 
 mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                           float scale, mx::StreamOrDevice s) {
-  for (const auto* a : {&q, &k, &v})
+                           const std::optional<mx::array>& gate, float scale,
+                           mx::StreamOrDevice s) {
+  std::vector<mx::array> in = {q, k, v};
+  if (gate) {
+    if (gate->shape() != mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)})
+      throw std::invalid_argument("pocket_mlx._qkernels.causal_attention: gate must be [B, L, H, D]");
+    in.push_back(*gate);
+  }
+  for (const auto* a : {&q, &k, &v, gate ? &*gate : &q})
     if (a->dtype() != mx::float32)
       throw std::invalid_argument("pocket_mlx._qkernels.causal_attention: inputs must be float32");
   if (q.ndim() != 4 || k.ndim() != 4 || v.shape() != k.shape() || k.shape(0) != q.shape(0) ||
       k.shape(3) != q.shape(3) || q.shape(1) % k.shape(1) != 0 || k.shape(2) < q.shape(2) ||
       q.shape(3) % 16 != 0)
     throw std::invalid_argument("pocket_mlx._qkernels.causal_attention: shape mismatch");
-  return mx::array(q.shape(), mx::float32,
-                   std::make_shared<PocketCausalAttention>(cpu_stream(s), scale), {q, k, v});
+  return mx::array({q.shape(0), q.shape(2), q.shape(1), q.shape(3)}, mx::float32,
+                   std::make_shared<PocketCausalAttention>(cpu_stream(s), scale), in);
 }
 
 }  // namespace pocket_ext

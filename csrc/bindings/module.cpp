@@ -62,9 +62,11 @@ NB_MODULE(_qkernels, m) {
         "One decode token of a Gated DeltaNet layer after its projections, on the CPU: "
         "(out [B, 1, Hv*Dv], new conv_state, new state), float32.");
   m.def("causal_attention", &causal_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
-        nb::kw_only(), nb::arg("scale"), nb::arg("stream") = nb::none(),
+        nb::arg("gate").none() = nb::none(), nb::kw_only(), nb::arg("scale"),
+        nb::arg("stream") = nb::none(),
         "mx.fast.scaled_dot_product_attention(q, k, v, scale, mask='causal') on the CPU, "
-        "float32, without materialising the scores.");
+        "float32, without materialising the scores; written [B, L, H, D], times sigmoid(gate) "
+        "([B, L, H, D]) when given.");
   m.def("set_gemm_min_rows", [](int64_t n) { pqk::detail::set_gemm_min_rows(n); }, nb::arg("n"),
         "FAST mode: activation rows per matrix/expert from which the GEMM kernels run (0: never; "
         "default 4 or POCKET_MLX_GEMM_MIN_ROWS).");

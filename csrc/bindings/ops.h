@@ -48,6 +48,7 @@ std::vector<mx::array> linear_attn_step(const mx::array& qkv, const mx::array& z
 
 // attention.cpp
 mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                           float scale, mx::StreamOrDevice s);
+                           const std::optional<mx::array>& gate, float scale,
+                           mx::StreamOrDevice s);
 
 }  // namespace pocket_ext

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "qkernels.h"
+#include "vec_math.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC push_options
@@ -44,8 +45,9 @@ namespace attn_base {
 }  // namespace attn_base
 
 void causal_attention(const float* q, const int64_t* qst, const float* k, const int64_t* kst,
-                      const float* v, const int64_t* vst, float* out, int64_t B, int64_t Hq,
-                      int64_t Hkv, int64_t L, int64_t S, int64_t D, float scale) {
+                      const float* v, const int64_t* vst, const float* gate, const int64_t* gst,
+                      float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S,
+                      int64_t D, float scale) {
   auto fn = &attn_base::attn_block;
 #if defined(__x86_64__) || defined(_M_X64)
   const std::string is = isa();
@@ -65,9 +67,10 @@ void causal_attention(const float* q, const int64_t* qst, const float* k, const 
     const float* qh = q + b * qst[0] + h * qst[1];
     const float* kh = k + b * kst[0] + hk * kst[1];
     const float* vh = v + b * vst[0] + hk * vst[1];
-    float* oh = out + (b * Hq + h) * L * D;
+    float* oh = out + (b * L * Hq + h) * D;  // [B, L, Hq, D]: row i at oh + i * Hq * D
+    const float* gh = gate ? gate + b * gst[0] + h * gst[2] : nullptr;  // gate [B, L, Hq, D]
     fn(qh, qst[2], kh, kst[2], vh, vst[2], D, qb * QB, std::min(L, (qb + 1) * QB), S - L, scale,
-       oh);
+       oh, Hq * D, gh, gate ? gst[1] : 0);
   });
 }
 

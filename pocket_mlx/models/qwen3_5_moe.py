@@ -352,7 +352,6 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         q, k, v = project(self, x, *self.FUSED)
         q, gate = mx.split(q.reshape(B, L, self.n_heads, -1), 2, axis=-1)
-        gate = gate.reshape(B, L, -1)
         k = k.reshape(B, L, self.n_kv_heads, -1)
         v = v.reshape(B, L, self.n_kv_heads, -1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
@@ -364,9 +363,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         mask = "causal" if L > 1 else None
-        out = ops.causal_attention(q, k, v, self.scale, mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out * mx.sigmoid(gate))
+        return self.o_proj(ops.gated_attention(q, k, v, gate, self.scale, mask))
 
 
 class MLP(nn.Module):
