@@ -61,6 +61,7 @@ constexpr int64_t kTokenBlock = 64;
 void gemm_segments(const GatherProblem& p, const GemmKernels& k, const std::vector<GemmSeg>& segs) {
   const int64_t K = p.K, N = p.N, gs = p.group_size, G = K / gs;
   const int W = k.W;
+  // POCKET_MLX_GEMM_TRACE=1: one line per call on stderr (preparation and run times; dev aid).
   static const bool trace = std::getenv("POCKET_MLX_GEMM_TRACE") != nullptr;
   const auto t0 = std::chrono::steady_clock::now();
   // 1. One prepared activation per distinct x offset (the k experts of a token share one).
