@@ -13,7 +13,7 @@ CORE="$ROOT/csrc/core"
 OUT="${QK_BUILD_DIR:-$ROOT/build/check_core}"
 WHAT="${1:-all}"
 mkdir -p "$OUT"
-SRCS=("$CORE/qkernels.cpp" "$CORE/gated_delta.cpp" "$CORE/norms.cpp" "$CORE/decode_ops.cpp" "$CORE/moe_block.cpp" "$CORE/linear_attn.cpp" "$CORE/qk_avx512.cpp" "$CORE/qk_avx2.cpp" "$CORE/qk_neon.cpp"
+SRCS=("$CORE/qkernels.cpp" "$CORE/gated_delta.cpp" "$CORE/norms.cpp" "$CORE/decode_ops.cpp" "$CORE/moe_block.cpp" "$CORE/linear_attn.cpp" "$CORE/qk_avx512.cpp" "$CORE/qk_avx2.cpp" "$CORE/qk_neon.cpp" "$CORE/qk_gemm.cpp" "$CORE/qk_gemm_x86.cpp" "$CORE/attention.cpp" "$CORE/gated_delta_prefill.cpp"
       "$CORE/test_core.cpp")
 FLAGS=(-O2 -std=c++17 -ffp-contract=fast -Wall -Wno-psabi -Wno-maybe-uninitialized -pthread
        -I"$CORE")

@@ -148,7 +148,7 @@ def test_linear_attention_step_rejects_bad_shapes():
 
 
 @pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_moe_block_is_one_node_and_matches_mlx(tiny_ckpt, exact_kernels, fuse, tokens):
     """A whole sparse-MoE block (router, top-k experts, gated shared expert) as one node equals
     the block built from MLX's ops, with the shared expert's gate/up separate or fused."""
@@ -164,13 +164,18 @@ def test_moe_block_is_one_node_and_matches_mlx(tiny_ckpt, exact_kernels, fuse, t
     close(out, ref, rtol=1e-4)  # float32 sums in another order over 3 chained products
 
 
-def test_moe_block_not_used_for_prefill_or_calibration(tiny_ckpt):
+def test_moe_block_prefill_in_slices_and_not_for_calibration(tiny_ckpt, exact_kernels):
+    """Inputs longer than FUSED_MAX_TOKENS run as several block nodes (same result); with a
+    calibration observer the block keeps MLX's ops (the observer needs the routing)."""
     from pocket_mlx.engine.loader import load
 
     model, _ = load(tiny_ckpt, device="cpu", dtype="float32")
     block = model.layers[0].mlp
-    long = rand(1, block.FUSED_MAX_TOKENS + 1, model.args.hidden_size)
-    assert "PocketMoE" not in nodes(block(long))
+    block.FUSED_MAX_TOKENS = 8
+    long = rand(1, 20, model.args.hidden_size)
+    out = block(long)
+    assert nodes(out).count("PocketMoE") == 3
+    close(out, stock(block, long), rtol=1e-4)
     seen = []
     block.observer = lambda *a: seen.append(a)
     assert "PocketMoE" not in nodes(block(rand(1, 1, model.args.hidden_size)))

@@ -34,6 +34,7 @@ def test_chunked_equals_sequential(B, T, Hk, Hv, D, with_state):
 
 @pytest.mark.parametrize("B,T,Hk,Hv,Dk,Dv", [
     (1, 1, 16, 32, 128, 128), (1, 1, 2, 4, 40, 24), (1, 37, 2, 4, 32, 32), (2, 5, 1, 3, 12, 20), (1, 300, 2, 2, 64, 16),
+    (2, 37, 2, 4, 128, 34), (1, 9, 1, 2, 256, 6),  # prefill kernel (AVX-512): Dk 128 and 256
 ])
 def test_cpu_kernel_equals_sequential_and_leaves_held_state_alone(B, T, Hk, Hv, Dk, Dv,
                                                                     kernels_ext):

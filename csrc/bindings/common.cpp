@@ -20,6 +20,21 @@ const void* contiguous_bytes(const mx::array& a, std::vector<uint8_t>& tmp) {
   tmp.resize(a.size() * isz);
   const uint8_t* src = a.data<uint8_t>();
   std::vector<int64_t> idx(nd, 0);
+  if (nd >= 1 && a.strides()[nd - 1] == 1 && a.size() > 0) {
+    // Contiguous last axis (e.g. a slice of the features): one memcpy per row.
+    const int64_t inner = a.shape(nd - 1);
+    const size_t rows = a.size() / inner;
+    for (size_t r = 0; r < rows; r++) {
+      int64_t off = 0;
+      for (int d = 0; d < nd - 1; d++) off += idx[d] * (int64_t)a.strides()[d];
+      std::memcpy(tmp.data() + r * inner * isz, src + off * (int64_t)isz, inner * isz);
+      for (int d = nd - 2; d >= 0; d--) {
+        if (++idx[d] < a.shape(d)) break;
+        idx[d] = 0;
+      }
+    }
+    return tmp.data();
+  }
   for (size_t i = 0; i < a.size(); i++) {
     int64_t off = 0;
     for (int d = 0; d < nd; d++) off += idx[d] * (int64_t)a.strides()[d];

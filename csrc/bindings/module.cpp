@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "bindings/ops.h"
+#include "core/qk_gemm.h"
 #include "core/qkernels.h"
 
 namespace nb = nanobind;
@@ -69,6 +70,16 @@ NB_MODULE(_qkernels, m) {
         nb::arg("stream") = nb::none(),
         "One decode token of a Gated DeltaNet layer after its projections, on the CPU: "
         "(out [B, 1, Hv*Dv], new conv_state, new state), float32.");
+  m.def("causal_attention", &causal_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("gate").none() = nb::none(), nb::kw_only(), nb::arg("scale"),
+        nb::arg("stream") = nb::none(),
+        "mx.fast.scaled_dot_product_attention(q, k, v, scale, mask='causal') on the CPU, "
+        "float32, without materialising the scores; written [B, L, H, D], times sigmoid(gate) "
+        "([B, L, H, D]) when given.");
+  m.def("set_gemm_min_rows", [](int64_t n) { pqk::detail::set_gemm_min_rows(n); }, nb::arg("n"),
+        "FAST mode: activation rows per matrix/expert from which the GEMM kernels run (0: never; "
+        "default 4 or POCKET_MLX_GEMM_MIN_ROWS).");
+  m.def("gemm_min_rows", []() { return pqk::detail::gemm_min_rows(); });
   m.def("set_threads", [](int n) { pqk::set_threads(n); }, nb::arg("n"));
   m.def("get_threads", []() { return pqk::get_threads(); });
   m.def("default_threads", []() { return pqk::default_threads(); });

@@ -51,4 +51,9 @@ std::vector<mx::array> linear_attn_step(const mx::array& qkv, const mx::array& z
                                         const mx::array& norm_w, const mx::array& state, int Hk,
                                         int Dk, int Hv, int Dv, float eps, mx::StreamOrDevice s);
 
+// attention.cpp
+mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                           const std::optional<mx::array>& gate, float scale,
+                           mx::StreamOrDevice s);
+
 }  // namespace pocket_ext

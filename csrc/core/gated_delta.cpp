@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #if defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
 #include <immintrin.h>
@@ -179,11 +180,23 @@ bool use_nt(const DeltaArgs& a) {
 
 }  // namespace
 
+namespace detail {
+// gated_delta_prefill.cpp (AVX-512, many tokens).
+bool gated_delta_prefill_ok(int64_t T, int64_t Dk, int64_t Dv);
+void gated_delta_prefill(const float* q, const float* k, const float* v, const float* g,
+                         const float* beta, const float* state_in, float* state, float* y,
+                         int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
+}  // namespace detail
+
 void gated_delta(const float* q, const float* k, const float* v, const float* g,
                  const float* beta, const float* state_in, float* state, float* y, int64_t B,
                  int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
   const DeltaArgs a{q, k, v, g, beta, state_in, state, y, B, T, Hk, Hv, Dk, Dv};
   const int64_t state_bytes = B * Hv * Dv * Dk * 4;
+  if (detail::gated_delta_prefill_ok(T, Dk, Dv) && std::string(isa()) == "avx512") {
+    detail::gated_delta_prefill(q, k, v, g, beta, state_in, state, y, B, T, Hk, Hv, Dk, Dv);
+    return;
+  }
   // Small states (one layer of a tiny model) are not worth waking the pool for.
 #ifdef PQK_DELTA_NT
   if (use_nt(a)) {

@@ -8,15 +8,36 @@
 #include <cstdint>
 
 #include "qkernels.h"
+#include "vec_math.h"
 
 namespace pqk {
 
+// 8 floats per vector when D allows (vm::silu for the gate instead of one expf per value),
+// compiled for AVX-512 / AVX2 as well; a fixed summation order either way.
+#if defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#endif
 static void norm_row(const float* x, const float* w, const float* gate, float* out, int64_t D,
                      float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
+  const int64_t D8 = D % 8 == 0 ? D : 0;
+  vm::f8 acc = vm::f8{};
+  for (int64_t i = 0; i < D8; i += 8) {
+    const vm::f8 v = vm::load(x + i);
+    acc += v * v;
+  }
+  float ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (int64_t i = D8; i < D; i++) ss += x[i] * x[i];
   const float inv = 1.f / std::sqrt(ss / (float)D + eps);
-  for (int64_t i = 0; i < D; i++) {
+  for (int64_t i = 0; i < D8; i += 8) {
+    vm::f8 y = vm::load(x + i) * inv;
+    if (w) y *= vm::load(w + i);
+    if (gate) {
+      const vm::f8 g = vm::load(gate + i);
+      y *= vm::silu(g);
+    }
+    vm::store(out + i, y);
+  }
+  for (int64_t i = D8; i < D; i++) {
     float y = x[i] * inv;
     if (w) y *= w[i];
     if (gate) {

@@ -22,6 +22,7 @@
 #include <sched.h>
 #endif
 
+#include "qk_gemm.h"
 #include "qk_internal.h"
 
 namespace pqk {
@@ -618,7 +619,29 @@ static void run_task(const Task& t, const GatherProblem& p, const std::vector<in
 void gather_qmm(const GatherProblem& p) {
   if (p.nrows <= 0 || p.N <= 0) return;
   const IsaOps* ops = current_isa();
-  const ExpertRows g = group_rows_by_expert(p);
+  ExpertRows g = group_rows_by_expert(p);
+  const bool fast = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[p.bits];
+  // FAST mode: experts (or a plain matrix) with many activation rows go through the GEMM
+  // kernels (qk_gemm.cpp: each weight panel unpacked once for all of them); the rest below.
+  if (const GemmKernels* gk = fast ? gemm_kernels(p.bits) : nullptr) {
+    const int64_t min_rows = gemm_min_rows();
+    std::vector<GemmSeg> big;
+    ExpertRows small;
+    for (size_t s = 0; s < g.segs.size(); s++) {
+      const int64_t a = g.segs[s].second, b = g.seg_end[s];
+      if (min_rows > 0 && b - a >= min_rows) {
+        big.push_back({g.segs[s].first, g.order.data() + a, b - a});
+      } else {
+        small.segs.push_back({g.segs[s].first, (int64_t)small.order.size()});
+        small.order.insert(small.order.end(), g.order.begin() + a, g.order.begin() + b);
+        small.seg_end.push_back((int64_t)small.order.size());
+      }
+    }
+    if (!big.empty()) {
+      gemm_segments(p, *gk, big);
+      g = std::move(small);
+    }
+  }
   const int64_t total = (int64_t)g.order.size();
   if (total == 0) return;
 
@@ -628,7 +651,6 @@ void gather_qmm(const GatherProblem& p) {
   const int nth = pl.size();
   // Activation rows prepared per pass (bounds the float32 buffer to ~32 MB).
   const int64_t chunk_rows = std::max<int64_t>(MRMAX, ((int64_t)8 << 20) / K / MRMAX * MRMAX);
-  const bool fast = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[p.bits];
   PreparedX px(std::min(total, chunk_rows), K, G, fast);
 
   for (int64_t c0 = 0; c0 < total; c0 += chunk_rows) {

@@ -70,6 +70,15 @@ def set_enabled(flag: bool) -> None:
     _user_enabled = bool(flag)
 
 
+def keep_rows_independent(rows: int) -> None:
+    """Keep products of up to `rows` activation rows on the row kernels (not the GEMM).
+
+    The GEMM sums in another order, so a row's bits would depend on how many rows shared its
+    matrix; batched decode of `rows` sequences must give each the bits it gets alone."""
+    if _ext is not None and hasattr(_ext, "gemm_min_rows") and _ext.gemm_min_rows() <= rows:
+        _ext.set_gemm_min_rows(rows + 1)
+
+
 def supports(x, bits: int, group_size: int) -> bool:
     """Whether the extension handles activations `x` with this quantization."""
     return (

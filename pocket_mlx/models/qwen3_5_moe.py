@@ -352,7 +352,6 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         q, k, v = project(self, x, *self.FUSED)
         q, gate = mx.split(q.reshape(B, L, self.n_heads, -1), 2, axis=-1)
-        gate = gate.reshape(B, L, -1)
         k = k.reshape(B, L, self.n_kv_heads, -1)
         v = v.reshape(B, L, self.n_kv_heads, -1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
@@ -364,9 +363,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         mask = "causal" if L > 1 else None
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out * mx.sigmoid(gate))
+        return self.o_proj(ops.gated_attention(q, k, v, gate, self.scale, mask))
 
 
 class MLP(nn.Module):
@@ -401,14 +398,15 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Linear(h, 1, bias=False)
         self.observer = None
 
-    # Up to this many tokens (decode, speculative batches) the block can run as one node of the
-    # CPU extension; prefill keeps the separate ops, which sort tokens by expert.
-    FUSED_MAX_TOKENS = 16
+    # The block runs as one node of the CPU extension (decode, batches, prefill: its matmuls
+    # group the tokens by expert, so each routed expert's weights are unpacked once per node);
+    # longer inputs go through it in slices of this many tokens (its buffers grow with them).
+    FUSED_MAX_TOKENS = 1024
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.observer is None and x.size <= self.FUSED_MAX_TOKENS * x.shape[-1]:
+        if self.observer is None:
             mats = self._quantized_mats()
-            out = ops.moe_block(x, mats, self.top_k, self.norm_topk_prob) if mats else None
+            out = self._fused(x, mats) if mats else None
             if out is not None:
                 return out
         inds, scores = ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
@@ -416,6 +414,20 @@ class SparseMoeBlock(nn.Module):
         if self.observer is not None:
             self.observer(x, inds, scores, experts)
         return _combine_experts(experts, scores, self.shared_expert_gate(x), self.shared_expert(x))
+
+    def _fused(self, x: mx.array, mats: list) -> mx.array | None:
+        """The block as extension nodes, FUSED_MAX_TOKENS tokens at a time, or None."""
+        n = self.FUSED_MAX_TOKENS
+        if x.size <= n * x.shape[-1]:
+            return ops.moe_block(x, mats, self.top_k, self.norm_topk_prob)
+        flat = x.reshape(-1, x.shape[-1])
+        parts = []
+        for i in range(0, flat.shape[0], n):
+            out = ops.moe_block(flat[i:i + n], mats, self.top_k, self.norm_topk_prob)
+            if out is None:
+                return None
+            parts.append(out)
+        return mx.concatenate(parts, axis=0).reshape(x.shape)
 
     def _quantized_mats(self) -> list | None:
         """(weight, scales, biases, bits, group_size) of every matrix in the order of

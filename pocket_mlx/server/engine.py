@@ -49,6 +49,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from pocket_mlx import kernels
 from pocket_mlx.engine import devices
 from pocket_mlx.engine.generation import (
     SamplingParams,
@@ -208,6 +209,7 @@ class Engine:
             raise PocketError(f"--max-queue {max_queue}: must be 0 or more")
         self.model_ref, self.device_name = model, device
         self.max_concurrency, self.max_queue = max_concurrency, max_queue
+        kernels.keep_rows_independent(max_concurrency)
         self.default_max_tokens = default_max_tokens
         self.prefill_step = prefill_step
         self.prompt_cache: PromptCache = (prompt_cache if prompt_cache is not None
