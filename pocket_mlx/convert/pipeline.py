@@ -28,6 +28,7 @@ from pocket_mlx.config import (
     read_config,
     text_config,
 )
+from pocket_mlx.convert.budget import Sizer, budget_recipe, check_target
 from pocket_mlx.convert.calibrate import auto_recipe, calibration_windows, collect_stats
 from pocket_mlx.convert.prune import (
     CRITERIA,
@@ -68,6 +69,8 @@ _LAYER = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
 class ConvertOptions:
     recipe: Recipe | None  # None with auto_bpw: measured on the calibration text
     auto_bpw: float | None = None
+    target_size: int | None = None  # with recipe None: weight bytes (convert/budget.py)
+    measure_tokens: int = 256  # per calibration file, for the auto recipes' measurements
     prune_to: int | None = None
     calib: list[Path] = field(default_factory=list)
     criterion: str = "reap-sum"
@@ -227,6 +230,47 @@ def auto_for(path: Path, config: dict, opts: ConvertOptions) -> tuple[Recipe, di
     return auto_recipe(model, chunks, opts.auto_bpw, opts.progress, 8 * out_dtype.size)
 
 
+def _float_bytes(weights: dict, path: str, dtype: mx.Dtype | None) -> int:
+    """Bytes per float of a module as written: its scales' dtype for a quantized source
+    (it is dequantized in it), else its weight's; `dtype` when the output casts."""
+    if dtype is not None:
+        return dtype.size
+    v = weights.get(f"{path}.scales", weights[f"{path}.weight"])
+    return v.dtype.size
+
+
+def sizer_for(config: dict, weights: dict, dtype: mx.Dtype | None) -> Sizer:
+    """Exact byte accounting of a build from `weights` (the sanitized lazy source): module
+    shapes of the float model, and everything outside quantizable modules as
+    `converted_tensors` writes it."""
+    ref = build_model(mlx_config(text_config(config)))  # shapes only: nothing is evaluated
+    shapes = {p: tuple(m.weight.shape) for p, m in ref.named_modules()
+              if hasattr(m, "to_quantized")}
+    other = 0
+    for k, v in weights.items():
+        if k.rsplit(".", 1)[0] in shapes and k.endswith((".weight", ".scales", ".biases")):
+            continue
+        cast = dtype is not None and mx.issubdtype(v.dtype, mx.floating) \
+            and not _keep_float32(k, v)
+        other += v.size * (dtype.size if cast else v.dtype.size)
+    return Sizer(shapes, {p: _float_bytes(weights, p, dtype) for p in shapes}, other,
+                 ref.args.num_experts)
+
+
+def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
+               stats: ExpertStats | None, log: Callable[[str], None]
+               ) -> tuple[Recipe, int | None, dict]:
+    """The --target-size search (convert/budget.py) on `opts.measure_tokens` per calibration
+    file. Loads the whole float model: small models only."""
+    tokenizer = load_tokenizer(path, config)
+    per_file = max(2, min(opts.calib_tokens, opts.measure_tokens))
+    chunks, _ = calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)
+    sizer = sizer_for(config, weights, getattr(mx, opts.dtype) if opts.dtype else None)
+    model = load_model(path, config, dtype="float32")
+    return budget_recipe(model, chunks, stats, sizer, opts.target_size, opts.criterion,
+                         opts.seed, opts.progress, log)
+
+
 def convert(src: str, out: Path, opts: ConvertOptions,
             log: Callable[[str], None] = print,
             stats: ExpertStats | None = None, calib_info: list[dict] | None = None
@@ -249,10 +293,12 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         if opts.criterion != "random" and not opts.calib and stats is None:
             raise PocketError(f"--prune-to with criterion {opts.criterion} needs calibration "
                               "text: --calib FILE")
-    elif opts.calib and opts.auto_bpw is None:
+    elif opts.calib and opts.auto_bpw is None and opts.target_size is None:
         raise PocketError("--calib is used only with --prune-to or --recipe auto")
-    if opts.auto_bpw is not None and not opts.calib:
+    if (opts.auto_bpw is not None or opts.target_size is not None) and not opts.calib:
         raise PocketError("--recipe auto needs calibration text: --calib FILE")
+    if opts.target_size is not None and opts.prune_to is not None:
+        raise PocketError("--target-size chooses the pruning itself: leave out --prune-to")
     check_out(out, opts.force)  # before any slow step: a bad OUT fails at once
     # Names, dtypes and shapes from the headers (nothing read yet): a source with a missing
     # or malformed tensor fails here, by name, not halfway through the writing.
@@ -263,6 +309,17 @@ def convert(src: str, out: Path, opts: ConvertOptions,
     auto = None
     if opts.auto_bpw is not None:
         opts.recipe, auto = auto_for(path, config, opts)
+    budget = None
+    if opts.target_size is not None:
+        if src_quant:
+            raise PocketError("--target-size needs a float source checkpoint (this one is "
+                              "quantized): convert from the original weights")
+        check_target(sizer_for(config, weights, dtype), opts.target_size,
+                     args.num_experts_per_tok)  # before the slow steps
+        if stats is None and opts.criterion != "random":
+            stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
+                                                     opts.calib_tokens, opts.progress)
+        opts.recipe, opts.prune_to, budget = budget_for(path, config, opts, weights, stats, log)
     if opts.prune_to is not None:
         if stats is None and opts.criterion != "random":
             for f in opts.calib:  # fail before the slow part
@@ -294,6 +351,8 @@ def convert(src: str, out: Path, opts: ConvertOptions,
                             calib_info, stats)
         if auto is not None:
             info["auto"] = {"target_bpw": opts.auto_bpw, "groups": auto}
+        if budget is not None:
+            info["auto"] = budget
         info["seconds"] = round(time.perf_counter() - t0, 1)
         (tmp / "pocket.json").write_text(json.dumps(info, indent=2))
     if note := remote_code_note(removed):
