@@ -30,6 +30,10 @@ def register(sub) -> argparse.ArgumentParser:
                    help="with --recipe auto: weight bytes not to exceed (a byte count, or 800MB, "
                         "5GB, 5GiB); the search picks both the experts kept per layer and the "
                         "bits (1-8) of every module by measured loss on --calib (default: none)")
+    p.add_argument("--rounding", choices=["rtn", "gptq", "awq"], default=None,
+                   help="how modules of 3 bits or fewer are rounded: rtn (round to nearest), "
+                        "gptq or awq (activation-aware, on --calib text; small models: loads "
+                        "the whole model) (default: gptq with --recipe auto, else rtn)")
     p.add_argument("--prune-to", type=int, default=None, metavar="K",
                    help="keep the K best experts per layer (needs --calib) (default: keep all)")
     p.add_argument("--calib", action="append", default=[], metavar="FILE",
@@ -84,7 +88,7 @@ def run(args) -> int:
     opts = ConvertOptions(
         recipe=recipe, auto_bpw=args.target_bpw, target_size=target_size,
         prune_to=args.prune_to, calib=[Path(c) for c in args.calib],
-        criterion=args.criterion, seed=args.seed, dtype=args.dtype,
+        criterion=args.criterion, seed=args.seed, dtype=args.dtype, rounding=args.rounding,
         shard_bytes=shard_bytes(args.shard_size_gb), calib_tokens=args.calib_tokens,
         force=args.force, progress=True,  # a bar on a terminal, plain lines in a pipe
     )
