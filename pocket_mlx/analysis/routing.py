@@ -79,40 +79,59 @@ def _moe_blocks(model) -> list:
     return [layer.mlp for layer in model.language_model.model.layers]
 
 
+class RouteRecorder:
+    """Records every MoE layer's top-k expert ids while the model runs (any forward: a
+    perplexity pass, say), mapped to original ids with `folder`'s pocket.json. Use as a
+    context manager; `routes()` afterwards."""
+
+    def __init__(self, model, folder: Path | None = None):
+        args = model.args
+        self.blocks = _moe_blocks(model)
+        n = len(self.blocks)
+        self.kept = kept_experts(folder, n, args.num_experts) if folder is not None else None
+        self.num_experts = (original_experts(folder, args.num_experts) if folder is not None
+                            else args.num_experts)
+        self.top_k = int(args.num_experts_per_tok)
+        self.got: list[list[np.ndarray]] = [[] for _ in range(n)]
+        self.saved = []
+
+    def _observer(self, i: int):
+        def observe(x, inds, scores, experts) -> None:
+            self.got[i].append(np.array(inds.reshape(-1, inds.shape[-1]).astype(mx.int32)))
+        return observe
+
+    def __enter__(self) -> RouteRecorder:
+        self.saved = [b.observer for b in self.blocks]
+        for i, b in enumerate(self.blocks):
+            b.observer = self._observer(i)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for b, s in zip(self.blocks, self.saved):
+            b.observer = s
+
+    def routes(self) -> Routes:
+        if not self.got or not self.got[0]:
+            raise PocketError("no tokens were routed")
+        per_layer = [np.concatenate(g) for g in self.got]
+        if self.kept is not None:
+            per_layer = [self.kept[i][a] for i, a in enumerate(per_layer)]
+        return Routes(per_layer, self.num_experts, self.top_k)
+
+
 def record_routes(model, ids: list[int], window: int, folder: Path | None = None,
                   progress: Callable[[int, int], None] | None = None) -> Routes:
     """Run `ids` through `model` in non-overlapping windows (as eval-ppl does) and record each
     MoE layer's top-k expert ids, mapped to original ids with `folder`'s pocket.json."""
-    args = model.args
-    layers = len(model.language_model.model.layers)
-    kept = kept_experts(folder, layers, args.num_experts) if folder is not None else None
-    n_orig = original_experts(folder, args.num_experts) if folder is not None else args.num_experts
-    got: list[list[np.ndarray]] = [[] for _ in range(layers)]
-    blocks = _moe_blocks(model)
-
-    def observer(i: int):
-        def observe(x, inds, scores, experts) -> None:
-            got[i].append(np.array(inds.reshape(-1, inds.shape[-1]).astype(mx.int32)))
-        return observe
-
     chunks = windows(ids, window)
     if not chunks:
         raise PocketError("no text to compare routing on")
-    saved = [b.observer for b in blocks]
-    try:
-        for i, b in enumerate(blocks):
-            b.observer = observer(i)
+    with RouteRecorder(model, folder) as rec:
         for j, c in enumerate(chunks):
             mx.eval(model(mx.array(c, mx.int32)[None]))
             if progress:
                 progress(j + 1, len(chunks))
-    finally:
-        for b, s in zip(blocks, saved):
-            b.observer = s
-    per_layer = [np.concatenate(g) for g in got]
-    if kept is not None:
-        per_layer = [kept[i][a] for i, a in enumerate(per_layer)]
-    return Routes(per_layer, n_orig, int(args.num_experts_per_tok))
+    return rec.routes()
 
 
 def check_comparable(a: Routes, b: Routes, name_a: str = "the model",

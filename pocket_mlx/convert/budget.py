@@ -6,8 +6,9 @@ of the output distribution from the float model's (mean over the calibration tok
 calibration file contributes the same number of tokens, so domains weigh equally):
 
 1. KL of every group (a layer's routed experts, a layer's dense part, embeddings, lm_head)
-   quantized alone at 1, 2, 3, 4, 6 and 8 bits (the rest float); a group in layer i is run from
-   the cached input of layer i, so late groups cost less.
+   quantized alone at 1, 2, 3, 4, 6 and 8 bits (the rest float), rounded as the build will
+   round them (`--rounding`: GPTQ by default, which changes the low-bit picture a lot); a group
+   in layer i is run from the cached input of layer i, so late groups cost less.
 2. For each candidate expert count K (the same K in every layer: the config has one
    `num_experts`, and mlx-lm needs it), the K best experts per layer by the calibration
    statistics (REAP-sum, as `--prune-to`); the bytes freed go to bits: a greedy allocation
@@ -40,7 +41,7 @@ from pocket_mlx.units import size as fmt_size
 
 BUDGET_BITS = (1, 2, 3, 4, 6, 8)
 ROUTER_SPEC = Spec(8)  # routers and shared-expert gates: tiny, and quality collapses below 8
-PRUNE_FRACTIONS = (1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25)
+PRUNE_FRACTIONS = (1.0, 0.875, 0.75, 0.625, 0.5)  # below half, quality falls off (measured)
 
 
 def is_router(path: str) -> bool:
@@ -145,16 +146,30 @@ def _start_layer(group: str, num_layers: int) -> int:
     return num_layers if group == "lm_head" else 0
 
 
+# (module path, float weight, spec, kept expert ids of its layer or None) -> (weight, scales,
+# biases), or None for MLX's round-to-nearest: how the build will round (convert --rounding).
+Quantizer = Callable[[str, mx.array, Spec, "list[int] | None"],
+                     "tuple[mx.array, mx.array, mx.array] | None"]
+
+
+def _layer_of(path: str) -> int | None:
+    parts = path.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else None
+
+
 class _Editor:
     """Prunes and quantizes the in-memory float model, and puts it back as it was."""
 
-    def __init__(self, model):
+    def __init__(self, model, quantizer: Quantizer | None = None):
         self.model = model
         self.modules = dict(model.named_modules())
+        self.quantizer = quantizer
+        self.kept: list[list[int]] | None = None
         self.saved: list[tuple[str, nn.Module]] = []
         self.pruned: list[tuple[nn.Module, str, mx.array]] = []
 
     def prune(self, kept: list[list[int]]) -> None:
+        self.kept = kept
         for layer, ids in zip(self.model.language_model.model.layers, kept):
             idx = mx.array(ids, mx.int32)
             mlp = layer.mlp
@@ -164,18 +179,28 @@ class _Editor:
                 m.weight = m.weight[idx]
 
     def quantize(self, specs: dict[str, Spec | None]) -> None:
-        for spec in {s for s in specs.values() if s is not None}:
-            paths = {p for p, s in specs.items() if s == spec}
-            self.saved += [(p, self.modules[p]) for p in paths]
-            nn.quantize(self.model, spec.group_size, spec.bits,
-                        class_predicate=lambda p, m, ps=paths: p in ps)
+        new = []
+        for p, spec in specs.items():
+            if spec is None:
+                continue
+            m = self.modules[p]
+            self.saved.append((p, m))
+            q = m.to_quantized(group_size=spec.group_size, bits=spec.bits)
+            layer = _layer_of(p)
+            kept = self.kept[layer] if self.kept is not None and layer is not None else None
+            got = self.quantizer(p, m.weight, spec, kept) if self.quantizer else None
+            if got is not None:
+                q.weight, q.scales, q.biases = got
+            new.append((p, q))
+        if new:
+            self.model.update_modules(tree_unflatten(new))
 
     def restore(self) -> None:
         if self.saved:
             self.model.update_modules(tree_unflatten(self.saved))
         for m, name, w in reversed(self.pruned):
             setattr(m, name, w)
-        self.saved, self.pruned = [], []
+        self.saved, self.pruned, self.kept = [], [], None
 
 
 def _candidates(num_experts: int, top_k: int) -> list[int]:
@@ -248,8 +273,8 @@ def check_target(sizer: Sizer, target: int, top_k: int) -> dict[int, int]:
 
 def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, sizer: Sizer,
                   target: int, criterion: str = "reap-sum", seed: int = 0,
-                  progress: bool = True, log: Callable[[str], None] = print
-                  ) -> tuple[Recipe, int | None, dict]:
+                  progress: bool = True, log: Callable[[str], None] = print,
+                  quantizer: Quantizer | None = None) -> tuple[Recipe, int | None, dict]:
     """(recipe, experts to keep per layer or None for all, report) for a build of at most
     `target` weight bytes; `model` is the float model, fully loaded (small models only)."""
     args = model.args
@@ -265,7 +290,7 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
     share = {u: math.prod(sizer.shapes[u]) / gsize[group_of[u]] for u in units}
 
     meas = _Measure(model, chunks)
-    edit = _Editor(model)
+    edit = _Editor(model, quantizer)
     kl: dict[tuple[str, int], float] = {}
     todo = [(g, b) for g in groups for b in BUDGET_BITS]
     for g, b in progress_bar(todo, desc="measure", unit="group", enabled=progress):

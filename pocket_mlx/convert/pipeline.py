@@ -28,7 +28,7 @@ from pocket_mlx.config import (
     read_config,
     text_config,
 )
-from pocket_mlx.convert.budget import Sizer, budget_recipe, check_target
+from pocket_mlx.convert.budget import Quantizer, Sizer, budget_recipe, check_target
 from pocket_mlx.convert.calibrate import auto_recipe, calibration_windows, collect_stats
 from pocket_mlx.convert.prune import (
     CRITERIA,
@@ -271,9 +271,25 @@ def sizer_for(config: dict, weights: dict, dtype: mx.Dtype | None) -> Sizer:
                  ref.args.num_experts)
 
 
+def quantizer_for(rounding: str, inputs: dict[str, Inputs] | None) -> Quantizer | None:
+    """How the search rounds what it measures: as `converted_tensors` will write it."""
+    if rounding == "rtn" or not inputs:
+        return None
+
+    def quantize(path: str, w: mx.array, spec: Spec, kept: list[int] | None):
+        inp = inputs.get(path)
+        if spec.bits > MAX_BITS or inp is None:
+            return None
+        if kept is not None and ".switch_mlp." in path:
+            inp = select_inputs(inp, kept)
+        return quantize_matrix(w, spec.bits, spec.group_size, rounding, inp)
+
+    return quantize
+
+
 def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
-               stats: ExpertStats | None, log: Callable[[str], None]
-               ) -> tuple[Recipe, int | None, dict]:
+               stats: ExpertStats | None, log: Callable[[str], None],
+               quantizer: Quantizer | None = None) -> tuple[Recipe, int | None, dict]:
     """The --target-size search (convert/budget.py) on `opts.measure_tokens` per calibration
     file. Loads the whole float model: small models only."""
     tokenizer = load_tokenizer(path, config)
@@ -282,7 +298,7 @@ def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
     sizer = sizer_for(config, weights, getattr(mx, opts.dtype) if opts.dtype else None)
     model = load_model(path, config, dtype="float32")
     return budget_recipe(model, chunks, stats, sizer, opts.target_size, opts.criterion,
-                         opts.seed, opts.progress, log)
+                         opts.seed, opts.progress, log, quantizer)
 
 
 def inputs_for(path: Path, config: dict, opts: ConvertOptions) -> dict[str, Inputs]:
@@ -336,20 +352,26 @@ def convert(src: str, out: Path, opts: ConvertOptions,
     src_quant = quantization(config, where=str(path / "config.json"))
     quantize_as_stored(source, src_quant, weights)
     check_shapes(source, weights)
-    auto = None
-    if opts.auto_bpw is not None:
-        opts.recipe, auto = auto_for(path, config, opts)
-    budget = None
+    if rounding != "rtn" and src_quant:
+        raise PocketError(f"--rounding {rounding} needs a float source checkpoint (this one "
+                          "is quantized); use --rounding rtn")
     if opts.target_size is not None:
         if src_quant:
             raise PocketError("--target-size needs a float source checkpoint (this one is "
                               "quantized): convert from the original weights")
         check_target(sizer_for(config, weights, dtype), opts.target_size,
                      args.num_experts_per_tok)  # before the slow steps
+    inputs = inputs_for(path, config, opts) if rounding != "rtn" else None
+    auto = None
+    if opts.auto_bpw is not None:
+        opts.recipe, auto = auto_for(path, config, opts)
+    budget = None
+    if opts.target_size is not None:
         if stats is None and opts.criterion != "random":
             stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
                                                      opts.calib_tokens, opts.progress)
-        opts.recipe, opts.prune_to, budget = budget_for(path, config, opts, weights, stats, log)
+        opts.recipe, opts.prune_to, budget = budget_for(path, config, opts, weights, stats, log,
+                                                        quantizer_for(rounding, inputs))
     if opts.prune_to is not None:
         if stats is None and opts.criterion != "random":
             for f in opts.calib:  # fail before the slow part
@@ -361,12 +383,6 @@ def convert(src: str, out: Path, opts: ConvertOptions,
                                                      opts.calib_tokens, opts.progress)
         kept = select_experts(stats, opts.prune_to, opts.criterion, args.num_hidden_layers,
                               args.num_experts, opts.seed)
-    inputs = None
-    if rounding != "rtn":
-        if src_quant:
-            raise PocketError(f"--rounding {rounding} needs a float source checkpoint (this one "
-                              "is quantized); use --rounding rtn")
-        inputs = inputs_for(path, config, opts)
     text_cfg = text_config(config)
     if kept is not None:
         text_cfg["num_experts"] = opts.prune_to
