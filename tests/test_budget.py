@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from pocket_mlx import kernels
 from pocket_mlx.cli.main import main
 from pocket_mlx.config import weights_bytes
 from pocket_mlx.convert.budget import spec_bytes
 from pocket_mlx.convert.recipes import Spec, load_recipe
 from pocket_mlx.engine.loader import load_model
+from pocket_mlx.kernels import ops
 from pocket_mlx.units import parse_size
 
 CALIB = [str(ROOT / "assets" / "text" / f"{d}.calib.txt") for d in ("en", "code")]
@@ -68,9 +68,17 @@ def test_one_bit_recipe_loads_in_pocket_and_mlx_lm(tmp_path, make_ckpt):
     # experts it must hand over to MLX and give the same numbers.
     one = PROMPT[:, :1]
     np.testing.assert_allclose(np.array(ours(one)), np.array(ref(one)), atol=1e-5, rtol=1e-5)
-    if kernels.load_error() is None:
-        assert not kernels.supports(mx.zeros((1, 128)), 1, 64) or 1 in kernels.info().get(
-            "bits", [1])
+    # Our dispatch on 1-bit weights: the extension when it takes the width (EXACT mode here),
+    # else MLX; the same numbers either way.
+    w = mx.random.normal((64, 128), key=mx.random.key(1))
+    qw, qs, qb = mx.quantize(w, 64, 1)
+    x = mx.random.normal((3, 128), key=mx.random.key(2))
+    for got in (ops.quantized_matmul(x, qw, qs, qb, group_size=64, bits=1),
+                ops.gather_qmm(x[:, None, None], qw[None], qs[None], qb[None],
+                               mx.zeros((3, 1), mx.uint32), group_size=64, bits=1)[:, 0, 0]):
+        np.testing.assert_allclose(
+            np.array(got), np.array(mx.quantized_matmul(x, qw, qs, qb, group_size=64, bits=1)),
+            rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("fraction", [0.4, 0.15])
@@ -81,9 +89,12 @@ def test_target_size_meets_the_budget_exactly(tmp_path, make_ckpt, fraction):
     out = tmp_path / "b"
     assert main(["convert", str(src), str(out), "--recipe", "auto", "--target-size",
                  str(target), "--calib", CALIB[0], "--calib", CALIB[1],
-                 "--calib-tokens", "96", "--dtype", "bfloat16"]) == 0
+                 "--calib-tokens", "96", "--dtype", "bfloat16",
+                 # one build with each rounding: rtn is the fast one
+                 "--rounding", "rtn" if fraction == 0.4 else "gptq"]) == 0
     got = weights_bytes(out)
     info = json.loads((out / "pocket.json").read_text())
+    assert info["rounding"] == ("rtn" if fraction == 0.4 else {"method": "gptq", "max_bits": 3})
     assert got == info["auto"]["bytes"]  # the search's accounting is the written size
     assert 0.98 * target <= got <= target, (got, target)
     assert info["bits"]["router"] == [8]
