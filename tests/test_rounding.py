@@ -119,3 +119,19 @@ def test_converted_with_rounding_loads_in_pocket_and_mlx_lm(tmp_path, make_ckpt,
         return next(v[w] for f in folder.glob("*.safetensors") if w in (v := load_file(f)))
 
     assert (tensor(out) != tensor(rtn)).any()  # the experts were rounded differently
+
+
+def test_rounding_bad_inputs_are_one_line_errors(tmp_path, make_ckpt, capsys):
+    src = make_ckpt("src")
+    q = tmp_path / "q"
+    assert main(["convert", str(src), str(q), "--recipe", "uniform-4"]) == 0
+    for args, msg in (
+        ([str(src), str(tmp_path / "o"), "--rounding", "gptq"], "needs calibration text"),
+        ([str(q), str(tmp_path / "o"), "--rounding", "awq", "--calib", CALIB],
+         "needs a float source"),
+    ):
+        capsys.readouterr()
+        assert main(["convert", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err
+        assert not (tmp_path / "o").exists()
