@@ -41,14 +41,15 @@ WINDOW = 512
 
 # llama.cpp on the same reference model, as measured by ../shared/anchors/llamacpp (2026-12-01,
 # `llama-perplexity -c 256` on the validation texts, imatrix from the three calibration texts):
-# bits per weight of the GGUF's tensors and PPL ratio to its own BF16 on en, zh, code. Cited, not
-# re-measured here (the report must not depend on a llama.cpp build).
+# bits per weight of the GGUF's tensors, PPL ratio to its own BF16 on en, zh, code, and the
+# files' tensor bytes (its gguf_bytes_per_token.py). Cited, not re-measured here (the report must
+# not depend on a llama.cpp build).
 LLAMACPP = {
-    "Q3_K_M": (4.42, (1.051, 1.056, 1.047)),
-    "IQ3_XXS, imatrix": (3.80, (1.101, 1.147, 1.088)),
-    "Q2_K, imatrix": (3.63, (1.135, 1.176, 1.198)),
-    "IQ2_S, imatrix": (3.49, (1.177, 1.212, 1.167)),
-    "IQ2_XS, imatrix": (3.40, (1.235, 1.300, 1.283)),
+    "Q3_K_M": (4.42, (1.051, 1.056, 1.047), 10_929_088),
+    "IQ3_XXS, imatrix": (3.80, (1.101, 1.147, 1.088), 9_398_592),
+    "Q2_K, imatrix": (3.63, (1.135, 1.176, 1.198), 8_974_848),
+    "IQ2_S, imatrix": (3.49, (1.177, 1.212, 1.167), 8_629_824),
+    "IQ2_XS, imatrix": (3.40, (1.235, 1.300, 1.283), 8_398_400),
 }
 IQ2_XS = "IQ2_XS, imatrix"
 
@@ -208,6 +209,11 @@ def run_all(a, rep: Report) -> int:
         iq2 = int(LLAMACPP[IQ2_XS][0] * rep.params / 8)
         for name, b in (("IQ2_XS bytes", iq2), ("75% of IQ2_XS bytes", int(0.75 * iq2))):
             budget[name] = rep.build(f"size-{b}", f"size:{b}", calib=DOMAINS)
+    combined = {}
+    if "combined" not in skip:
+        for k in (24, 16):
+            for r in ("pocket-3bit", "pocket-2bit"):
+                combined[(k, r)] = rep.build(f"p{k}-all-{r}", r, k, DOMAINS)
     calibs = {"en": ("en",), "zh": ("zh",), "code": ("code",), "en+zh+code": DOMAINS}
     pruned = {}
     if "prune" not in skip:
@@ -216,20 +222,15 @@ def run_all(a, rep: Report) -> int:
         for s in range(3):
             pruned[f"random seed {s}"] = rep.build(f"p16-random{s}", "bf16", 16, (),
                                                    "random", s)
+    autos = {}
+    if "auto" not in skip:
+        bpw = rows["pocket-2bit"]["bits_per_weight"]
+        autos[bpw] = rep.build(f"auto-{bpw}", f"auto:{bpw}", calib=DOMAINS)
     crit = {}
     if "criteria" not in skip:
         for d in DOMAINS:
             for c in ("reap", "frequency"):
                 crit[(d, c)] = rep.build(f"p16-{d}-{c}", "bf16", 16, (d,), c, domains=(d,))
-    combined = {}
-    if "combined" not in skip:
-        for k in (24, 16):
-            for r in ("pocket-3bit", "pocket-2bit"):
-                combined[(k, r)] = rep.build(f"p{k}-all-{r}", r, k, DOMAINS)
-    autos = {}
-    if "auto" not in skip:
-        bpw = rows["pocket-2bit"]["bits_per_weight"]
-        autos[bpw] = rep.build(f"auto-{bpw}", f"auto:{bpw}", calib=DOMAINS)
     write_report(a, rows, base, pruned, crit, combined, time.perf_counter() - t0, rep, autos,
                  budget)
     return 0
@@ -270,14 +271,17 @@ def write_report(a, rows, base, pruned, crit, combined, seconds, rep, autos, bud
               f"{a.calib_tokens} calibration tokens per domain) and 1/2/3/4/6/8 bits per module, "
               "by the KL of the logits measured on 256 calibration tokens per domain, modules of "
               "3 bits or fewer rounded with GPTQ (`--rounding gptq`, the auto default). "
-              "Budgets: the weight bytes of llama.cpp's IQ2_XS (imatrix) file of this model "
-              f"({LLAMACPP[IQ2_XS][0]} bits per weight x {rep.params:,} weights), and 75% of "
-              "it. llama.cpp rows are cited from `../shared/anchors/llamacpp` (ratios to its own "
+              "Budgets: llama.cpp's IQ2_XS (imatrix) file of this model at the issue's "
+              f"{LLAMACPP[IQ2_XS][0]} bits per weight x {rep.params:,} weights = "
+              f"{budget['IQ2_XS bytes']['target_bytes']:,} bytes (the file's tensors measure "
+              f"{LLAMACPP[IQ2_XS][2]:,} bytes: this budget is "
+              f"{budget['IQ2_XS bytes']['target_bytes'] / LLAMACPP[IQ2_XS][2] - 1:+.2%} off), "
+              "and 75% of it. llama.cpp rows are cited from `../shared/anchors/llamacpp` (ratios to its own "
               "BF16 from `llama-perplexity -c 256`; not re-measured here): compare ratios.", "",
               "| build | bits/weight (of the original) | weight bytes | experts | en | zh | code |",
               "|---|---|---|---|---|---|---|"]
-        for name, (bpw, ratios) in LLAMACPP.items():
-            L.append(f"| llama.cpp {name} | {bpw:.2f} | {bpw * rep.params / 8:,.0f} | 32 | "
+        for name, (bpw, ratios, nbytes) in LLAMACPP.items():
+            L.append(f"| llama.cpp {name} | {bpw:.2f} | {nbytes:,} | 32 | "
                      + " | ".join(f"({r:.3f}x)" for r in ratios) + " |")
         L.append(fmt_row("pocket-2bit", rows["pocket-2bit"], base, size=False)
                  .replace("| pocket-2bit |", f"| ours pocket-2bit | "
@@ -299,6 +303,10 @@ def write_report(a, rows, base, pruned, crit, combined, seconds, rep, autos, bud
                   f"{name}: {r['weights_bytes']:,} weight bytes written for a budget of {t:,} "
                   f"({r['weights_bytes'] / t:.4f})")
         r = budget["IQ2_XS bytes"]
+        nb = LLAMACPP[IQ2_XS][2]
+        check(r["weights_bytes"] <= nb, f"IQ2_XS-budget build no larger than the IQ2_XS file's "
+              f"tensors ({r['weights_bytes']:,} vs {nb:,} bytes, "
+              f"{r['weights_bytes'] / nb - 1:+.2%})")
         ours = [r["ppl"][d] / base["ppl"][d] for d in DOMAINS]
         check(all(o < i for o, i in zip(ours, iq2)),
               "at IQ2_XS bytes, a lower PPL ratio than llama.cpp IQ2_XS on every domain ("

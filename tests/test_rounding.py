@@ -65,7 +65,7 @@ def test_gptq_matches_mlx_lm(bits):
     gptq_quantize(m, mx.array(x).reshape(8, -1, w.shape[1]), bits, 64, 8, 64, batch_size=8)
     theirs = np.array(mx.dequantize(m.proj.weight, m.proj.scales, m.proj.biases, 64, bits))
     H = x.T.astype(np.float64) @ x
-    q, s, b = gptq(w, H, bits, 64, fit=False)  # their min/max levels
+    q, s, b = gptq(w, H, bits, 64, fit=False, damp=0.01)  # their levels and damping
     ours = np.array(mx.dequantize(q, s, b, 64, bits))
     step = np.abs(np.array(s)).repeat(64, -1)
     # Same algorithm; float64 (ours) vs float32 (theirs) may flip a rare rounding decision.
@@ -73,24 +73,26 @@ def test_gptq_matches_mlx_lm(bits):
     e_ours = _out_err(w, x, q, s, b, 64, bits)
     e_theirs = _out_err(w, x, m.proj.weight, m.proj.scales, m.proj.biases, 64, bits)
     assert e_ours <= 1.05 * e_theirs
-    fitted = _out_err(w, x, *gptq(w, H, bits, 64, fit=True), 64, bits)
+    fitted = _out_err(w, x, *gptq(w, H, bits, 64, fit=True, damp=0.01), 64, bits)
     assert fitted < e_theirs  # least-squares levels: lower output error again
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3])
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_activation_aware_beats_round_to_nearest(bits, method):
-    w, x = _data(seed=bits)
+    w, x = _data(seed=bits, rows=1200)
     experts = np.stack([w, w[::-1] * 1.5])  # [E=2, N, K]
-    xs = [x[:300], x[200:] * 0.5]
-    inputs = Inputs(np.stack([v.T.astype(np.float64) @ v for v in xs]), xs)
+    # Expert 0 saw plenty of rows (GPTQ's feedback), expert 1 few (fitted levels alone).
+    xs = [x[:1000], x[1000:] * 0.5]
+    inputs = Inputs(np.stack([v.T.astype(np.float64) @ v for v in xs]), xs,
+                    np.array([len(v) for v in xs]))
     q, s, b = quantize_matrix(mx.array(experts), bits, 64, method, inputs)
     rq, rs, rb = mx.quantize(mx.array(experts), 64, bits)
     for e in range(2):
         ours = _out_err(experts[e], xs[e], q[e], s[e], b[e], 64, bits)
         rtn = _out_err(experts[e], xs[e], rq[e], rs[e], rb[e], 64, bits)
         assert ours < rtn, (e, ours, rtn)
-        if method == "gptq":
+        if method == "gptq" and e == 0:
             assert ours < 0.9 * rtn
 
 
