@@ -11,6 +11,8 @@ publishes its chips' memory bandwidth and llama-bench reports throughput; it is 
 
 from __future__ import annotations
 
+import re
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -58,3 +60,22 @@ def bandwidth(gb_per_s: float | None) -> str:
     if gb_per_s is None:
         return "n/a"
     return f"{gb_per_s:.2f} GB/s" if gb_per_s < 100 else f"{gb_per_s:.1f} GB/s"
+
+
+_PARSE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '800MB', '5GiB', '1.5 GB' or a plain byte count -> bytes. Decimal units are
+    powers of ten (as disks and model cards count), the IEC ones powers of two. ValueError
+    (naming the accepted forms) for anything else or a size that is not positive."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _PARSE_UNITS:
+        raise ValueError(f"{text!r} is not a size: use bytes (8400000) or a number with a unit "
+                         "(800MB, 5GB, 5GiB)")
+    n = int(float(m.group(1)) * _PARSE_UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"{text!r}: the size must be positive")
+    return n

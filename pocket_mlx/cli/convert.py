@@ -21,11 +21,19 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="output folder (must not exist, unless --force)")
     p.add_argument("--recipe", default="pocket-2bit", metavar="NAME|FILE",
                    help="bf16, float, uniform-2|3|4|6|8, pocket-2bit, pocket-3bit, or a .toml "
-                        "recipe file (docs/RECIPES.md), or auto (with --target-bpw and --calib); "
+                        "recipe file (docs/RECIPES.md), or auto (with --target-bpw or --target-size, and --calib); "
                         "default pocket-2bit")
     p.add_argument("--target-bpw", type=float, default=None, metavar="B",
                    help="with --recipe auto: average bits per weight to aim for (default: none; "
                         "required by --recipe auto)")
+    p.add_argument("--target-size", default=None, metavar="SIZE",
+                   help="with --recipe auto: weight bytes not to exceed (a byte count, or 800MB, "
+                        "5GB, 5GiB); the search picks both the experts kept per layer and the "
+                        "bits (1-8) of every module by measured loss on --calib (default: none)")
+    p.add_argument("--rounding", choices=["rtn", "gptq", "awq"], default=None,
+                   help="how modules of 3 bits or fewer are rounded: rtn (round to nearest), "
+                        "gptq or awq (activation-aware, on --calib text; small models: loads "
+                        "the whole model) (default: gptq with --recipe auto, else rtn)")
     p.add_argument("--prune-to", type=int, default=None, metavar="K",
                    help="keep the K best experts per layer (needs --calib) (default: keep all)")
     p.add_argument("--calib", action="append", default=[], metavar="FILE",
@@ -55,20 +63,32 @@ def _terminate(signum, _frame):
 def run(args) -> int:
     from pocket_mlx.convert.pipeline import ConvertOptions, convert, shard_bytes, summary
     from pocket_mlx.convert.recipes import load_recipe
+    from pocket_mlx.units import parse_size
 
     auto = args.recipe == "auto"
-    if auto and args.target_bpw is None:
-        raise PocketError("--recipe auto needs --target-bpw B")
+    target_size = None
+    if args.target_size is not None:
+        if not auto:
+            raise PocketError("--target-size goes with --recipe auto")
+        if args.target_bpw is not None:
+            raise PocketError("give --target-bpw or --target-size, not both")
+        try:
+            target_size = parse_size(args.target_size)
+        except ValueError as e:
+            raise PocketError(f"--target-size: {e}") from None
+    if auto and args.target_bpw is None and target_size is None:
+        raise PocketError("--recipe auto needs --target-bpw B or --target-size SIZE")
     if args.target_bpw is not None and not auto:
         raise PocketError("--target-bpw goes with --recipe auto")
-    if auto and not 2.5 <= args.target_bpw <= 16:
+    if auto and args.target_bpw is not None and not 2.5 <= args.target_bpw <= 16:
         raise PocketError(f"--target-bpw {args.target_bpw:g}: must be between 2.5 and 16")
     recipe = None if auto else load_recipe(args.recipe)
     if args.calib_tokens <= 1:
         raise PocketError(f"--calib-tokens must be > 1, got {args.calib_tokens}")
     opts = ConvertOptions(
-        recipe=recipe, auto_bpw=args.target_bpw, prune_to=args.prune_to, calib=[Path(c) for c in args.calib],
-        criterion=args.criterion, seed=args.seed, dtype=args.dtype,
+        recipe=recipe, auto_bpw=args.target_bpw, target_size=target_size,
+        prune_to=args.prune_to, calib=[Path(c) for c in args.calib],
+        criterion=args.criterion, seed=args.seed, dtype=args.dtype, rounding=args.rounding,
         shard_bytes=shard_bytes(args.shard_size_gb), calib_tokens=args.calib_tokens,
         force=args.force, progress=True,  # a bar on a terminal, plain lines in a pipe
     )

@@ -28,6 +28,7 @@ from pocket_mlx.config import (
     read_config,
     text_config,
 )
+from pocket_mlx.convert.budget import Quantizer, Sizer, budget_recipe, check_target
 from pocket_mlx.convert.calibrate import auto_recipe, calibration_windows, collect_stats
 from pocket_mlx.convert.prune import (
     CRITERIA,
@@ -37,6 +38,8 @@ from pocket_mlx.convert.prune import (
     slice_layer,
 )
 from pocket_mlx.convert.recipes import Recipe, Spec, family
+from pocket_mlx.convert.rounding import MAX_BITS, METHODS, Inputs, capture, quantize_matrix
+from pocket_mlx.convert.rounding import select as select_inputs
 from pocket_mlx.convert.writer import (
     DEFAULT_SHARD_BYTES,
     atomic_dir,
@@ -68,6 +71,9 @@ _LAYER = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
 class ConvertOptions:
     recipe: Recipe | None  # None with auto_bpw: measured on the calibration text
     auto_bpw: float | None = None
+    target_size: int | None = None  # with recipe None: weight bytes (convert/budget.py)
+    measure_tokens: int = 256  # per calibration file, for the auto recipes' measurements
+    rounding: str | None = None  # rtn|gptq|awq at <= rounding.MAX_BITS; None: gptq for auto
     prune_to: int | None = None
     calib: list[Path] = field(default_factory=list)
     criterion: str = "reap-sum"
@@ -141,7 +147,8 @@ def family_bits(specs: dict[str, Spec | None]) -> dict[str, list]:
 
 
 def _convert_module(tensors: dict, path: str, src: Spec | None, dst: Spec | None,
-                    dtype: mx.Dtype | None) -> dict[str, mx.array]:
+                    dtype: mx.Dtype | None, rounding: str = "rtn",
+                    inputs: Inputs | None = None) -> dict[str, mx.array]:
     w = tensors.pop(f"{path}.weight")
     scales, biases = tensors.pop(f"{path}.scales", None), tensors.pop(f"{path}.biases", None)
     out = {}
@@ -158,17 +165,23 @@ def _convert_module(tensors: dict, path: str, src: Spec | None, dst: Spec | None
     if dst is None:
         out[f"{path}.weight"] = w
     else:
-        q, s, b = mx.quantize(w, dst.group_size, dst.bits)
+        if rounding != "rtn" and dst.bits <= MAX_BITS and inputs is not None:
+            q, s, b = quantize_matrix(w, dst.bits, dst.group_size, rounding, inputs)
+        else:
+            q, s, b = mx.quantize(w, dst.group_size, dst.bits)
         out.update({f"{path}.weight": q, f"{path}.scales": s, f"{path}.biases": b})
     return out
 
 
 def converted_tensors(weights: dict[str, mx.array], specs: dict[str, Spec | None],
                       src_quant: dict | None, num_layers: int, kept: list[list[int]] | None,
-                      dtype: mx.Dtype | None, progress: bool = True
+                      dtype: mx.Dtype | None, progress: bool = True, rounding: str = "rtn",
+                      inputs: dict[str, Inputs] | None = None
                       ) -> Iterator[tuple[str, mx.array]]:
     """Consume the lazy `weights` dict unit by unit (pruning, quantizing), yielding the
-    evaluated tensors of one unit before reading the next."""
+    evaluated tensors of one unit before reading the next. `inputs`: what each module saw on
+    the calibration text (rounding.capture, unpruned expert ids), for `rounding`."""
+    inputs = inputs or {}
     src_specs = {p: _source_spec(p, src_quant, weights) for p in specs}
     units: dict[int, list[str]] = {}
     for k in weights:
@@ -181,7 +194,11 @@ def converted_tensors(weights: dict[str, mx.array], specs: dict[str, Spec | None
         out: dict[str, mx.array] = {}
         for path in sorted({k.rsplit(".", 1)[0] for k in tensors}):
             if path in specs and f"{path}.weight" in tensors:
-                out.update(_convert_module(tensors, path, src_specs[path], specs[path], dtype))
+                inp = inputs.get(path)
+                if inp is not None and kept is not None and ".switch_mlp." in path:
+                    inp = select_inputs(inp, kept[u - 1])
+                out.update(_convert_module(tensors, path, src_specs[path], specs[path], dtype,
+                                           rounding, inp))
         for k, v in tensors.items():  # norms, conv1d, A_log, dt_bias, biases
             if dtype is not None and mx.issubdtype(v.dtype, mx.floating) and not _keep_float32(k, v):
                 v = v.astype(dtype)
@@ -227,6 +244,72 @@ def auto_for(path: Path, config: dict, opts: ConvertOptions) -> tuple[Recipe, di
     return auto_recipe(model, chunks, opts.auto_bpw, opts.progress, 8 * out_dtype.size)
 
 
+def _float_bytes(weights: dict, path: str, dtype: mx.Dtype | None) -> int:
+    """Bytes per float of a module as written: its scales' dtype for a quantized source
+    (it is dequantized in it), else its weight's; `dtype` when the output casts."""
+    if dtype is not None:
+        return dtype.size
+    v = weights.get(f"{path}.scales", weights[f"{path}.weight"])
+    return v.dtype.size
+
+
+def sizer_for(config: dict, weights: dict, dtype: mx.Dtype | None) -> Sizer:
+    """Exact byte accounting of a build from `weights` (the sanitized lazy source): module
+    shapes of the float model, and everything outside quantizable modules as
+    `converted_tensors` writes it."""
+    ref = build_model(mlx_config(text_config(config)))  # shapes only: nothing is evaluated
+    shapes = {p: tuple(m.weight.shape) for p, m in ref.named_modules()
+              if hasattr(m, "to_quantized")}
+    other = 0
+    for k, v in weights.items():
+        if k.rsplit(".", 1)[0] in shapes and k.endswith((".weight", ".scales", ".biases")):
+            continue
+        cast = dtype is not None and mx.issubdtype(v.dtype, mx.floating) \
+            and not _keep_float32(k, v)
+        other += v.size * (dtype.size if cast else v.dtype.size)
+    return Sizer(shapes, {p: _float_bytes(weights, p, dtype) for p in shapes}, other,
+                 ref.args.num_experts)
+
+
+def quantizer_for(rounding: str, inputs: dict[str, Inputs] | None) -> Quantizer | None:
+    """How the search rounds what it measures: as `converted_tensors` will write it."""
+    if rounding == "rtn" or not inputs:
+        return None
+
+    def quantize(path: str, w: mx.array, spec: Spec, kept: list[int] | None):
+        inp = inputs.get(path)
+        if spec.bits > MAX_BITS or inp is None:
+            return None
+        if kept is not None and ".switch_mlp." in path:
+            inp = select_inputs(inp, kept)
+        return quantize_matrix(w, spec.bits, spec.group_size, rounding, inp)
+
+    return quantize
+
+
+def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
+               stats: ExpertStats | None, log: Callable[[str], None],
+               quantizer: Quantizer | None = None) -> tuple[Recipe, int | None, dict]:
+    """The --target-size search (convert/budget.py) on `opts.measure_tokens` per calibration
+    file. Loads the whole float model: small models only."""
+    tokenizer = load_tokenizer(path, config)
+    per_file = max(2, min(opts.calib_tokens, opts.measure_tokens))
+    chunks, _ = calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)
+    sizer = sizer_for(config, weights, getattr(mx, opts.dtype) if opts.dtype else None)
+    model = load_model(path, config, dtype="float32")
+    return budget_recipe(model, chunks, stats, sizer, opts.target_size, opts.criterion,
+                         opts.seed, opts.progress, log, quantizer)
+
+
+def inputs_for(path: Path, config: dict, opts: ConvertOptions) -> dict[str, Inputs]:
+    """Every module's inputs on `opts.measure_tokens` per calibration file, from the float
+    model (rounding.capture). Loads the whole model: small models only."""
+    tokenizer = load_tokenizer(path, config)
+    per_file = max(2, min(opts.calib_tokens, 2 * opts.measure_tokens))
+    chunks, _ = calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)
+    return capture(load_model(path, config, dtype="float32"), chunks)
+
+
 def convert(src: str, out: Path, opts: ConvertOptions,
             log: Callable[[str], None] = print,
             stats: ExpertStats | None = None, calib_info: list[dict] | None = None
@@ -249,10 +332,19 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         if opts.criterion != "random" and not opts.calib and stats is None:
             raise PocketError(f"--prune-to with criterion {opts.criterion} needs calibration "
                               "text: --calib FILE")
-    elif opts.calib and opts.auto_bpw is None:
-        raise PocketError("--calib is used only with --prune-to or --recipe auto")
-    if opts.auto_bpw is not None and not opts.calib:
+    elif (opts.calib and opts.auto_bpw is None and opts.target_size is None
+          and opts.rounding in (None, "rtn")):
+        raise PocketError("--calib is used only with --prune-to, --recipe auto or --rounding")
+    if (opts.auto_bpw is not None or opts.target_size is not None) and not opts.calib:
         raise PocketError("--recipe auto needs calibration text: --calib FILE")
+    auto_recipe_used = opts.auto_bpw is not None or opts.target_size is not None
+    rounding = opts.rounding or ("gptq" if auto_recipe_used else "rtn")
+    if rounding not in METHODS:
+        raise PocketError(f"unknown --rounding {rounding!r} (known: {', '.join(METHODS)})")
+    if rounding != "rtn" and not opts.calib:
+        raise PocketError(f"--rounding {rounding} needs calibration text: --calib FILE")
+    if opts.target_size is not None and opts.prune_to is not None:
+        raise PocketError("--target-size chooses the pruning itself: leave out --prune-to")
     check_out(out, opts.force)  # before any slow step: a bad OUT fails at once
     # Names, dtypes and shapes from the headers (nothing read yet): a source with a missing
     # or malformed tensor fails here, by name, not halfway through the writing.
@@ -260,9 +352,26 @@ def convert(src: str, out: Path, opts: ConvertOptions,
     src_quant = quantization(config, where=str(path / "config.json"))
     quantize_as_stored(source, src_quant, weights)
     check_shapes(source, weights)
+    if rounding != "rtn" and src_quant:
+        raise PocketError(f"--rounding {rounding} needs a float source checkpoint (this one "
+                          "is quantized); use --rounding rtn")
+    if opts.target_size is not None:
+        if src_quant:
+            raise PocketError("--target-size needs a float source checkpoint (this one is "
+                              "quantized): convert from the original weights")
+        check_target(sizer_for(config, weights, dtype), opts.target_size,
+                     args.num_experts_per_tok)  # before the slow steps
+    inputs = inputs_for(path, config, opts) if rounding != "rtn" else None
     auto = None
     if opts.auto_bpw is not None:
         opts.recipe, auto = auto_for(path, config, opts)
+    budget = None
+    if opts.target_size is not None:
+        if stats is None and opts.criterion != "random":
+            stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
+                                                     opts.calib_tokens, opts.progress)
+        opts.recipe, opts.prune_to, budget = budget_for(path, config, opts, weights, stats, log,
+                                                        quantizer_for(rounding, inputs))
     if opts.prune_to is not None:
         if stats is None and opts.criterion != "random":
             for f in opts.calib:  # fail before the slow part
@@ -285,15 +394,19 @@ def convert(src: str, out: Path, opts: ConvertOptions,
     removed = {"config.json": keys} if (keys := strip_remote_code(config)[1]) else {}
     with atomic_dir(out, force=opts.force) as tmp:
         save_weights(tmp, converted_tensors(weights, specs, src_quant, args.num_hidden_layers,
-                                            kept, dtype, opts.progress), opts.shard_bytes)
+                                            kept, dtype, opts.progress, rounding, inputs),
+                     opts.shard_bytes)
+        del inputs
         del weights
         new_cfg = mlx_config(text_cfg, quant)
         (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2))
         removed.update(copy_tokenizer(path, tmp))
         info = _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args,
-                            calib_info, stats)
+                            calib_info, stats, rounding)
         if auto is not None:
             info["auto"] = {"target_bpw": opts.auto_bpw, "groups": auto}
+        if budget is not None:
+            info["auto"] = budget
         info["seconds"] = round(time.perf_counter() - t0, 1)
         (tmp / "pocket.json").write_text(json.dumps(info, indent=2))
     if note := remote_code_note(removed):
@@ -302,7 +415,7 @@ def convert(src: str, out: Path, opts: ConvertOptions,
 
 
 def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_info,
-                 stats) -> dict:
+                 stats, rounding: str = "rtn") -> dict:
     ws = weight_stats(load_model(tmp, new_cfg, lazy=True))
     info = {
         "pocket_mlx_version": __version__,
@@ -311,6 +424,7 @@ def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_
         "bits": family_bits(specs),
         "notes": notes,
         "dtype": opts.dtype or "source",
+        "rounding": {"method": rounding, "max_bits": MAX_BITS} if rounding != "rtn" else "rtn",
         "num_experts": int(new_cfg["num_experts"]),
         "original_num_experts": int(args.num_experts),
         "num_experts_per_tok": int(args.num_experts_per_tok),

@@ -22,8 +22,9 @@ except ModuleNotFoundError:  # Python 3.10
 from pocket_mlx.config import AFFINE_BITS, GROUP_SIZES
 from pocket_mlx.errors import PocketError
 
-# Recipes give 2 bits or more: 1-bit experts need the quality work of issue 17 first.
-VALID_BITS = tuple(b for b in AFFINE_BITS if b >= 2)
+# Every width MLX's affine format packs, 1 bit included (stock MLX and mlx-lm run 1-bit; our
+# CPU kernels take the widths they support and leave the rest to MLX: kernels/ops.py).
+VALID_BITS = AFFINE_BITS
 VALID_GROUPS = GROUP_SIZES
 DEFAULT_GROUP = 64
 
@@ -144,15 +145,15 @@ def builtin(name: str) -> Recipe | None:
         return Recipe(name, [], FLOAT)
     if m := re.fullmatch(r"uniform-(\d)", name):
         bits = int(m.group(1))
-        if bits in (2, 3, 4, 6, 8):
+        if bits in (1, 2, 3, 4, 6, 8):
             return Recipe(name, [], Spec(bits, DEFAULT_GROUP))
-    if name in ("pocket-2bit", "pocket-3bit"):
+    if name in ("pocket-1bit", "pocket-2bit", "pocket-3bit"):
         return _pocket(int(name[7]))
     return None
 
 
-BUILTIN_NAMES = ("bf16", "float", "uniform-2", "uniform-3", "uniform-4", "uniform-6",
-                 "uniform-8", "pocket-2bit", "pocket-3bit")
+BUILTIN_NAMES = ("bf16", "float", "uniform-1", "uniform-2", "uniform-3", "uniform-4", "uniform-6",
+                 "uniform-8", "pocket-1bit", "pocket-2bit", "pocket-3bit")
 
 
 def _spec(entry: dict | str, where: str, group_size: int) -> Spec | None:

@@ -1,0 +1,332 @@
+"""`convert --recipe auto --target-size SIZE`: one search over pruning and bits for a byte budget.
+
+POCKET has two levers: which experts to keep per layer (pruning) and how many bits each part
+gets. Both are measured on the user's calibration text with the same loss, the KL divergence
+of the output distribution from the float model's (mean over the calibration tokens; each
+calibration file contributes the same number of tokens, so domains weigh equally):
+
+1. KL of every group (a layer's routed experts, a layer's dense part, embeddings, lm_head)
+   quantized alone at 1, 2, 3, 4, 6 and 8 bits (the rest float), rounded as the build will
+   round them (`--rounding`: GPTQ by default, which changes the low-bit picture a lot); a group
+   in layer i is run from the cached input of layer i, so late groups cost less.
+2. For each candidate expert count K (the same K in every layer: the config has one
+   `num_experts`, and mlx-lm needs it), the K best experts per layer by the calibration
+   statistics (REAP-sum, as `--prune-to`); the bytes freed go to bits: a greedy allocation
+   upgrades the module with the best measured KL drop per extra byte (a module gets its group's
+   KL in proportion to its share of the group's weights) until no upgrade fits the budget.
+3. Each K's complete build (pruned and quantized in memory) is measured once more, as a whole:
+   the K with the lowest measured KL wins. Additivity is only assumed inside one K.
+
+Sizes are exact: the bytes of every tensor the writer will store (packed weights, scales and
+biases in the output's float dtype, the float tensors), so the build never exceeds the budget;
+upgrades continue (least harmful first) until nothing fits, so it lands within a module's
+smallest step of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from pocket_mlx.convert.prune import ExpertStats, select_experts
+from pocket_mlx.convert.recipes import DEFAULT_GROUP, Recipe, Spec, glob_rule
+from pocket_mlx.errors import PocketError
+from pocket_mlx.progress import progress as progress_bar
+from pocket_mlx.units import size as fmt_size
+
+BUDGET_BITS = (1, 2, 3, 4, 6, 8)
+ROUTER_SPEC = Spec(8)  # routers and shared-expert gates: tiny, and quality collapses below 8
+PRUNE_FRACTIONS = (1.0, 0.875, 0.75, 0.625, 0.5)  # below half, quality falls off (measured)
+
+
+def is_router(path: str) -> bool:
+    return path.endswith(("mlp.gate", "shared_expert_gate"))
+
+
+def spec_bytes(shape: tuple[int, ...], spec: Spec | None, float_bytes: int) -> int:
+    """Bytes the writer stores for one matrix (or stack of expert matrices) of `shape`:
+    float, or MLX affine (uint32 words of packed rows, a scale and a bias per group)."""
+    rows, k = math.prod(shape[:-1]), shape[-1]
+    if spec is None:
+        return rows * k * float_bytes
+    return rows * (k * spec.bits // 32) * 4 + 2 * rows * (k // spec.group_size) * float_bytes
+
+
+@dataclass
+class Sizer:
+    """The exact weight bytes of a build: module shapes of the unpruned float model, the float
+    dtype each module is written in, and the bytes of everything outside quantizable modules
+    (norms, conv, A_log, dt_bias), which neither pruning nor the recipe changes."""
+
+    shapes: dict[str, tuple[int, ...]]
+    float_bytes: dict[str, int]
+    other: int
+    num_experts: int
+
+    def shape(self, path: str, k: int) -> tuple[int, ...]:
+        s = self.shapes[path]
+        if ".switch_mlp." in path or path.endswith("mlp.gate"):
+            return (k, *s[1:])  # experts stacked on axis 0; router rows
+        return s
+
+    def module(self, path: str, spec: Spec | None, k: int) -> int:
+        return spec_bytes(self.shape(path, k), spec, self.float_bytes[path])
+
+    def total(self, specs: dict[str, Spec | None], k: int) -> int:
+        return self.other + sum(self.module(p, s, k) for p, s in specs.items())
+
+
+def _groups(paths: list[str]) -> dict[str, list[str]]:
+    """Measurement groups: per layer its routed experts and its dense rest (attention or linear
+    attention plus shared expert); embeddings; lm_head. Few groups keep the measuring cheap."""
+    groups: dict[str, list[str]] = {}
+    for path in paths:
+        parts = path.split(".")
+        if "layers" in parts:
+            i = parts[parts.index("layers") + 1]
+            key = f"layers.{i}.{'experts' if '.switch_mlp.' in path else 'dense'}"
+        else:
+            key = parts[-1]
+        groups.setdefault(key, []).append(path)
+    return groups
+
+
+class _Measure:
+    """KL of the model's output distribution from its float baseline on calibration windows,
+    with each layer's input cached so a change in layer i is run from layer i on."""
+
+    def __init__(self, model, chunks: list[list[int]]):
+        self.model = model
+        self.lm = model.language_model
+        self.layers = self.lm.model.layers
+        self.xs = [mx.array(c, mx.int32)[None] for c in chunks]
+        self.inputs: list[list[mx.array]] = []  # [layer][chunk], plus the last layer's output
+        self.base: list[mx.array] = []
+        for x in self.xs:
+            h = self.lm.model.embed_tokens(x)
+            row = [h]
+            for layer in self.layers:
+                h = layer(h)
+                mx.eval(h)
+                row.append(h)
+            self.inputs.append(row)
+            self.base.append(self._logp(h))
+
+    def _logp(self, h: mx.array) -> mx.array:
+        h = self.lm.model.norm(h)
+        lg = (self.lm.model.embed_tokens.as_linear(h) if self.lm.args.tie_word_embeddings
+              else self.lm.lm_head(h)).astype(mx.float32)
+        out = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+        mx.eval(out)
+        return out
+
+    def kl(self, start: int = 0) -> float:
+        """Mean KL(base || current) over all tokens, running the layers from `start` (0: from
+        the embeddings; len(layers): only the final norm and lm_head)."""
+        total, n = 0.0, 0
+        for j, x in enumerate(self.xs):
+            h = self.lm.model.embed_tokens(x) if start == 0 else self.inputs[j][start]
+            for layer in self.layers[start:]:
+                h = layer(h)
+            logp = self._logp(h)
+            p = self.base[j]
+            total += float((mx.exp(p) * (p - logp)).sum(-1).sum().item())
+            n += p.shape[1]
+        return total / n
+
+
+def _start_layer(group: str, num_layers: int) -> int:
+    if group.startswith("layers."):
+        return int(group.split(".")[1])
+    return num_layers if group == "lm_head" else 0
+
+
+# (module path, float weight, spec, kept expert ids of its layer or None) -> (weight, scales,
+# biases), or None for MLX's round-to-nearest: how the build will round (convert --rounding).
+Quantizer = Callable[[str, mx.array, Spec, "list[int] | None"],
+                     "tuple[mx.array, mx.array, mx.array] | None"]
+
+
+def _layer_of(path: str) -> int | None:
+    parts = path.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else None
+
+
+class _Editor:
+    """Prunes and quantizes the in-memory float model, and puts it back as it was."""
+
+    def __init__(self, model, quantizer: Quantizer | None = None):
+        self.model = model
+        self.modules = dict(model.named_modules())
+        self.quantizer = quantizer
+        self.kept: list[list[int]] | None = None
+        self.saved: list[tuple[str, nn.Module]] = []
+        self.pruned: list[tuple[nn.Module, str, mx.array]] = []
+
+    def prune(self, kept: list[list[int]]) -> None:
+        self.kept = kept
+        for layer, ids in zip(self.model.language_model.model.layers, kept):
+            idx = mx.array(ids, mx.int32)
+            mlp = layer.mlp
+            for m in (mlp.gate, mlp.switch_mlp.gate_proj, mlp.switch_mlp.up_proj,
+                      mlp.switch_mlp.down_proj):
+                self.pruned.append((m, "weight", m.weight))
+                m.weight = m.weight[idx]
+
+    def quantize(self, specs: dict[str, Spec | None]) -> None:
+        new = []
+        for p, spec in specs.items():
+            if spec is None:
+                continue
+            m = self.modules[p]
+            self.saved.append((p, m))
+            q = m.to_quantized(group_size=spec.group_size, bits=spec.bits)
+            layer = _layer_of(p)
+            kept = self.kept[layer] if self.kept is not None and layer is not None else None
+            got = self.quantizer(p, m.weight, spec, kept) if self.quantizer else None
+            if got is not None:
+                q.weight, q.scales, q.biases = got
+            new.append((p, q))
+        if new:
+            self.model.update_modules(tree_unflatten(new))
+
+    def restore(self) -> None:
+        if self.saved:
+            self.model.update_modules(tree_unflatten(self.saved))
+        for m, name, w in reversed(self.pruned):
+            setattr(m, name, w)
+        self.saved, self.pruned, self.kept = [], [], None
+
+
+def _candidates(num_experts: int, top_k: int) -> list[int]:
+    ks = {max(top_k, round(num_experts * f)) for f in PRUNE_FRACTIONS}
+    return sorted((k for k in ks if top_k <= k <= num_experts), reverse=True)
+
+
+def _allocate(units: list[str], share: dict[str, float], group_of: dict[str, str],
+              kl: dict[tuple[str, int], float], sizer: Sizer, k: int,
+              fixed: dict[str, Spec], target: int) -> tuple[dict[str, Spec], int]:
+    """Greedy: every unit at the lowest width, then the upgrade (to any higher width) with the
+    best estimated KL drop per byte, while it fits; then, to land close to the budget, the
+    least harmful upgrades that still fit."""
+    bits = {u: BUDGET_BITS[0] for u in units}
+    cost = {(u, b): sizer.module(u, Spec(b), k) for u in units for b in BUDGET_BITS}
+    spent = sizer.total({**fixed, **{u: Spec(b) for u, b in bits.items()}}, k)
+
+    def est(u: str, b: int) -> float:
+        return share[u] * kl[(group_of[u], b)]
+
+    for positive_only in (True, False):
+        while True:
+            best = None
+            for u in units:
+                b0 = bits[u]
+                for b in BUDGET_BITS:
+                    if b <= b0:
+                        continue
+                    extra = cost[(u, b)] - cost[(u, b0)]
+                    if spent + extra > target:
+                        break  # wider is dearer still
+                    gain = est(u, b0) - est(u, b)
+                    if positive_only and gain <= 0:
+                        continue
+                    key = gain / extra if positive_only else gain
+                    if best is None or key > best[0]:
+                        best = (key, u, b, extra)
+            if best is None:
+                break
+            _, u, b, extra = best
+            bits[u] = b
+            spent += extra
+    return {u: Spec(b) for u, b in bits.items()}, spent
+
+
+def check_target(sizer: Sizer, target: int, top_k: int) -> dict[int, int]:
+    """The smallest build per candidate expert count; a PocketError when `target` is outside
+    what the search can build (checked before any slow step)."""
+    fixed = {p: ROUTER_SPEC for p in sizer.shapes if is_router(p)}
+    units = [p for p in sizer.shapes if not is_router(p)]
+    for p in units:
+        if sizer.shapes[p][-1] % DEFAULT_GROUP:
+            raise PocketError(f"{p}: input dim {sizer.shapes[p][-1]} is not a multiple of "
+                              f"{DEFAULT_GROUP}; --target-size cannot quantize this model")
+    lowest = {k: sizer.total({**fixed, **{u: Spec(BUDGET_BITS[0]) for u in units}}, k)
+              for k in _candidates(sizer.num_experts, top_k)}
+    highest = sizer.total({**fixed, **{u: Spec(BUDGET_BITS[-1]) for u in units}},
+                          sizer.num_experts)
+    least = min(lowest.values())
+    if target < least:
+        raise PocketError(f"--target-size {target:,} bytes is below the smallest build of this "
+                          f"model ({least:,} bytes, {fmt_size(least)}: {min(lowest)} experts per "
+                          "layer, everything 1-bit but the routers)")
+    if target > highest:
+        raise PocketError(f"--target-size {target:,} bytes is above the largest build of this "
+                          f"search ({highest:,} bytes, {fmt_size(highest)}: every part 8-bit); "
+                          "use --recipe uniform-8 or bf16")
+    return lowest
+
+
+def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, sizer: Sizer,
+                  target: int, criterion: str = "reap-sum", seed: int = 0,
+                  progress: bool = True, log: Callable[[str], None] = print,
+                  quantizer: Quantizer | None = None) -> tuple[Recipe, int | None, dict]:
+    """(recipe, experts to keep per layer or None for all, report) for a build of at most
+    `target` weight bytes; `model` is the float model, fully loaded (small models only)."""
+    args = model.args
+    E, top_k, L = args.num_experts, args.num_experts_per_tok, args.num_hidden_layers
+    paths = [p for p, m in model.named_modules() if hasattr(m, "to_quantized")]
+    fixed = {p: ROUTER_SPEC for p in paths if is_router(p)}
+    units = [p for p in paths if not is_router(p)]
+    lowest = check_target(sizer, target, top_k)
+    feasible = [k for k, b in lowest.items() if b <= target]
+    groups = _groups(units)
+    group_of = {u: g for g, us in groups.items() for u in us}
+    gsize = {g: sum(math.prod(sizer.shapes[u]) for u in us) for g, us in groups.items()}
+    share = {u: math.prod(sizer.shapes[u]) / gsize[group_of[u]] for u in units}
+
+    meas = _Measure(model, chunks)
+    edit = _Editor(model, quantizer)
+    kl: dict[tuple[str, int], float] = {}
+    todo = [(g, b) for g in groups for b in BUDGET_BITS]
+    for g, b in progress_bar(todo, desc="measure", unit="group", enabled=progress):
+        edit.quantize({p: Spec(b) for p in groups[g]})
+        kl[(g, b)] = meas.kl(_start_layer(g, L))
+        edit.restore()
+    tried = []
+    for k in progress_bar(feasible, desc="search", unit="K", enabled=progress):
+        kept = select_experts(stats, k, criterion, L, E, seed) if k < E else None
+        specs, spent = _allocate(units, share, group_of, kl, sizer, k, fixed, target)
+        if kept is not None:
+            edit.prune(kept)
+        prune_kl = meas.kl() if kept is not None else 0.0
+        edit.quantize({**fixed, **specs})
+        real = meas.kl()
+        edit.restore()
+        est = prune_kl + sum(share[u] * kl[(group_of[u], s.bits)] for u, s in specs.items())
+        tried.append({"experts": k, "bytes": spent, "kl_pruning": round(prune_kl, 5),
+                      "kl_estimate": round(est, 5), "kl_measured": round(real, 5),
+                      "specs": specs, "kept": kept})
+    best = min(tried, key=lambda t: t["kl_measured"])
+    log(f"target {target:,} bytes: " + "; ".join(
+        f"{t['experts']} experts KL {t['kl_measured']:.4f}" for t in tried)
+        + f" -> {best['experts']} experts")
+    rules = [glob_rule(p, s) for p, s in fixed.items()]
+    rules += [glob_rule(p, s) for p, s in best["specs"].items()]
+    recipe = Recipe(f"auto-{target}B", rules, default=Spec(4))
+    report = {
+        "target_bytes": target,
+        "bytes": best["bytes"],
+        "experts": best["experts"],
+        "tokens": sum(len(c) for c in chunks),
+        "candidates": [{k: v for k, v in t.items() if k not in ("specs", "kept")}
+                       for t in tried],
+        "groups": {g: {"bits": sorted({best["specs"][u].bits for u in us}),
+                       "kl": {b: round(kl[(g, b)], 5) for b in BUDGET_BITS}}
+                   for g, us in groups.items()},
+    }
+    return recipe, (best["experts"] if best["experts"] < E else None), report

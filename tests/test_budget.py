@@ -1,0 +1,140 @@
+"""`convert --recipe auto --target-size`: sizes, the budget kept, 1-bit builds in pocket and mlx-lm."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import ROOT
+
+from pocket_mlx.cli.main import main
+from pocket_mlx.config import weights_bytes
+from pocket_mlx.convert.budget import spec_bytes
+from pocket_mlx.convert.recipes import Spec, load_recipe
+from pocket_mlx.engine.loader import load_model
+from pocket_mlx.kernels import ops
+from pocket_mlx.units import parse_size
+
+CALIB = [str(ROOT / "assets" / "text" / f"{d}.calib.txt") for d in ("en", "code")]
+PROMPT = mx.array([[5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 1, 2]])
+
+pytestmark = pytest.mark.usefixtures("exact_kernels")
+
+
+def logits(model) -> np.ndarray:
+    return np.array(model(PROMPT).astype(mx.float32))
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("800MB") == 800 * 10**6
+    assert parse_size("5GiB") == 5 << 30 and parse_size("1.5 kb") == 1500
+    assert parse_size("8400000") == 8400000 and parse_size("2MiB") == 2 << 20
+    for bad in ("0", "-5MB", "abc", "5XB", "", "MB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8])
+def test_spec_bytes_match_mlx_quantize(bits):
+    w = mx.zeros((3, 16, 128), mx.bfloat16)
+    q, s, b = mx.quantize(w, 64, bits)
+    assert spec_bytes(w.shape, Spec(bits), 2) == q.nbytes + s.nbytes + b.nbytes
+    assert spec_bytes(w.shape, None, 2) == w.nbytes
+
+
+def test_one_bit_recipe_loads_in_pocket_and_mlx_lm(tmp_path, make_ckpt):
+    """1-bit experts run through stock MLX (our kernels fall back for widths they lack) and
+    load unchanged in mlx-lm."""
+    from mlx_lm.utils import load_model as lm_load
+
+    src = make_ckpt("src", layout="fused")
+    out = tmp_path / "one"
+    assert main(["convert", str(src), str(out), "--recipe", "pocket-1bit"]) == 0
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    assert q["language_model.model.layers.0.mlp.switch_mlp.up_proj"]["bits"] == 1
+    ours, theirs = load_model(out), lm_load(out)[0]
+    a, b = logits(ours), logits(theirs)
+    assert np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()))
+    ref = load_model(src)
+    nn.quantize(ref, class_predicate=lambda p, m: hasattr(m, "to_quantized") and q.get(p, False))
+    np.testing.assert_allclose(a, logits(ref), atol=1e-5, rtol=1e-5)
+    # Decode-sized inputs go through the fused MoE path when the extension has it: with 1-bit
+    # experts it must hand over to MLX and give the same numbers.
+    one = PROMPT[:, :1]
+    np.testing.assert_allclose(np.array(ours(one)), np.array(ref(one)), atol=1e-5, rtol=1e-5)
+    # Our dispatch on 1-bit weights: the extension when it takes the width (EXACT mode here),
+    # else MLX; the same numbers either way.
+    w = mx.random.normal((64, 128), key=mx.random.key(1))
+    qw, qs, qb = mx.quantize(w, 64, 1)
+    x = mx.random.normal((3, 128), key=mx.random.key(2))
+    for got in (ops.quantized_matmul(x, qw, qs, qb, group_size=64, bits=1),
+                ops.gather_qmm(x[:, None, None], qw[None], qs[None], qb[None],
+                               mx.zeros((3, 1), mx.uint32), group_size=64, bits=1)[:, 0, 0]):
+        np.testing.assert_allclose(
+            np.array(got), np.array(mx.quantized_matmul(x, qw, qs, qb, group_size=64, bits=1)),
+            rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fraction", [0.4, 0.15])
+def test_target_size_meets_the_budget_exactly(tmp_path, make_ckpt, fraction):
+    src = make_ckpt("src", vocab_size=8192)
+    full = weights_bytes(src) // 2  # float32 source, written as bfloat16
+    target = int(full * fraction)
+    out = tmp_path / "b"
+    assert main(["convert", str(src), str(out), "--recipe", "auto", "--target-size",
+                 str(target), "--calib", CALIB[0], "--calib", CALIB[1],
+                 "--calib-tokens", "96", "--dtype", "bfloat16",
+                 # one build with each rounding: rtn is the fast one
+                 "--rounding", "rtn" if fraction == 0.4 else "gptq"]) == 0
+    got = weights_bytes(out)
+    info = json.loads((out / "pocket.json").read_text())
+    assert info["rounding"] == ("rtn" if fraction == 0.4 else {"method": "gptq", "max_bits": 3})
+    assert got == info["auto"]["bytes"]  # the search's accounting is the written size
+    assert 0.98 * target <= got <= target, (got, target)
+    assert info["bits"]["router"] == [8]
+    used = {b for v in info["bits"].values() for b in v}
+    assert used <= {1, 2, 3, 4, 6, 8}
+    cands = info["auto"]["candidates"]
+    assert cands and all(c["bytes"] <= target for c in cands)
+    assert info["auto"]["experts"] == min(cands, key=lambda c: c["kl_measured"])["experts"]
+    if info["auto"]["experts"] < 8:
+        assert info["num_experts"] == info["auto"]["experts"] and info["kept_experts"]
+    if fraction == 0.15:  # 2.4 bits per weight: 1-bit parts or pruning needed
+        assert 1 in used or info["num_experts"] < 8
+    assert np.isfinite(logits(load_model(out))).all()
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "pocket_mlx", "convert", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=180)
+
+
+def test_bad_target_sizes_are_one_line_errors(tmp_path, make_ckpt):
+    src = str(make_ckpt("src", vocab_size=8192))
+    out = str(tmp_path / "o")
+    base = ("--recipe", "auto", "--calib", CALIB[0], "--calib-tokens", "64")
+    for extra, msg in (
+        (("--target-size", "0"), "must be positive"),
+        (("--target-size=-3MB",), "is not a size"),
+        (("--target-size", "lots"), "is not a size"),
+        (("--target-size", "10KB"), "below the smallest build"),
+        (("--target-size", "1GB"), "above the largest build"),
+        (("--target-size", "1MB", "--target-bpw", "3"), "not both"),
+        (("--target-size", "1MB", "--prune-to", "4"), "leave out --prune-to"),
+    ):
+        p = cli(src, out, *base, *extra)
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert msg in p.stderr, p.stderr
+    p = cli(src, out, "--target-size", "1MB")
+    assert p.returncode == 2 and "goes with --recipe auto" in p.stderr
+    quantized = tmp_path / "q"
+    assert main(["convert", src, str(quantized), "--recipe", "uniform-4"]) == 0
+    p = cli(str(quantized), out, *base, "--target-size", "1MB")
+    assert p.returncode == 2 and "needs a float source" in p.stderr
+    assert load_recipe("uniform-1").default == Spec(1)
