@@ -18,6 +18,11 @@ Prompt cache: engine/prompt_cache.py's store (built once the model is loaded, fr
 `PromptCache` protocol below; tests plug in their own). `fetch` gives the longest cached
 prefix of a prompt, `store` keeps the cache after a reply; `cached_tokens` in the usage is
 what `fetch` returned. `NoPromptCache` when it is off.
+
+Distributed (`serve --distributed`, engine/distributed.py): `distributed` is rank 0's
+`Lockstep`; loading takes this rank's share, each reply runs on every rank at once (from this
+thread, which owns the generation stream), and stopping tells the other ranks to end. No
+prompt cache then (each reply starts from a fresh cache on every rank).
 """
 
 from __future__ import annotations
@@ -129,7 +134,7 @@ class Engine:
     def __init__(self, model: str | None = None, device: str | None = None, *,
                  max_concurrency: int = 1, max_queue: int = 8, default_max_tokens: int = 512,
                  prompt_cache: PromptCache | None = None, prompt_cache_mb: int = 0,
-                 prompt_cache_dir: Path | None = None, log=None) -> None:
+                 prompt_cache_dir: Path | None = None, log=None, distributed=None) -> None:
         if max_concurrency != 1:
             raise PocketError(f"--max-concurrency {max_concurrency}: this version generates "
                               "one request at a time (batched decode is not built yet); use 1, "
@@ -144,6 +149,9 @@ class Engine:
         # Without a store given, one is built once the model is loaded (it fingerprints it):
         # RAM up to prompt_cache_mb, spilled to and restored from prompt_cache_dir.
         self._store_args = (prompt_cache_mb, prompt_cache_dir) if prompt_cache is None else None
+        self.dist = distributed  # rank 0's distributed.Lockstep, or None
+        if distributed is not None:
+            self.prompt_cache, self._store_args = NoPromptCache(), None
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -192,7 +200,10 @@ class Engine:
         try:
             # The loader resolves the device and creates this thread's stream on first use.
             path = resolve_model_path(self.model_ref)
-            self.model, self.tokenizer = load(str(path), device=self.device_name, fuse=True)
+            self.model, self.tokenizer = load(str(path), device=self.device_name, fuse=True,
+                                              shard=self.dist.shard if self.dist else None)
+            if self.dist is not None:
+                self.dist.ready(self.model)
             self.model_id = Path(path).name
             self.context = context_limit(self.model)
             self.device = self.model.device
@@ -214,6 +225,11 @@ class Engine:
             flush = getattr(self.prompt_cache, "flush", None)
             if flush is not None:
                 flush()
+            if self.dist is not None:
+                try:
+                    self.dist.finish(self.model)  # the other ranks end too
+                except PocketError as e:  # a rank already gone: nothing left to tell
+                    self.log(f"pocket-mlx serve: {e}")
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -308,10 +324,11 @@ class Engine:
         job.emit(Started(len(ids), n_cached))
         sampling = SamplingParams(**req.sampling)
         last, t_token = None, None
-        for r in stream_generate(self.model, self.tokenizer, ids[n_cached:], cache=cache,
-                                 max_tokens=req.max_tokens or self.default_max_tokens,
-                                 sampling=sampling, stop=req.stop, device=self.device,
-                                 should_stop=job.cancelled.is_set, warn=self.log):
+        generate = self.dist.stream_generate if self.dist is not None else stream_generate
+        for r in generate(self.model, self.tokenizer, ids[n_cached:], cache=cache,
+                          max_tokens=req.max_tokens or self.default_max_tokens,
+                          sampling=sampling, stop=req.stop, device=self.device,
+                          should_stop=job.cancelled.is_set, warn=self.log):
             if r.token is not None:
                 now = time.perf_counter()
                 if t_token is None:
