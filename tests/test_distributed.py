@@ -340,3 +340,11 @@ def test_serve_distributed_refuses_batching():
                        cwd=ROOT, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "lockstep; use 1" in r.stderr
+
+
+def test_chat_distributed_is_refused_in_one_line():
+    """mlx.launch gives rank 0 pipes, not a terminal, so the chat app cannot run there."""
+    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "chat", "--distributed", "pipeline"],
+                       capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "serve --distributed pipeline" in r.stderr

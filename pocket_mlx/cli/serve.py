@@ -236,6 +236,9 @@ def follow(args: argparse.Namespace, lockstep) -> int:
     lockstep.ready(model)
     print(f"pocket-mlx serve: rank {g.rank} of {g.size} ({args.distributed}) follows rank 0",
           file=sys.stderr, flush=True)
-    lockstep.follow(model, tokenizer)
+    try:
+        lockstep.follow(model, tokenizer)
+    except KeyboardInterrupt:  # Ctrl-C under mlx.launch reaches every rank: stop quietly
+        pass
     print(f"pocket-mlx serve: rank {g.rank} stopped", file=sys.stderr, flush=True)
     return 0

@@ -54,6 +54,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -473,7 +474,12 @@ def rank_report(model, g: Group) -> dict:
     }
 
 
-_STOP, _GENERATE = 0, 1
+_STOP, _GENERATE, _IDLE = 0, 1, 2
+# Commands go out only on a beat of this period: a rank waiting in MLX's ring receive spins
+# (measured here: an idle follower took ~1.6 cores), so between commands every rank sleeps
+# until the next beat and arrives at the collective when the others do. An idle rank 0 sends
+# IDLE on each beat; a request waits at most one beat to start.
+BEAT_S = 0.1
 
 
 class Lockstep:
@@ -488,6 +494,25 @@ class Lockstep:
 
     def __init__(self, g: Group) -> None:
         self.g = g
+        self._last = time.monotonic()  # when the ranks last met
+
+    def until_beat(self) -> float:
+        """Seconds to the next beat (rank 0's engine waits for a request this long, then
+        calls `idle`)."""
+        return max(0.0, self._last + BEAT_S - time.monotonic())
+
+    def _pace(self) -> None:
+        time.sleep(self.until_beat())
+
+    def idle(self, model) -> None:
+        """Rank 0 has no request this beat: tell the others so (they sleep to the next one).
+        A rank gone ends the server here, with one line: it cannot answer without it."""
+        try:
+            self._command(devices.stream_for(model.device), _IDLE)
+        except PocketError as e:
+            sys.stderr.write(f"pocket-mlx serve: error: {e}\n")
+            sys.stderr.flush()
+            os._exit(2)
 
     def shard(self, model: nn.Module) -> None:
         """The loader hook: keep this rank's share (see `shard_for`)."""
@@ -514,6 +539,7 @@ class Lockstep:
         ids], then the spec as UTF-8 JSON bytes (stop strings are text of any length; JSON
         floats round-trip exactly) followed by the ids, in one int32 array. The other ranks
         contribute zeros."""
+        self._pace()
         lead = self.g.rank == 0
         blob = json.dumps(spec or {}).encode() if lead else b""
         ids = list(ids or []) if lead else []
@@ -522,6 +548,7 @@ class Lockstep:
         kind, nb, ni = head
         body = (mx.array([*blob, *ids], mx.int32) if lead else mx.zeros((nb + ni,), mx.int32))
         got = self._collective(body, stream).tolist() if nb + ni else []
+        self._last = time.monotonic()
         return kind, json.loads(bytes(got[:nb]).decode() or "{}"), got[nb:]
 
     def _agree(self, stream: mx.Stream, stop_here: bool) -> bool:
@@ -548,6 +575,7 @@ class Lockstep:
             raise lost(self.g.rank, e) from None
         finally:
             self.g.watchdog.disarm()
+            self._last = time.monotonic()
 
     # ---- rank 0 ----------------------------------------------------------------------------
     def stream_generate(self, model, tokenizer, ids: list[int], *, max_tokens: int,
@@ -573,13 +601,18 @@ class Lockstep:
 
     # ---- the other ranks -------------------------------------------------------------------
     def follow(self, model, tokenizer) -> None:
-        """Run rank 0's replies until it says stop. Waiting for a command has no deadline
-        (a server idles); a rank 0 that dies ends the wait with `lost`."""
+        """Run rank 0's replies until it says stop. Rank 0 sends a command every beat, so a
+        rank 0 silent for --distributed-timeout is an error, as one that dies is (`lost`)."""
         stream = devices.stream_for(model.device)
         while True:
+            self.g.watchdog.arm(self.g.timeout, f"rank 0 sent nothing for {self.g.timeout:g} "
+                                                "s (--distributed-timeout)")
             kind, spec, ids = self._command(stream)
+            self.g.watchdog.disarm()
             if kind == _STOP:
                 return
+            if kind == _IDLE:
+                continue
             try:
                 for _ in self._run(model, tokenizer, ids, spec, stream, None, None):
                     pass

@@ -232,7 +232,7 @@ class Engine:
                     self.log(f"pocket-mlx serve: {e}")
 
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while (job := self._take()) is not None:
             with self._lock:
                 if job.state == "dropped":
                     continue
@@ -259,6 +259,17 @@ class Engine:
                 self._running -= 1
                 self._admitted -= 1
             job.emit(final)
+
+    def _take(self) -> Job | None:
+        """The next job (None: stop). Distributed: wait at most to the ranks' next beat, and
+        tell them when there is nothing (see distributed.BEAT_S)."""
+        if self.dist is None:
+            return self._jobs.get()
+        while True:
+            try:
+                return self._jobs.get(timeout=self.dist.until_beat())
+            except queue.Empty:
+                self.dist.idle(self.model)
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, request: GenRequest) -> list[int]:
