@@ -348,3 +348,24 @@ def test_chat_distributed_is_refused_in_one_line():
                        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "serve --distributed pipeline" in r.stderr
+
+
+def test_serve_distributed_follower_that_dies_ends_rank_0_in_one_line(tmp_path):
+    """Rank 0 cannot answer without its followers: it exits 2 with one line of its own."""
+    hosts = _hostfile(tmp_path)
+    port = _free_ports(1)
+    cmd = [sys.executable, "-m", "pocket_mlx", "serve", "--device", "cpu", "--port", str(port),
+           "--distributed", "pipeline", "--distributed-timeout", "60"]
+    procs = [_rank(0, hosts, cmd), _rank(1, hosts, cmd)]
+    try:
+        _wait_healthy(port, procs)
+        procs[1].kill()
+        _, err = procs[0].communicate(timeout=60)
+        assert procs[0].returncode == 2
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("pocket-mlx serve: error: rank 0: lost the connection"), err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
