@@ -253,3 +253,119 @@ def test_moe_parts_summed_over_ranks_are_the_block_bit_for_bit(kernels_ext):
                          for w, s, b, bits, gs in mats[-3:]]
     assert ops.moe_block_parts(x, last2, mlp.top_k, True, E - 2, True) is not None
     assert ops.moe_block_parts(x, last2, mlp.top_k, True, E - 1, True) is None  # past the router
+
+
+def _http(port: int, path: str, body: dict | None = None, timeout: float = 120) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def _wait_healthy(port: int, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                pytest.fail(f"a rank exited ({p.returncode}): {p.stderr.read()}")
+        if _http(port, "/health", timeout=5)[0] == 200:
+            return
+        time.sleep(0.5)
+    pytest.fail("the server did not come up")
+
+
+def _cancel_a_stream(port: int) -> None:
+    """Ask for a long streamed reply, read its first event, hang up."""
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    c.request("POST", "/v1/completions", json.dumps(
+        {"prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "stream": True}),
+        {"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    assert r.read(5) == b"data:"
+    c.close()
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "experts"])
+def test_serve_distributed_answers_as_one_process_and_stops_every_rank(mode, tmp_path):
+    """`serve --distributed MODE` on 2 ring ranks: rank 0 serves HTTP, rank 1 follows; a real
+    request's greedy text equals one-process `generate`; a client that hangs up mid-reply
+    cancels it on both ranks (the next reply is still right); SIGTERM to rank 0 ends both
+    ranks with exit code 0."""
+    import signal
+
+    one = _generate(None, None, raw=True)
+    hosts = _hostfile(tmp_path)
+    port = _free_ports(1)
+    cmd = [sys.executable, "-m", "pocket_mlx", "serve", "--device", "cpu", "--port", str(port),
+           "--distributed", mode, "--distributed-timeout", "60"]
+    procs = [_rank(0, hosts, cmd), _rank(1, hosts, cmd)]
+    try:
+        _wait_healthy(port, procs)
+        body = {"prompt": PROMPT, "max_tokens": int(TOKENS), "temperature": 0}
+        status, text = _http(port, "/v1/completions", body)
+        assert status == 200, text
+        assert json.loads(text)["choices"][0]["text"] == one["text"]
+        if mode == "experts":
+            _cancel_a_stream(port)
+            status, text = _http(port, "/v1/completions", body)
+            assert status == 200 and json.loads(text)["choices"][0]["text"] == one["text"]
+            status, metrics = _http(port, "/metrics")
+            assert "pocket_mlx_cancelled_total 1" in metrics, metrics
+        procs[0].send_signal(signal.SIGTERM)
+        errs = [p.communicate(timeout=60)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], errs
+        assert "rank 1 stopped" in errs[1]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def test_serve_distributed_refuses_batching():
+    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "serve", "--distributed", "experts",
+                        "--max-concurrency", "2"], capture_output=True, text=True, env=_env(),
+                       cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "lockstep; use 1" in r.stderr
+
+
+def test_chat_distributed_is_refused_in_one_line():
+    """mlx.launch gives rank 0 pipes, not a terminal, so the chat app cannot run there."""
+    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "chat", "--distributed", "pipeline"],
+                       capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "serve --distributed pipeline" in r.stderr
+
+
+def test_serve_distributed_follower_that_dies_ends_rank_0_in_one_line(tmp_path):
+    """Rank 0 cannot answer without its followers: it exits 2 with one line of its own."""
+    hosts = _hostfile(tmp_path)
+    port = _free_ports(1)
+    cmd = [sys.executable, "-m", "pocket_mlx", "serve", "--device", "cpu", "--port", str(port),
+           "--distributed", "pipeline", "--distributed-timeout", "60"]
+    procs = [_rank(0, hosts, cmd), _rank(1, hosts, cmd)]
+    try:
+        _wait_healthy(port, procs)
+        procs[1].kill()
+        _, err = procs[0].communicate(timeout=60)
+        assert procs[0].returncode == 2
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("pocket-mlx serve: error: rank 0: lost the connection"), err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()

@@ -6,8 +6,9 @@ import argparse
 from typing import TYPE_CHECKING
 
 from pocket_mlx.cli import args as argtypes
-from pocket_mlx.cli.args import add_model_args
+from pocket_mlx.cli.args import add_distributed_args, add_model_args
 from pocket_mlx.engine.params import PROMPT_CACHE_MB
+from pocket_mlx.errors import PocketError
 
 if TYPE_CHECKING:
     from pocket_mlx.tui.app import ChatApp
@@ -35,11 +36,19 @@ def register(sub) -> argparse.ArgumentParser:
                    help="replies' caches kept in RAM and written to the data folder, so a "
                         "resumed conversation continues without prefilling it again; 0 = off "
                         f"(default: {PROMPT_CACHE_MB})")
+    add_distributed_args(p)
     p.set_defaults(func=run)
     return p
 
 
 def run(args) -> int:
+    if args.distributed:
+        # Checked: mlx.launch starts every rank with pipes for stdin/stdout, even from a
+        # terminal, so the Textual app has no terminal on rank 0; and the chat has no plain mode.
+        raise PocketError("chat --distributed is not supported: mlx.launch gives rank 0 no "
+                          "terminal for the chat app; run `serve --distributed "
+                          f"{args.distributed}` under mlx.launch and chat through its HTTP API "
+                          "(docs/DISTRIBUTED.md)")
     app = make_app(args)
     app.run()
     from pocket_mlx.engine.devices import exit_now

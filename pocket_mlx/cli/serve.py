@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from pocket_mlx.cli import args as argtypes
-from pocket_mlx.cli.args import add_model_args
+from pocket_mlx.cli.args import add_distributed_args, add_model_args
 from pocket_mlx.engine.params import PROMPT_CACHE_MB, SERVE_MAX_CONCURRENCY
 from pocket_mlx.errors import PocketError
 
@@ -38,11 +38,11 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $POCKET_MLX_API_KEY, else no key: loopback only)")
-    p.add_argument("--max-concurrency", type=_positive, default=SERVE_MAX_CONCURRENCY,
+    p.add_argument("--max-concurrency", type=_positive, default=None,
                    metavar="N",
                    help="requests generating at once, decoded together in one batch per step "
                         "(continuous batching: they join and leave between steps); 1 runs them "
-                        f"one at a time (default: {SERVE_MAX_CONCURRENCY})")
+                        f"one at a time (default: {SERVE_MAX_CONCURRENCY}; 1 under --distributed)")
     p.add_argument("--max-queue", type=_non_negative, default=8, metavar="N",
                    help="requests waiting for a slot; beyond it: 429 with Retry-After")
     p.add_argument("--max-tokens", type=argtypes.max_tokens, default=DEFAULT_MAX_TOKENS,
@@ -60,6 +60,7 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-dir", type=Path, default=None, metavar="DIR",
                    help="where colder cache entries go and are found again after a restart "
                         "(default: prompt-cache/ in the data folder, shared with the chat)")
+    add_distributed_args(p)
     p.add_argument("--print-launchd", action="store_true",
                    help="print a LaunchAgent plist that runs this server at login (never "
                         "installs it)")
@@ -90,6 +91,14 @@ def check_args(args: argparse.Namespace) -> None:
                           "--host 127.0.0.1")
     if args.api_key is not None and not args.api_key.strip():
         raise PocketError("--api-key is empty; pass a non-empty key")
+    if args.max_concurrency is None:
+        args.max_concurrency = 1 if getattr(args, "distributed", None) else SERVE_MAX_CONCURRENCY
+    elif getattr(args, "distributed", None) and args.max_concurrency != 1:
+        raise PocketError(f"--max-concurrency {args.max_concurrency}: under --distributed the "
+                          "ranks generate one request at a time in lockstep; use 1")
+    if getattr(args, "distributed", None) and args.print_launchd:
+        raise PocketError("--print-launchd and --distributed: start the ranks with mlx.launch "
+                          "(docs/DISTRIBUTED.md), not with launchd")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -172,16 +181,26 @@ def run(args: argparse.Namespace) -> int:
     from pocket_mlx.server.app import create_app
     from pocket_mlx.server.engine import Engine
 
+    lockstep = None
+    if args.distributed:
+        from pocket_mlx.engine import distributed
+
+        g = distributed.init(args.distributed, args.distributed_timeout)
+        lockstep = distributed.Lockstep(g)
+        if g.rank != 0:
+            return follow(args, lockstep)
     sock = bind(args.host, args.port)
     engine = Engine(args.model, args.device, max_concurrency=args.max_concurrency,
                     max_queue=args.max_queue, default_max_tokens=args.max_tokens,
-                    prompt_cache_mb=args.prompt_cache_mb, prompt_cache_dir=args.prompt_cache_dir)
+                    prompt_cache_mb=args.prompt_cache_mb, prompt_cache_dir=args.prompt_cache_dir,
+                    distributed=lockstep)
     engine.start()
     app = create_app(engine, api_key=args.api_key, cors=args.cors,
                      max_body=args.max_body_mb * 2**20)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"pocket-mlx serve: {engine.model_id} on {engine.device}, context {engine.context} "
-          f"tokens; listening on http://{host}:{args.port}/v1 "
+    ranks = f" x{lockstep.g.size} ranks ({args.distributed})" if lockstep else ""
+    print(f"pocket-mlx serve: {engine.model_id} on {engine.device}{ranks}, context "
+          f"{engine.context} tokens; listening on http://{host}:{args.port}/v1 "
           f"({'API key required' if args.api_key else 'no API key'})",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False,
@@ -203,3 +222,26 @@ def run(args: argparse.Namespace) -> int:
     from pocket_mlx.engine.devices import exit_now
 
     exit_now(0)  # MLX ran on the engine thread: skip its teardown (see exit_now)
+
+
+def follow(args: argparse.Namespace, lockstep) -> int:
+    """A rank other than 0 under `serve --distributed`: load this rank's share, then generate
+    in lockstep with rank 0 until it stops (rank 0 alone serves HTTP and logs)."""
+    from pocket_mlx.engine.distributed import LOAD_TIMEOUT_S
+    from pocket_mlx.engine.loader import load, resolve_model_path
+
+    g = lockstep.g
+    g.watchdog.arm(max(LOAD_TIMEOUT_S, g.timeout), "the other ranks did not finish loading "
+                                                    "in time")
+    # As the engine loads on rank 0 (server/engine.py), so every rank builds the same model.
+    model, tokenizer = load(str(resolve_model_path(args.model)), device=args.device, fuse=True,
+                            shard=lockstep.shard)
+    lockstep.ready(model)
+    print(f"pocket-mlx serve: rank {g.rank} of {g.size} ({args.distributed}) follows rank 0",
+          file=sys.stderr, flush=True)
+    try:
+        lockstep.follow(model, tokenizer)
+    except KeyboardInterrupt:  # Ctrl-C under mlx.launch reaches every rank: stop quietly
+        pass
+    print(f"pocket-mlx serve: rank {g.rank} stopped", file=sys.stderr, flush=True)
+    return 0

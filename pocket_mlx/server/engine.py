@@ -30,6 +30,11 @@ Prompt cache: engine/prompt_cache.py's store (built once the model is loaded, fr
 `PromptCache` protocol below; tests plug in their own). `fetch` gives the longest cached
 prefix of a prompt, `store` keeps the cache after a reply; `cached_tokens` in the usage is
 what `fetch` returned. `NoPromptCache` when it is off.
+
+Distributed (`serve --distributed`, engine/distributed.py): `distributed` is rank 0's
+`Lockstep`; loading takes this rank's share, each reply runs on every rank at once (from this
+thread, which owns the generation stream), and stopping tells the other ranks to end. No
+prompt cache then (each reply starts from a fresh cache on every rank).
 """
 
 from __future__ import annotations
@@ -202,9 +207,12 @@ class Engine:
                  max_concurrency: int = SERVE_MAX_CONCURRENCY, max_queue: int = 8,
                  default_max_tokens: int = 512, prompt_cache: PromptCache | None = None,
                  prompt_cache_mb: int = 0, prompt_cache_dir: Path | None = None, log=None,
-                 prefill_step: int = DEFAULT_PREFILL_STEP) -> None:
+                 prefill_step: int = DEFAULT_PREFILL_STEP, distributed=None) -> None:
         if max_concurrency < 1:
             raise PocketError(f"--max-concurrency {max_concurrency}: must be 1 or more")
+        if distributed is not None and max_concurrency != 1:
+            raise PocketError(f"--max-concurrency {max_concurrency}: under --distributed the "
+                              "ranks generate one request at a time in lockstep; use 1")
         if max_queue < 0:
             raise PocketError(f"--max-queue {max_queue}: must be 0 or more")
         self.model_ref, self.device_name = model, device
@@ -217,6 +225,9 @@ class Engine:
         # Without a store given, one is built once the model is loaded (it fingerprints it):
         # RAM up to prompt_cache_mb, spilled to and restored from prompt_cache_dir.
         self._store_args = (prompt_cache_mb, prompt_cache_dir) if prompt_cache is None else None
+        self.dist = distributed  # rank 0's distributed.Lockstep, or None
+        if distributed is not None:
+            self.prompt_cache, self._store_args = NoPromptCache(), None
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -264,7 +275,10 @@ class Engine:
         try:
             # The loader resolves the device and creates this thread's stream on first use.
             path = resolve_model_path(self.model_ref)
-            self.model, self.tokenizer = load(str(path), device=self.device_name, fuse=True)
+            self.model, self.tokenizer = load(str(path), device=self.device_name, fuse=True,
+                                              shard=self.dist.shard if self.dist else None)
+            if self.dist is not None:
+                self.dist.ready(self.model)
             self.model_id = Path(path).name
             self.context = context_limit(self.model)
             self.device = self.model.device
@@ -286,13 +300,21 @@ class Engine:
                 if self.device == "gpu":  # wire the model's memory while serving
                     wired.enter_context(wired_limit(weights.bytes_total, self.device,
                                                     streams=[stream], warn=self.log))
-                self._serve(stream)
+                if self.dist is not None:
+                    self._serve_lockstep()
+                else:
+                    self._serve(stream)
         finally:
             # Entries still only in RAM go to disk (on this thread, which made them), so a
             # restarted server finds them.
             flush = getattr(self.prompt_cache, "flush", None)
             if flush is not None:
                 flush()
+            if self.dist is not None:
+                try:
+                    self.dist.finish(self.model)  # the other ranks end too
+                except PocketError as e:  # a rank already gone: nothing left to tell
+                    self.log(f"pocket-mlx serve: {e}")
 
     # ---- the loop ----------------------------------------------------------------------------
     def _serve(self, stream: mx.Stream) -> None:
@@ -487,6 +509,34 @@ class Engine:
             self._admitted -= 1
         job.emit(final)
 
+    # ---- distributed: one request at a time, the other ranks in lockstep ----------------------
+    def _serve_lockstep(self) -> None:
+        """Under --distributed every forward is collective, so the ranks must run the same
+        requests step for step: one at a time (the batched loop above stays one-process)."""
+        while (job := self._next_job()) is not None:
+            with self._lock:
+                if job.state == "dropped":
+                    continue
+                job.state = "running"
+                self._running += 1
+                self._active.add(job)
+            t0 = time.perf_counter()
+            final: Done | Failed
+            try:
+                final = self._run_lockstep(job)
+            except Exception as e:  # noqa: BLE001 - one request failed, the server goes on
+                final = self._failure(e)
+            self._release(job, final, time.perf_counter() - t0)
+
+    def _next_job(self) -> Job | None:
+        """The next job (None: stop): wait at most to the ranks' next beat, and tell them when
+        there is nothing (see distributed.BEAT_S)."""
+        while True:
+            try:
+                return self._jobs.get(timeout=self.dist.until_beat())
+            except queue.Empty:
+                self.dist.idle(self.model)
+
     # ---- requests --------------------------------------------------------------------------
     def encode(self, request: GenRequest) -> list[int]:
         """The prompt's token ids (chat template for chat, plain text or ids for completions);
@@ -541,6 +591,46 @@ class Engine:
         with self._lock:
             return {"active": self._running, "queued": self._admitted - self._running,
                     "max_concurrency": self.max_concurrency, "max_queue": self.max_queue}
+
+    def _run_lockstep(self, job: Job) -> Done:
+        """Generate `job`'s reply, emitting its pieces; returns the closing event."""
+        ids, req = job.ids, job.request
+        cache, n_cached = self.prompt_cache.fetch(ids)
+        if cache is None or not 0 <= n_cached < len(ids):
+            cache, n_cached = self.model.make_cache(), 0
+        self.metrics.cache_lookup(n_cached)
+        job.emit(Started(len(ids), n_cached))
+        sampling = SamplingParams(**req.sampling)
+        last, t_token = None, None
+        for r in self.dist.stream_generate(
+                self.model, self.tokenizer, ids[n_cached:], cache=cache,
+                max_tokens=req.max_tokens or self.default_max_tokens, sampling=sampling,
+                stop=req.stop, device=self.device, should_stop=job.cancelled.is_set,
+                warn=self.log):
+            if r.token is not None:
+                now = time.perf_counter()
+                if t_token is None:
+                    self.metrics.first_token(r.stats.ttft_s)
+                else:
+                    self.metrics.token(now - t_token)
+                t_token = now
+            if r.text:
+                job.emit(Piece(r.text))
+            last = r
+        stats = last.stats
+        self.metrics.reply(len(ids), stats.generation_tokens, stats.generation_tps,
+                           stats.finish_reason == "cancelled")
+        # fed_tokens is None only when the cache was left part-way (cancelled in prefill); a
+        # reply cancelled while decoding still leaves a cache worth keeping for a retry.
+        if last.fed_tokens is not None:
+            try:
+                self.prompt_cache.store(ids[:n_cached] + last.fed_tokens, cache)
+            except Exception as e:  # noqa: BLE001 - the reply is complete: a cache that
+                # could not be kept costs a later prefill, not this answer
+                self.log(f"pocket-mlx serve: prompt cache: not stored: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())}")
+        return Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached,
+                    stats.stop_string)
 
 
 def _utf8(text: str, where: str) -> str:
