@@ -236,8 +236,9 @@ def test_extensions_top_k_min_p_repetition_penalty(client):
                                               "min_p": 0.05})
     plain = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=20,
                                       temperature=0)
-    assert set(plain.choices[0].text.split()) == {"2"}
-    assert r.choices[0].text != plain.choices[0].text  # the penalty breaks the "2 2 2" loop
+    words = plain.choices[0].text.split()
+    assert words.count("2") >= 0.8 * len(words)  # greedy falls into a "2 2 2" loop
+    assert r.choices[0].text != plain.choices[0].text  # the penalty breaks it
 
 
 def test_top_p_keeps_only_the_likeliest_tokens(client):
@@ -434,8 +435,8 @@ def test_busy_server_answers_429_with_retry_after(server):
     server.wait_idle(within_s=2)
 
 
-# The chat template turns the same prompt into a reply that runs to max_tokens too ("1988, ...").
-LONG_CHAT = {"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 2000,
+# A chat prompt whose greedy reply runs to max_tokens too (a story that does not end).
+LONG_CHAT = {"messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 2000,
              "temperature": 0}
 
 
