@@ -369,3 +369,111 @@ def test_serve_distributed_follower_that_dies_ends_rank_0_in_one_line(tmp_path):
             if p.poll() is None:
                 p.kill()
             p.communicate()
+
+
+# ---- per-rank shards (pocket-mlx shard) ---------------------------------------------------------
+
+BUNDLED = ROOT / "assets" / "pocket-tiny"
+
+
+def _shard(out: Path, ranks: int, mode: str, src: Path = BUNDLED) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pocket_mlx", "shard", str(src), str(out),
+                           "--ranks", str(ranks), "--mode", mode], capture_output=True,
+                          text=True, env=_env(), cwd=ROOT, timeout=120)
+
+
+def _headers(folder: Path) -> dict[str, dict]:
+    """Every tensor's safetensors header entry in a folder's weight files."""
+    from pocket_mlx.config import safetensors_header, weight_files
+
+    out = {}
+    for f in weight_files(folder):
+        out.update({k: v for k, v in safetensors_header(f)[1].items() if k != "__metadata__"})
+    return out
+
+
+@pytest.mark.parametrize("mode", ["experts", "pipeline"])
+def test_per_rank_shards_match_one_process_and_each_rank_reads_only_its_own(mode, tmp_path):
+    """`shard --ranks 2 --mode MODE` of the bundled model, then `generate --distributed MODE`
+    on it: greedy text identical to one process; each rank mapped exactly its own folder's
+    files (reported from the loader), and those hold only its share: experts, half of every
+    layer's experts and every dense tensor; pipeline, its own layers, the two ranks' tensors
+    together being the whole checkpoint's, each once."""
+    from pocket_mlx.config import disk_bytes
+
+    out = tmp_path / "shards"
+    r = _shard(out, 2, mode)
+    assert r.returncode == 0, r.stderr
+    one = _generate(None, None, raw=False)
+    got = _generate(out, mode, raw=False)
+    assert got["text"] == one["text"] and got["generation_tokens"] == one["generation_tokens"]
+    d = got["distributed"]
+    folders = [out / f"rank-{i}-of-2" for i in range(2)]
+    assert d["rank_checkpoint_bytes"] == [disk_bytes(f) for f in folders]
+    assert all(b < disk_bytes(BUNDLED) for b in d["rank_checkpoint_bytes"])
+    whole = _headers(BUNDLED)
+    ranks = [_headers(f) for f in folders]
+    E = 24
+    if mode == "experts":
+        for held in ranks:
+            assert set(held) == set(whole)
+            for k, v in held.items():
+                if ".switch_mlp." in k:
+                    assert v["shape"] == [E // 2, *whole[k]["shape"][1:]], k
+                else:
+                    assert v["shape"] == whole[k]["shape"], k
+        assert d["experts"] == [[0, 12], [12, 24]]
+    else:
+        assert not set(ranks[0]) & set(ranks[1])
+        assert set(ranks[0]) | set(ranks[1]) == set(whole)
+        for held, (lo, hi) in zip(ranks, d["layers"]):
+            layers = {int(k.split(".layers.")[1].split(".")[0]) for k in held if ".layers." in k}
+            assert layers == set(range(lo, hi))
+        assert "language_model.lm_head.weight" in ranks[0]
+        assert "language_model.model.embed_tokens.weight" in ranks[1]
+
+
+def _ranks_run(tmp_path: Path, cmd: list[str]) -> list[tuple[int, str, str]]:
+    hosts = _hostfile(tmp_path)
+    procs = [_rank(0, hosts, cmd), _rank(1, hosts, cmd)]
+    out = []
+    for p in procs:
+        o, e = p.communicate(timeout=120)
+        out.append((p.returncode, o, e))
+    return out
+
+
+@pytest.mark.parametrize("made, run", [((4, "experts"), "experts"), ((2, "experts"), "pipeline")])
+def test_shards_for_another_layout_are_one_line_on_every_rank(made, run, tmp_path):
+    """Shards for 4 ranks run on 2, or for experts run as pipeline: every rank exits 2 with one
+    line naming both layouts (no traceback, no hang)."""
+    out = tmp_path / "shards"
+    assert _shard(out, *made).returncode == 0
+    cmd = [*GEN[:-2], "--distributed", run, "--model", str(out), "--distributed-timeout", "60"]
+    for i, (rc, o, e) in enumerate(_ranks_run(tmp_path, cmd)):
+        assert rc == 2, e
+        assert o == "" and e.count("\n") == 1, e
+        assert (f"rank {i}: {out} holds shards for --distributed experts over {made[0]} ranks, "
+                f"this run is --distributed {run} over 2 ranks") in e
+
+
+def test_shards_outside_distributed_and_bad_shard_requests_are_one_line(tmp_path):
+    """One process given shards (or one rank's folder) is told how to run them; `shard` refuses
+    what cannot work and leaves nothing behind (it writes into a temporary folder renamed at
+    the end)."""
+    out = tmp_path / "shards"
+    assert _shard(out, 2, "experts").returncode == 0
+    for model, says in ((out, "run it under mlx.launch -n 2 with --distributed experts"),
+                        (out / "rank-1-of-2", "is one rank's share")):
+        r = subprocess.run([*GEN[:-2], "--model", str(model)], capture_output=True, text=True,
+                           env=_env(), cwd=ROOT, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+    again = _shard(out, 2, "pipeline")
+    assert again.returncode == 2 and "already exists" in again.stderr
+    assert json.loads((out / "shards.json").read_text())["mode"] == "experts"  # untouched
+    bad = _shard(tmp_path / "bad", 30, "experts")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "needs at least 30 experts" in bad.stderr
+    resharded = _shard(tmp_path / "again", 2, "experts", src=out)
+    assert resharded.returncode == 2 and "already split" in resharded.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards"]

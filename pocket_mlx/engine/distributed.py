@@ -342,8 +342,15 @@ def setup_pipeline(model, g: Group) -> None:
     layers = m.layers
     tail = _nbytes(m.norm) + _nbytes(lm.get("lm_head"))
     head = _nbytes(m.embed_tokens)
-    shares = [row[0] for row in g.gather_floats([float(_ram_bytes())])]
-    ranges = pipeline_ranges([_nbytes(la) for la in layers], head, tail, shares)
+    rank = getattr(model, "rank_shard", None)
+    if rank is not None:  # per-rank shards: the ranges they were written for (rank_shards.py)
+        ranges = [tuple(r) for r in rank["layers_all"]]
+        if len(ranges) != g.size or ranges[-1][0] != 0 or ranges[0][1] != len(layers):
+            raise PocketError(f"rank {g.rank}: the shards' layer ranges {ranges} do not fit "
+                              f"{g.size} ranks and {len(layers)} layers; write them again")
+    else:
+        shares = [row[0] for row in g.gather_floats([float(_ram_bytes())])]
+        ranges = pipeline_ranges([_nbytes(la) for la in layers], head, tail, shares)
     lo, hi = ranges[g.rank]
     dtypes = _layer_input_dtypes(model)
     for i in range(len(layers)):
@@ -416,6 +423,10 @@ def setup_experts(model, g: Group) -> None:
         raise PocketError(f"experts mode over {g.size} ranks needs at least {g.size} experts per "
                           f"layer; the model has {E}")
     lo, hi = split_evenly(E, g.size, g.rank)
+    rank = getattr(model, "rank_shard", None)  # per-rank shards: only [lo, hi) were loaded
+    if rank is not None and list(rank["experts"]) != [lo, hi]:
+        raise PocketError(f"rank {g.rank}: its shard holds experts {rank['experts']}, this run "
+                          f"gives it [{lo}, {hi}); write the shards again")
     for i, layer in enumerate(model.layers):
         mlp = layer.mlp
         for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -423,7 +434,8 @@ def setup_experts(model, g: Group) -> None:
             for name in ("weight", "scales", "biases"):
                 if name in sw:
                     a = sw[name]
-                    sw[name] = mx.concatenate([a[lo:hi], mx.zeros((1, *a.shape[1:]), a.dtype)])
+                    held = a if rank is not None else a[lo:hi]
+                    sw[name] = mx.concatenate([held, mx.zeros((1, *a.shape[1:]), a.dtype)])
             object.__setattr__(sw, "experts_global", E)
         mlp.__class__ = ExpertParallelMoe
         object.__setattr__(mlp, "_ep", _Experts(g, lo, hi, i % g.size == g.rank))
@@ -431,11 +443,21 @@ def setup_experts(model, g: Group) -> None:
               "shared_expert": "layer i on rank i mod ranks"}
 
 
-def shard_for(g: Group) -> Callable[[nn.Module], None]:
+@dataclass
+class Sharder:
     """The loader hook (`load(..., shard=...)`) that cuts a lazily built model down to this
-    rank's share before any weight is read."""
-    setup = setup_pipeline if g.mode == "pipeline" else setup_experts
-    return lambda model: setup(model, g)
+    rank's share before any weight is read. The loader also reads `group` (mode, rank, size)
+    to pick this rank's folder of a checkpoint split by `pocket-mlx shard`."""
+
+    group: Group
+
+    def __call__(self, model: nn.Module) -> None:
+        setup = setup_pipeline if self.group.mode == "pipeline" else setup_experts
+        setup(model, self.group)
+
+
+def shard_for(g: Group) -> Sharder:
+    return Sharder(g)
 
 
 def attach(model, g: Group) -> None:
@@ -464,13 +486,15 @@ def rank_bytes_per_token(model) -> int:
 def rank_report(model, g: Group) -> dict:
     """What each rank holds, measured from its loaded arrays, gathered on every rank."""
     mine = [float(_nbytes(model)), float(rank_bytes_per_token(model)),
-            float(mx.get_active_memory())]
+            float(mx.get_active_memory()), float(getattr(model, "checkpoint_bytes", 0))]
     rows = g.gather_floats(mine)
     return {
         "mode": g.mode, "ranks": g.size, **g.info,
         "rank_weight_bytes": [int(r[0]) for r in rows],
         "rank_bytes_per_token": [int(r[1]) for r in rows],
         "rank_active_memory_bytes": [int(r[2]) for r in rows],
+        # The safetensors files each rank mapped: the whole checkpoint, or its own shard.
+        "rank_checkpoint_bytes": [int(r[3]) for r in rows],
     }
 
 
@@ -494,6 +518,7 @@ class Lockstep:
 
     def __init__(self, g: Group) -> None:
         self.g = g
+        self.shard = shard_for(g)  # the loader hook: keep this rank's share
         self._last = time.monotonic()  # when the ranks last met
 
     def until_beat(self) -> float:
@@ -513,10 +538,6 @@ class Lockstep:
             sys.stderr.write(f"pocket-mlx serve: error: {e}\n")
             sys.stderr.flush()
             os._exit(2)
-
-    def shard(self, model: nn.Module) -> None:
-        """The loader hook: keep this rank's share (see `shard_for`)."""
-        shard_for(self.g)(model)
 
     def ready(self, model) -> None:
         """After loading: wait for every rank, then take rank 0's token when generating."""
