@@ -1,5 +1,6 @@
 """`pocket-mlx shard`: split a checkpoint into per-rank folders for `--distributed`, so that no
-rank reads the whole checkpoint (engine/rank_shards.py has the layout).
+rank reads the whole checkpoint (engine/rank_shards.py has the layout,
+convert/shard_writer.py writes it).
 
 A command of its own rather than a `convert` option: splitting copies an already converted
 checkpoint's bytes (no math, seconds to minutes), while `convert` prunes, calibrates and
@@ -42,12 +43,12 @@ def _terminate(signum, _frame):
 
 
 def run(args) -> int:
-    from pocket_mlx.engine import rank_shards
+    from pocket_mlx.convert import shard_writer
     from pocket_mlx.engine.loader import resolve_model_path
 
     signal.signal(signal.SIGTERM, _terminate)
     src = resolve_model_path(args.model)
-    m = rank_shards.write(src, Path(args.out), args.ranks, args.mode, force=args.force,
+    m = shard_writer.write(src, Path(args.out), args.ranks, args.mode, force=args.force,
                           log=lambda s: print(s, file=sys.stderr))
     print(f"wrote {args.out}: {m['ranks']} ranks, --distributed {m['mode']}")
     return 0
