@@ -342,12 +342,112 @@ def test_serve_distributed_refuses_batching():
     assert "lockstep; use 1" in r.stderr
 
 
-def test_chat_distributed_is_refused_in_one_line():
-    """mlx.launch gives rank 0 pipes, not a terminal, so the chat app cannot run there."""
-    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "chat", "--distributed", "pipeline"],
-                       capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert "serve --distributed pipeline" in r.stderr
+@pytest.mark.parametrize("argv, says", [
+    ([], "start rank 0 in your terminal with `pocket-mlx chat --distributed pipeline "
+         "--hostfile hosts.json --rank 0`"),
+    (["--hostfile", "HOSTS", "--rank", "0"], "rank 0 runs the chat app and has no terminal"),
+    (["--hostfile", "HOSTS"], "--hostfile needs --rank R"),
+    (["--hostfile", "HOSTS", "--rank", "2"], "--rank 2: the hostfile has 2 hosts"),
+    (["--hostfile", "BAD", "--rank", "0"], "expected a list of 2 or more hosts"),
+])
+def test_chat_distributed_without_a_terminal_or_hostfile_is_one_line(argv, says, tmp_path):
+    """Rank 0 of `chat --distributed` needs a terminal (mlx.launch gives it pipes): refused in
+    one line saying how to start it, before joining any group; a bad hostfile or rank too."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"ranks": 2}')
+    argv = [{"HOSTS": str(_hostfile(tmp_path)), "BAD": str(bad)}.get(a, a) for a in argv]
+    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "chat", "--distributed", "pipeline",
+                        *argv], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                       timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+
+
+def _pty_rank0(cmd: list[str], env: dict) -> tuple[subprocess.Popen, int, list[bytes]]:
+    """Start `cmd` with a pseudo-terminal (120 x 35) as stdin, stdout and stderr, as in a
+    terminal window; a thread keeps reading what it draws into the returned list."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 35, 120, 0, 0))
+    p = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT,
+                         start_new_session=True)
+    os.close(slave)
+    screen: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            screen.append(data)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return p, master, screen
+
+
+def _wait(what: str, ok, procs: list[subprocess.Popen], seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if ok():
+            return
+        for p in procs:
+            if p.poll() is not None:
+                pytest.fail(f"a rank exited ({p.returncode}) before {what}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def test_chat_distributed_rank_0_in_a_terminal_and_a_follower(tmp_path):
+    """`chat --distributed experts --hostfile F --rank R`: rank 1 follows in the background,
+    rank 0 runs the chat app in a pseudo-terminal. A message typed there gets the reply one
+    process generates (greedy, same chat template), saved in the conversation; a second turn
+    works too; ctrl+q ends both ranks with exit code 0."""
+    one = _generate(None, None, raw=False)
+    hosts = _hostfile(tmp_path)
+    env = dict(_env(), POCKET_MLX_HOME=str(tmp_path / "home"), TERM="xterm-256color")
+    cmd = [sys.executable, "-m", "pocket_mlx", "chat", "--device", "cpu", "-n", TOKENS,
+           "--distributed", "experts", "--distributed-timeout", "60", "--hostfile", str(hosts),
+           "--rank"]
+    follower = subprocess.Popen([*cmd, "1"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    rank0, master, screen = _pty_rank0([*cmd, "0"], env)
+    procs = [rank0, follower]
+    convs = tmp_path / "home" / "conversations"
+
+    def replies() -> list[str]:
+        for f in convs.glob("*.json") if convs.is_dir() else []:
+            try:
+                msgs = json.loads(f.read_text())["messages"]
+            except ValueError:
+                return []  # being written
+            return [m["content"] for m in msgs if m["role"] == "assistant" and m["content"]]
+        return []
+
+    try:
+        _wait("the model to load", lambda: b"idle" in b"".join(screen), procs)
+        os.write(master, PROMPT.encode() + b"\r")
+        _wait("the reply", lambda: len(replies()) == 1, procs)
+        assert replies()[0] == one["text"]
+        os.write(master, b"Tell me more\r")
+        _wait("the second reply", lambda: len(replies()) == 2, procs)
+        os.write(master, b"\x11")  # ctrl+q
+        follower_err = follower.communicate(timeout=60)[1]
+        assert rank0.wait(timeout=60) == 0
+        assert follower.returncode == 0, follower_err
+        assert "rank 1 stopped" in follower_err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        os.close(master)
 
 
 def test_serve_distributed_follower_that_dies_ends_rank_0_in_one_line(tmp_path):

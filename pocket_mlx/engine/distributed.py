@@ -185,6 +185,57 @@ def lost(rank: int, e: Exception) -> PocketError:
                        "check that every rank is running and the hosts can reach each other")
 
 
+RING_PORT = 32323  # mlx.launch's default --starting-port
+
+
+def use_hostfile(path: str, rank: int) -> None:
+    """Join a ring without mlx.launch (`chat --distributed --hostfile F --rank R`): set the two
+    variables MLX's ring backend reads, as mlx.launch would (MLX_RANK, and MLX_HOSTFILE: a JSON
+    list, one entry per rank, of that rank's "ip:port" strings). `path` holds either that list
+    or mlx.launch's own hostfile ([{"ssh": ..., "ips": [...]}, ...]), whose ports are numbered
+    as mlx.launch numbers them (from 32323, one per host in order)."""
+    import tempfile
+
+    try:
+        hosts = json.loads(open(path, encoding="utf-8").read())
+    except OSError as e:
+        raise PocketError(f"--hostfile {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise PocketError(f"--hostfile {path} is not valid JSON: {e}") from None
+    ring = None
+    if isinstance(hosts, list) and len(hosts) >= 2:
+        if all(isinstance(h, list) and h and all(isinstance(a, str) and ":" in a for a in h)
+               for h in hosts):
+            ring = hosts
+        elif all(isinstance(h, dict) and h.get("ips") for h in hosts):
+            ring = [[f"{h['ips'][0]}:{RING_PORT + i}"] for i, h in enumerate(hosts)]
+    if ring is None:
+        raise PocketError(f"--hostfile {path}: expected a list of 2 or more hosts, either "
+                          '[["10.10.0.1:32323"], ["10.10.0.2:32323"]] (the ring\'s own) or '
+                          '[{"ssh": "mini1.local", "ips": ["10.10.0.1"]}, ...] (mlx.launch\'s)')
+    if not 0 <= rank < len(ring):
+        raise PocketError(f"--rank {rank}: the hostfile has {len(ring)} hosts, so 0 to "
+                          f"{len(ring) - 1}")
+    if ring is hosts:
+        target = os.path.abspath(path)
+    else:  # MLX reads the file when the group starts; a temporary copy in the ring's format
+        fd, target = tempfile.mkstemp(prefix="pocket-mlx-ring-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(ring, f)
+    os.environ["MLX_HOSTFILE"] = target
+    os.environ["MLX_RANK"] = str(rank)
+
+
+def launch_rank() -> int | None:
+    """This process's rank as its launcher set it (None: not launched for a distributed run)."""
+    if not any(os.environ.get(k) for k in _LAUNCH_ENV):
+        return None
+    for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(k, "").strip().isdigit():
+            return int(os.environ[k])
+    return 0
+
+
 def init(mode: str, timeout: float = DEFAULT_TIMEOUT_S) -> Group:
     """Join the group `mlx.launch` started (its environment says where the peers are). Exits
     with one line after `timeout` seconds when a peer never connects."""
@@ -529,12 +580,16 @@ class Lockstep:
     def _pace(self) -> None:
         time.sleep(self.until_beat())
 
-    def idle(self, model) -> None:
+    def idle(self, model, exit_on_lost: bool = True) -> None:
         """Rank 0 has no request this beat: tell the others so (they sleep to the next one).
-        A rank gone ends the server here, with one line: it cannot answer without it."""
+        A rank gone ends the server here, with one line: it cannot answer without it
+        (`exit_on_lost=False`: raise the PocketError instead, for the chat app, which must
+        restore the terminal before it exits)."""
         try:
             self._command(devices.stream_for(model.device), _IDLE)
         except PocketError as e:
+            if not exit_on_lost:
+                raise
             sys.stderr.write(f"pocket-mlx serve: error: {e}\n")
             sys.stderr.flush()
             os._exit(2)
