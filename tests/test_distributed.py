@@ -577,3 +577,24 @@ def test_shards_outside_distributed_and_bad_shard_requests_are_one_line(tmp_path
     resharded = _shard(tmp_path / "again", 2, "experts", src=out)
     assert resharded.returncode == 2 and "already split" in resharded.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shards"]
+
+
+def test_hostfile_of_mlx_launch_becomes_the_rings_own(tmp_path, monkeypatch):
+    """`--hostfile` with mlx.launch's format: the ring's file gets one "ip:port" per host,
+    ports numbered as mlx.launch numbers them; the ring's own format is used as it is."""
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    f = tmp_path / "hosts.json"
+    f.write_text(json.dumps([{"ssh": "mini1.local", "ips": ["10.10.0.1"]},
+                             {"ssh": "mini2.local", "ips": ["10.10.0.2"]}]))
+    distributed.use_hostfile(str(f), 1)
+    ring = Path(os.environ["MLX_HOSTFILE"])
+    try:
+        assert json.loads(ring.read_text()) == [["10.10.0.1:32323"], ["10.10.0.2:32324"]]
+        assert os.environ["MLX_RANK"] == "1" and distributed.launch_rank() == 1
+    finally:
+        ring.unlink()
+    own = tmp_path / "ring.json"
+    own.write_text('[["127.0.0.1:5000"], ["127.0.0.1:5001"]]')
+    distributed.use_hostfile(str(own), 0)
+    assert os.environ["MLX_HOSTFILE"] == str(own) and distributed.launch_rank() == 0
