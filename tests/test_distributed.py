@@ -587,8 +587,8 @@ def test_hostfile_of_mlx_launch_becomes_the_rings_own(tmp_path, monkeypatch):
     f = tmp_path / "hosts.json"
     f.write_text(json.dumps([{"ssh": "mini1.local", "ips": ["10.10.0.1"]},
                              {"ssh": "mini2.local", "ips": ["10.10.0.2"]}]))
-    distributed.use_hostfile(str(f), 1)
-    ring = Path(os.environ["MLX_HOSTFILE"])
+    ring = Path(distributed.use_hostfile(str(f), 1))
+    assert os.environ["MLX_HOSTFILE"] == str(ring)
     try:
         assert json.loads(ring.read_text()) == [["10.10.0.1:32323"], ["10.10.0.2:32324"]]
         assert os.environ["MLX_RANK"] == "1" and distributed.launch_rank() == 1
@@ -596,5 +596,5 @@ def test_hostfile_of_mlx_launch_becomes_the_rings_own(tmp_path, monkeypatch):
         ring.unlink()
     own = tmp_path / "ring.json"
     own.write_text('[["127.0.0.1:5000"], ["127.0.0.1:5001"]]')
-    distributed.use_hostfile(str(own), 0)
+    assert distributed.use_hostfile(str(own), 0) is None
     assert os.environ["MLX_HOSTFILE"] == str(own) and distributed.launch_rank() == 0

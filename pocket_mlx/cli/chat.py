@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -60,10 +61,11 @@ def _join(args):
     how = (f"start rank 0 in your terminal with `pocket-mlx chat --distributed "
            f"{args.distributed} --hostfile hosts.json --rank 0` and each other rank R with "
            "--rank R (on its own machine, or in the background); docs/DISTRIBUTED.md")
+    temp = None
     if args.hostfile is not None:
         if args.rank is None:
             raise PocketError("--hostfile needs --rank R: this process's place in the file")
-        distributed.use_hostfile(args.hostfile, args.rank)
+        temp = distributed.use_hostfile(args.hostfile, args.rank)
     elif args.rank is not None:
         raise PocketError("--rank goes with --hostfile FILE")
     rank = distributed.launch_rank()
@@ -72,7 +74,11 @@ def _join(args):
     if rank == 0 and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise PocketError("chat --distributed: rank 0 runs the chat app and has no terminal "
                           f"here (mlx.launch gives its ranks pipes); {how}")
-    g = distributed.init(args.distributed, args.distributed_timeout)
+    try:
+        g = distributed.init(args.distributed, args.distributed_timeout)
+    finally:
+        if temp is not None:
+            os.unlink(temp)  # read by MLX when it joined
     return distributed.Lockstep(g)
 
 

@@ -41,7 +41,8 @@ then runs the same `stream_generate` from a fresh cache, taking rank 0's token a
 all ranks stop at the same token (EOS, stop string, length). Cancelling (the client left) is
 known only on rank 0: every `should_stop` check (after each prefill chunk and each token) is one
 tiny all_sum of rank 0's flag, so every rank stops at the same step. A "stop" command ends the
-followers when rank 0 shuts down.
+followers when rank 0 shuts down. `chat --distributed` uses the same loop, its ranks started by
+hand (`use_hostfile`: mlx.launch would give rank 0 pipes, and the chat app needs a terminal).
 
 Failures: a rank that never connects makes the others exit after `--distributed-timeout`
 seconds with one line; a rank that dies makes MLX's ring raise ("connection to a peer was
@@ -188,16 +189,18 @@ def lost(rank: int, e: Exception) -> PocketError:
 RING_PORT = 32323  # mlx.launch's default --starting-port
 
 
-def use_hostfile(path: str, rank: int) -> None:
+def use_hostfile(path: str, rank: int) -> str | None:
     """Join a ring without mlx.launch (`chat --distributed --hostfile F --rank R`): set the two
     variables MLX's ring backend reads, as mlx.launch would (MLX_RANK, and MLX_HOSTFILE: a JSON
     list, one entry per rank, of that rank's "ip:port" strings). `path` holds either that list
     or mlx.launch's own hostfile ([{"ssh": ..., "ips": [...]}, ...]), whose ports are numbered
-    as mlx.launch numbers them (from 32323, one per host in order)."""
+    as mlx.launch numbers them (from 32323, one per host in order). Returns the temporary
+    file written for the latter (remove it once `init` has joined), else None."""
     import tempfile
+    from pathlib import Path
 
     try:
-        hosts = json.loads(open(path, encoding="utf-8").read())
+        hosts = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise PocketError(f"--hostfile {path}: {e.strerror or e}") from None
     except ValueError as e:
@@ -216,14 +219,17 @@ def use_hostfile(path: str, rank: int) -> None:
     if not 0 <= rank < len(ring):
         raise PocketError(f"--rank {rank}: the hostfile has {len(ring)} hosts, so 0 to "
                           f"{len(ring) - 1}")
+    temp = None
     if ring is hosts:
         target = os.path.abspath(path)
     else:  # MLX reads the file when the group starts; a temporary copy in the ring's format
         fd, target = tempfile.mkstemp(prefix="pocket-mlx-ring-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(ring, f)
+        temp = target
     os.environ["MLX_HOSTFILE"] = target
     os.environ["MLX_RANK"] = str(rank)
+    return temp
 
 
 def launch_rank() -> int | None:
