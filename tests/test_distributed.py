@@ -342,12 +342,112 @@ def test_serve_distributed_refuses_batching():
     assert "lockstep; use 1" in r.stderr
 
 
-def test_chat_distributed_is_refused_in_one_line():
-    """mlx.launch gives rank 0 pipes, not a terminal, so the chat app cannot run there."""
-    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "chat", "--distributed", "pipeline"],
-                       capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert "serve --distributed pipeline" in r.stderr
+@pytest.mark.parametrize("argv, says", [
+    ([], "start rank 0 in your terminal with `pocket-mlx chat --distributed pipeline "
+         "--hostfile hosts.json --rank 0`"),
+    (["--hostfile", "HOSTS", "--rank", "0"], "rank 0 runs the chat app and has no terminal"),
+    (["--hostfile", "HOSTS"], "--hostfile needs --rank R"),
+    (["--hostfile", "HOSTS", "--rank", "2"], "--rank 2: the hostfile has 2 hosts"),
+    (["--hostfile", "BAD", "--rank", "0"], "expected a list of 2 or more hosts"),
+])
+def test_chat_distributed_without_a_terminal_or_hostfile_is_one_line(argv, says, tmp_path):
+    """Rank 0 of `chat --distributed` needs a terminal (mlx.launch gives it pipes): refused in
+    one line saying how to start it, before joining any group; a bad hostfile or rank too."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"ranks": 2}')
+    argv = [{"HOSTS": str(_hostfile(tmp_path)), "BAD": str(bad)}.get(a, a) for a in argv]
+    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "chat", "--distributed", "pipeline",
+                        *argv], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                       timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+
+
+def _pty_rank0(cmd: list[str], env: dict) -> tuple[subprocess.Popen, int, list[bytes]]:
+    """Start `cmd` with a pseudo-terminal (120 x 35) as stdin, stdout and stderr, as in a
+    terminal window; a thread keeps reading what it draws into the returned list."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 35, 120, 0, 0))
+    p = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT,
+                         start_new_session=True)
+    os.close(slave)
+    screen: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            screen.append(data)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return p, master, screen
+
+
+def _wait(what: str, ok, procs: list[subprocess.Popen], seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if ok():
+            return
+        for p in procs:
+            if p.poll() is not None:
+                pytest.fail(f"a rank exited ({p.returncode}) before {what}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def test_chat_distributed_rank_0_in_a_terminal_and_a_follower(tmp_path):
+    """`chat --distributed experts --hostfile F --rank R`: rank 1 follows in the background,
+    rank 0 runs the chat app in a pseudo-terminal. A message typed there gets the reply one
+    process generates (greedy, same chat template), saved in the conversation; a second turn
+    works too; ctrl+q ends both ranks with exit code 0."""
+    one = _generate(None, None, raw=False)
+    hosts = _hostfile(tmp_path)
+    env = dict(_env(), POCKET_MLX_HOME=str(tmp_path / "home"), TERM="xterm-256color")
+    cmd = [sys.executable, "-m", "pocket_mlx", "chat", "--device", "cpu", "-n", TOKENS,
+           "--distributed", "experts", "--distributed-timeout", "60", "--hostfile", str(hosts),
+           "--rank"]
+    follower = subprocess.Popen([*cmd, "1"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    rank0, master, screen = _pty_rank0([*cmd, "0"], env)
+    procs = [rank0, follower]
+    convs = tmp_path / "home" / "conversations"
+
+    def replies() -> list[str]:
+        for f in convs.glob("*.json") if convs.is_dir() else []:
+            try:
+                msgs = json.loads(f.read_text())["messages"]
+            except ValueError:
+                return []  # being written
+            return [m["content"] for m in msgs if m["role"] == "assistant" and m["content"]]
+        return []
+
+    try:
+        _wait("the model to load", lambda: b"idle" in b"".join(screen), procs)
+        os.write(master, PROMPT.encode() + b"\r")
+        _wait("the reply", lambda: len(replies()) == 1, procs)
+        assert replies()[0] == one["text"]
+        os.write(master, b"Tell me more\r")
+        _wait("the second reply", lambda: len(replies()) == 2, procs)
+        os.write(master, b"\x11")  # ctrl+q
+        follower_err = follower.communicate(timeout=60)[1]
+        assert rank0.wait(timeout=60) == 0
+        assert follower.returncode == 0, follower_err
+        assert "rank 1 stopped" in follower_err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        os.close(master)
 
 
 def test_serve_distributed_follower_that_dies_ends_rank_0_in_one_line(tmp_path):
@@ -369,3 +469,132 @@ def test_serve_distributed_follower_that_dies_ends_rank_0_in_one_line(tmp_path):
             if p.poll() is None:
                 p.kill()
             p.communicate()
+
+
+# ---- per-rank shards (pocket-mlx shard) ---------------------------------------------------------
+
+BUNDLED = ROOT / "assets" / "pocket-tiny"
+
+
+def _shard(out: Path, ranks: int, mode: str, src: Path = BUNDLED) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pocket_mlx", "shard", str(src), str(out),
+                           "--ranks", str(ranks), "--mode", mode], capture_output=True,
+                          text=True, env=_env(), cwd=ROOT, timeout=120)
+
+
+def _headers(folder: Path) -> dict[str, dict]:
+    """Every tensor's safetensors header entry in a folder's weight files."""
+    from pocket_mlx.config import safetensors_header, weight_files
+
+    out = {}
+    for f in weight_files(folder):
+        out.update({k: v for k, v in safetensors_header(f)[1].items() if k != "__metadata__"})
+    return out
+
+
+@pytest.mark.parametrize("mode", ["experts", "pipeline"])
+def test_per_rank_shards_match_one_process_and_each_rank_reads_only_its_own(mode, tmp_path):
+    """`shard --ranks 2 --mode MODE` of the bundled model, then `generate --distributed MODE`
+    on it: greedy text identical to one process; each rank mapped exactly its own folder's
+    files (reported from the loader), and those hold only its share: experts, half of every
+    layer's experts and every dense tensor; pipeline, its own layers, the two ranks' tensors
+    together being the whole checkpoint's, each once."""
+    from pocket_mlx.config import disk_bytes
+
+    out = tmp_path / "shards"
+    r = _shard(out, 2, mode)
+    assert r.returncode == 0, r.stderr
+    one = _generate(None, None, raw=False)
+    got = _generate(out, mode, raw=False)
+    assert got["text"] == one["text"] and got["generation_tokens"] == one["generation_tokens"]
+    d = got["distributed"]
+    folders = [out / f"rank-{i}-of-2" for i in range(2)]
+    assert d["rank_checkpoint_bytes"] == [disk_bytes(f) for f in folders]
+    assert all(b < disk_bytes(BUNDLED) for b in d["rank_checkpoint_bytes"])
+    whole = _headers(BUNDLED)
+    ranks = [_headers(f) for f in folders]
+    E = 24
+    if mode == "experts":
+        for held in ranks:
+            assert set(held) == set(whole)
+            for k, v in held.items():
+                if ".switch_mlp." in k:
+                    assert v["shape"] == [E // 2, *whole[k]["shape"][1:]], k
+                else:
+                    assert v["shape"] == whole[k]["shape"], k
+        assert d["experts"] == [[0, 12], [12, 24]]
+    else:
+        assert not set(ranks[0]) & set(ranks[1])
+        assert set(ranks[0]) | set(ranks[1]) == set(whole)
+        for held, (lo, hi) in zip(ranks, d["layers"]):
+            layers = {int(k.split(".layers.")[1].split(".")[0]) for k in held if ".layers." in k}
+            assert layers == set(range(lo, hi))
+        assert "language_model.lm_head.weight" in ranks[0]
+        assert "language_model.model.embed_tokens.weight" in ranks[1]
+
+
+def _ranks_run(tmp_path: Path, cmd: list[str]) -> list[tuple[int, str, str]]:
+    hosts = _hostfile(tmp_path)
+    procs = [_rank(0, hosts, cmd), _rank(1, hosts, cmd)]
+    out = []
+    for p in procs:
+        o, e = p.communicate(timeout=120)
+        out.append((p.returncode, o, e))
+    return out
+
+
+@pytest.mark.parametrize("made, run", [((4, "experts"), "experts"), ((2, "experts"), "pipeline")])
+def test_shards_for_another_layout_are_one_line_on_every_rank(made, run, tmp_path):
+    """Shards for 4 ranks run on 2, or for experts run as pipeline: every rank exits 2 with one
+    line naming both layouts (no traceback, no hang)."""
+    out = tmp_path / "shards"
+    assert _shard(out, *made).returncode == 0
+    cmd = [*GEN[:-2], "--distributed", run, "--model", str(out), "--distributed-timeout", "60"]
+    for i, (rc, o, e) in enumerate(_ranks_run(tmp_path, cmd)):
+        assert rc == 2, e
+        assert o == "" and e.count("\n") == 1, e
+        assert (f"rank {i}: {out} holds shards for --distributed experts over {made[0]} ranks, "
+                f"this run is --distributed {run} over 2 ranks") in e
+
+
+def test_shards_outside_distributed_and_bad_shard_requests_are_one_line(tmp_path):
+    """One process given shards (or one rank's folder) is told how to run them; `shard` refuses
+    what cannot work and leaves nothing behind (it writes into a temporary folder renamed at
+    the end)."""
+    out = tmp_path / "shards"
+    assert _shard(out, 2, "experts").returncode == 0
+    for model, says in ((out, "run it under mlx.launch -n 2 with --distributed experts"),
+                        (out / "rank-1-of-2", "is one rank's share")):
+        r = subprocess.run([*GEN[:-2], "--model", str(model)], capture_output=True, text=True,
+                           env=_env(), cwd=ROOT, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+    again = _shard(out, 2, "pipeline")
+    assert again.returncode == 2 and "already exists" in again.stderr
+    assert json.loads((out / "shards.json").read_text())["mode"] == "experts"  # untouched
+    bad = _shard(tmp_path / "bad", 30, "experts")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "needs at least 30 experts" in bad.stderr
+    resharded = _shard(tmp_path / "again", 2, "experts", src=out)
+    assert resharded.returncode == 2 and "already split" in resharded.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards"]
+
+
+def test_hostfile_of_mlx_launch_becomes_the_rings_own(tmp_path, monkeypatch):
+    """`--hostfile` with mlx.launch's format: the ring's file gets one "ip:port" per host,
+    ports numbered as mlx.launch numbers them; the ring's own format is used as it is."""
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    f = tmp_path / "hosts.json"
+    f.write_text(json.dumps([{"ssh": "mini1.local", "ips": ["10.10.0.1"]},
+                             {"ssh": "mini2.local", "ips": ["10.10.0.2"]}]))
+    ring = Path(distributed.use_hostfile(str(f), 1))
+    assert os.environ["MLX_HOSTFILE"] == str(ring)
+    try:
+        assert json.loads(ring.read_text()) == [["10.10.0.1:32323"], ["10.10.0.2:32324"]]
+        assert os.environ["MLX_RANK"] == "1" and distributed.launch_rank() == 1
+    finally:
+        ring.unlink()
+    own = tmp_path / "ring.json"
+    own.write_text('[["127.0.0.1:5000"], ["127.0.0.1:5001"]]')
+    assert distributed.use_hostfile(str(own), 0) is None
+    assert os.environ["MLX_HOSTFILE"] == str(own) and distributed.launch_rank() == 0

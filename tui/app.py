@@ -133,8 +133,14 @@ class ChatApp(App[None]):
     def __init__(self, model: str | None = None, *, device: str = "cpu",
                  settings: Settings | None = None, conversation: Conversation | None = None,
                  store: ConversationStore | None = None, model_name: str | None = None,
-                 path: Path | None = None, prompt_cache_mb: int = PROMPT_CACHE_MB) -> None:
+                 path: Path | None = None, prompt_cache_mb: int = PROMPT_CACHE_MB,
+                 distributed=None) -> None:
         super().__init__()
+        # Rank 0's distributed.Lockstep under `chat --distributed` (the other ranks follow it,
+        # cli/chat.py): the engine thread loads this rank's share, sends a beat while idle and
+        # "stop" when the app closes (`engine_done` is set after that).
+        self.distributed = distributed
+        self.engine_done = threading.Event()
         # The replies' caches, kept in RAM and written through to the data folder: a resumed
         # conversation (--resume, ctrl+o) continues from its last reply instead of prefilling
         # it all again. 0 turns it off.
@@ -232,8 +238,17 @@ class ChatApp(App[None]):
         """Load the model, then serve generation jobs until the app closes."""
         worker = get_current_worker()
         try:
+            self._engine_loop(worker)
+        finally:
+            self.engine_done.set()
+
+    def _engine_loop(self, worker: Worker) -> None:
+        dist = self.distributed
+        try:
             model, tokenizer = load(self.model_path or self.model_ref, device=self.device,
-                                    fuse=True)
+                                    fuse=True, shard=dist.shard if dist else None)
+            if dist is not None:
+                dist.ready(model)
             info = model_info(model, self.model_name)
         except PocketError as e:
             self.post_message(ModelFailed(str(e)))
@@ -241,14 +256,28 @@ class ChatApp(App[None]):
         except Exception as e:  # noqa: BLE001 - any load failure is reported, not a traceback
             self.post_message(ModelFailed(f"{type(e).__name__}: {e}"))
             return
-        session = ChatSession(model, tokenizer, prompt_cache=self._prompt_cache(model))
+        if dist is not None:  # no prompt cache: each reply starts fresh on every rank
+            session = ChatSession(model, tokenizer, lockstep=dist)
+        else:
+            session = ChatSession(model, tokenizer, prompt_cache=self._prompt_cache(model))
         self.post_message(ModelReady(info))
         while not worker.is_cancelled:
             try:
-                job = self._jobs.get(timeout=0.1)
+                job = self._jobs.get(timeout=dist.until_beat() if dist else 0.1)
             except queue.Empty:
+                if dist is not None:
+                    try:
+                        dist.idle(model, exit_on_lost=False)
+                    except PocketError as e:  # a rank is gone: the chat cannot go on
+                        self.post_message(ModelFailed(str(e)))
+                        return
                 continue
             self._run_job(session, job, worker)
+        if dist is not None:
+            try:
+                dist.finish(model)  # the other ranks exit
+            except PocketError:
+                pass
 
     def _prompt_cache(self, model) -> PromptCache | None:
         try:

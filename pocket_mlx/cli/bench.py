@@ -110,6 +110,10 @@ def run(args) -> int:
     else:
         path = resolve_model_path(args.model)
         name = path.name
+        if group is not None:  # per-rank shards (pocket-mlx shard): this rank's folder
+            from pocket_mlx.engine.rank_shards import rank_folder
+
+            path = rank_folder(path, group)
     config = read_config(path)
     recipe = recipe_label(config, read_pocket_json(path))
     size = weights_bytes(path)  # as stored: the model's size whatever --dtype loads it as

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import TYPE_CHECKING
 
 from pocket_mlx.cli import args as argtypes
@@ -37,26 +39,67 @@ def register(sub) -> argparse.ArgumentParser:
                         "resumed conversation continues without prefilling it again; 0 = off "
                         f"(default: {PROMPT_CACHE_MB})")
     add_distributed_args(p)
+    p.add_argument("--hostfile", default=None, metavar="FILE",
+                   help="with --distributed: start this rank without mlx.launch, which gives "
+                        "rank 0 no terminal; FILE lists the ranks' addresses (the ring's "
+                        "[[\"ip:port\"], ...] or mlx.launch's hostfile) (default: none)")
+    p.add_argument("--rank", type=argtypes.int_range(0, None, "0 or more"), default=None,
+                   metavar="R", help="with --hostfile: this process's rank; 0 runs the chat "
+                                     "app in this terminal, the others follow it (default: "
+                                     "none)")
     p.set_defaults(func=run)
     return p
 
 
+def _join(args):
+    """The Lockstep of `chat --distributed`, started by hand (`--hostfile F --rank R`, or
+    MLX_RANK and MLX_HOSTFILE set). Not under mlx.launch: it starts every rank, rank 0
+    included, with pipes for stdin and stdout even from a terminal (checked), and the chat app
+    needs a terminal on rank 0. So rank 0's terminal is checked before joining."""
+    from pocket_mlx.engine import distributed
+
+    how = (f"start rank 0 in your terminal with `pocket-mlx chat --distributed "
+           f"{args.distributed} --hostfile hosts.json --rank 0` and each other rank R with "
+           "--rank R (on its own machine, or in the background); docs/DISTRIBUTED.md")
+    temp = None
+    if args.hostfile is not None:
+        if args.rank is None:
+            raise PocketError("--hostfile needs --rank R: this process's place in the file")
+        temp = distributed.use_hostfile(args.hostfile, args.rank)
+    elif args.rank is not None:
+        raise PocketError("--rank goes with --hostfile FILE")
+    rank = distributed.launch_rank()
+    if rank is None:
+        raise PocketError(f"chat --distributed: {how}")
+    if rank == 0 and not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise PocketError("chat --distributed: rank 0 runs the chat app and has no terminal "
+                          f"here (mlx.launch gives its ranks pipes); {how}")
+    try:
+        g = distributed.init(args.distributed, args.distributed_timeout)
+    finally:
+        if temp is not None:
+            os.unlink(temp)  # read by MLX when it joined
+    return distributed.Lockstep(g)
+
+
 def run(args) -> int:
-    if args.distributed:
-        # Checked: mlx.launch starts every rank with pipes for stdin/stdout, even from a
-        # terminal, so the Textual app has no terminal on rank 0; and the chat has no plain mode.
-        raise PocketError("chat --distributed is not supported: mlx.launch gives rank 0 no "
-                          "terminal for the chat app; run `serve --distributed "
-                          f"{args.distributed}` under mlx.launch and chat through its HTTP API "
-                          "(docs/DISTRIBUTED.md)")
-    app = make_app(args)
+    if args.distributed is None and (args.hostfile is not None or args.rank is not None):
+        raise PocketError("--hostfile and --rank go with --distributed pipeline|experts")
+    lockstep = _join(args) if args.distributed else None
+    if lockstep is not None and lockstep.g.rank != 0:
+        from pocket_mlx.cli.serve import follow
+
+        return follow(args, lockstep, "chat")
+    app = make_app(args, lockstep)
     app.run()
     from pocket_mlx.engine.devices import exit_now
 
+    if lockstep is not None:
+        app.engine_done.wait(30)  # the engine thread tells the other ranks to stop
     exit_now(app.return_code or 0)  # MLX ran on the app's worker thread (see exit_now)
 
 
-def make_app(args) -> ChatApp:
+def make_app(args, lockstep=None) -> ChatApp:
     """The chat app of the command line, its model resolved and its chat template checked
     here (one error line before the UI), not started."""
     from pocket_mlx.engine.conversations import ConversationStore
@@ -77,6 +120,10 @@ def make_app(args) -> ChatApp:
     settings.validate()
     model = args.model or (conv.model if conv and conv.model else None)
     path = resolve_model_path(model)  # a bad --model fails here, on one line, before the UI
+    if lockstep is not None:  # per-rank shards (pocket-mlx shard): this rank's folder
+        from pocket_mlx.engine.rank_shards import rank_folder
+
+        path = rank_folder(path, lockstep.g)
     # A chat template that cannot render fails here too, on one line, not at the first message.
     tokenizer = load_tokenizer(path)
     if tokenizer.chat_template:
@@ -90,4 +137,5 @@ def make_app(args) -> ChatApp:
     # The folder resolved above, so the app does not resolve (or build, or fetch) it again;
     # the ref as given is what new conversations save.
     return ChatApp(model, path=path, device=device, settings=settings, conversation=conv,
-                   store=store, model_name=name, prompt_cache_mb=args.prompt_cache_mb)
+                   store=store, model_name=name, prompt_cache_mb=args.prompt_cache_mb,
+                   distributed=lockstep)

@@ -18,7 +18,7 @@ import sys
 
 from pocket_mlx.errors import PocketError
 
-COMMANDS = ["chat", "generate", "serve", "info", "wired", "convert", "eval_ppl", "bench"]
+COMMANDS = ["chat", "generate", "serve", "info", "wired", "convert", "shard", "eval_ppl", "bench"]
 
 
 def one_line(message: str) -> str:

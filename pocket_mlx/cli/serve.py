@@ -224,9 +224,10 @@ def run(args: argparse.Namespace) -> int:
     exit_now(0)  # MLX ran on the engine thread: skip its teardown (see exit_now)
 
 
-def follow(args: argparse.Namespace, lockstep) -> int:
-    """A rank other than 0 under `serve --distributed`: load this rank's share, then generate
-    in lockstep with rank 0 until it stops (rank 0 alone serves HTTP and logs)."""
+def follow(args: argparse.Namespace, lockstep, command: str = "serve") -> int:
+    """A rank other than 0 under `serve --distributed` (or `chat --distributed`: `command`):
+    load this rank's share, then generate in lockstep with rank 0 until it stops (rank 0
+    alone serves HTTP, or runs the chat app, and logs)."""
     from pocket_mlx.engine.distributed import LOAD_TIMEOUT_S
     from pocket_mlx.engine.loader import load, resolve_model_path
 
@@ -237,11 +238,11 @@ def follow(args: argparse.Namespace, lockstep) -> int:
     model, tokenizer = load(str(resolve_model_path(args.model)), device=args.device, fuse=True,
                             shard=lockstep.shard)
     lockstep.ready(model)
-    print(f"pocket-mlx serve: rank {g.rank} of {g.size} ({args.distributed}) follows rank 0",
+    print(f"pocket-mlx {command}: rank {g.rank} of {g.size} ({args.distributed}) follows rank 0",
           file=sys.stderr, flush=True)
     try:
         lockstep.follow(model, tokenizer)
     except KeyboardInterrupt:  # Ctrl-C under mlx.launch reaches every rank: stop quietly
         pass
-    print(f"pocket-mlx serve: rank {g.rank} stopped", file=sys.stderr, flush=True)
+    print(f"pocket-mlx {command}: rank {g.rank} stopped", file=sys.stderr, flush=True)
     return 0

@@ -41,7 +41,8 @@ then runs the same `stream_generate` from a fresh cache, taking rank 0's token a
 all ranks stop at the same token (EOS, stop string, length). Cancelling (the client left) is
 known only on rank 0: every `should_stop` check (after each prefill chunk and each token) is one
 tiny all_sum of rank 0's flag, so every rank stops at the same step. A "stop" command ends the
-followers when rank 0 shuts down.
+followers when rank 0 shuts down. `chat --distributed` uses the same loop, its ranks started by
+hand (`use_hostfile`: mlx.launch would give rank 0 pipes, and the chat app needs a terminal).
 
 Failures: a rank that never connects makes the others exit after `--distributed-timeout`
 seconds with one line; a rank that dies makes MLX's ring raise ("connection to a peer was
@@ -183,6 +184,62 @@ class Group:
 def lost(rank: int, e: Exception) -> PocketError:
     return PocketError(f"rank {rank}: lost the connection to another rank ({e}); "
                        "check that every rank is running and the hosts can reach each other")
+
+
+RING_PORT = 32323  # mlx.launch's default --starting-port
+
+
+def use_hostfile(path: str, rank: int) -> str | None:
+    """Join a ring without mlx.launch (`chat --distributed --hostfile F --rank R`): set the two
+    variables MLX's ring backend reads, as mlx.launch would (MLX_RANK, and MLX_HOSTFILE: a JSON
+    list, one entry per rank, of that rank's "ip:port" strings). `path` holds either that list
+    or mlx.launch's own hostfile ([{"ssh": ..., "ips": [...]}, ...]), whose ports are numbered
+    as mlx.launch numbers them (from 32323, one per host in order). Returns the temporary
+    file written for the latter (remove it once `init` has joined), else None."""
+    import tempfile
+    from pathlib import Path
+
+    try:
+        hosts = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise PocketError(f"--hostfile {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise PocketError(f"--hostfile {path} is not valid JSON: {e}") from None
+    ring = None
+    if isinstance(hosts, list) and len(hosts) >= 2:
+        if all(isinstance(h, list) and h and all(isinstance(a, str) and ":" in a for a in h)
+               for h in hosts):
+            ring = hosts
+        elif all(isinstance(h, dict) and h.get("ips") for h in hosts):
+            ring = [[f"{h['ips'][0]}:{RING_PORT + i}"] for i, h in enumerate(hosts)]
+    if ring is None:
+        raise PocketError(f"--hostfile {path}: expected a list of 2 or more hosts, either "
+                          '[["10.10.0.1:32323"], ["10.10.0.2:32323"]] (the ring\'s own) or '
+                          '[{"ssh": "mini1.local", "ips": ["10.10.0.1"]}, ...] (mlx.launch\'s)')
+    if not 0 <= rank < len(ring):
+        raise PocketError(f"--rank {rank}: the hostfile has {len(ring)} hosts, so 0 to "
+                          f"{len(ring) - 1}")
+    temp = None
+    if ring is hosts:
+        target = os.path.abspath(path)
+    else:  # MLX reads the file when the group starts; a temporary copy in the ring's format
+        fd, target = tempfile.mkstemp(prefix="pocket-mlx-ring-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(ring, f)
+        temp = target
+    os.environ["MLX_HOSTFILE"] = target
+    os.environ["MLX_RANK"] = str(rank)
+    return temp
+
+
+def launch_rank() -> int | None:
+    """This process's rank as its launcher set it (None: not launched for a distributed run)."""
+    if not any(os.environ.get(k) for k in _LAUNCH_ENV):
+        return None
+    for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(k, "").strip().isdigit():
+            return int(os.environ[k])
+    return 0
 
 
 def init(mode: str, timeout: float = DEFAULT_TIMEOUT_S) -> Group:
@@ -342,8 +399,15 @@ def setup_pipeline(model, g: Group) -> None:
     layers = m.layers
     tail = _nbytes(m.norm) + _nbytes(lm.get("lm_head"))
     head = _nbytes(m.embed_tokens)
-    shares = [row[0] for row in g.gather_floats([float(_ram_bytes())])]
-    ranges = pipeline_ranges([_nbytes(la) for la in layers], head, tail, shares)
+    rank = getattr(model, "rank_shard", None)
+    if rank is not None:  # per-rank shards: the ranges they were written for (rank_shards.py)
+        ranges = [tuple(r) for r in rank["layers_all"]]
+        if len(ranges) != g.size or ranges[-1][0] != 0 or ranges[0][1] != len(layers):
+            raise PocketError(f"rank {g.rank}: the shards' layer ranges {ranges} do not fit "
+                              f"{g.size} ranks and {len(layers)} layers; write them again")
+    else:
+        shares = [row[0] for row in g.gather_floats([float(_ram_bytes())])]
+        ranges = pipeline_ranges([_nbytes(la) for la in layers], head, tail, shares)
     lo, hi = ranges[g.rank]
     dtypes = _layer_input_dtypes(model)
     for i in range(len(layers)):
@@ -416,6 +480,10 @@ def setup_experts(model, g: Group) -> None:
         raise PocketError(f"experts mode over {g.size} ranks needs at least {g.size} experts per "
                           f"layer; the model has {E}")
     lo, hi = split_evenly(E, g.size, g.rank)
+    rank = getattr(model, "rank_shard", None)  # per-rank shards: only [lo, hi) were loaded
+    if rank is not None and list(rank["experts"]) != [lo, hi]:
+        raise PocketError(f"rank {g.rank}: its shard holds experts {rank['experts']}, this run "
+                          f"gives it [{lo}, {hi}); write the shards again")
     for i, layer in enumerate(model.layers):
         mlp = layer.mlp
         for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -423,7 +491,8 @@ def setup_experts(model, g: Group) -> None:
             for name in ("weight", "scales", "biases"):
                 if name in sw:
                     a = sw[name]
-                    sw[name] = mx.concatenate([a[lo:hi], mx.zeros((1, *a.shape[1:]), a.dtype)])
+                    held = a if rank is not None else a[lo:hi]
+                    sw[name] = mx.concatenate([held, mx.zeros((1, *a.shape[1:]), a.dtype)])
             object.__setattr__(sw, "experts_global", E)
         mlp.__class__ = ExpertParallelMoe
         object.__setattr__(mlp, "_ep", _Experts(g, lo, hi, i % g.size == g.rank))
@@ -431,11 +500,21 @@ def setup_experts(model, g: Group) -> None:
               "shared_expert": "layer i on rank i mod ranks"}
 
 
-def shard_for(g: Group) -> Callable[[nn.Module], None]:
+@dataclass
+class Sharder:
     """The loader hook (`load(..., shard=...)`) that cuts a lazily built model down to this
-    rank's share before any weight is read."""
-    setup = setup_pipeline if g.mode == "pipeline" else setup_experts
-    return lambda model: setup(model, g)
+    rank's share before any weight is read. The loader also reads `group` (mode, rank, size)
+    to pick this rank's folder of a checkpoint split by `pocket-mlx shard`."""
+
+    group: Group
+
+    def __call__(self, model: nn.Module) -> None:
+        setup = setup_pipeline if self.group.mode == "pipeline" else setup_experts
+        setup(model, self.group)
+
+
+def shard_for(g: Group) -> Sharder:
+    return Sharder(g)
 
 
 def attach(model, g: Group) -> None:
@@ -464,13 +543,15 @@ def rank_bytes_per_token(model) -> int:
 def rank_report(model, g: Group) -> dict:
     """What each rank holds, measured from its loaded arrays, gathered on every rank."""
     mine = [float(_nbytes(model)), float(rank_bytes_per_token(model)),
-            float(mx.get_active_memory())]
+            float(mx.get_active_memory()), float(getattr(model, "checkpoint_bytes", 0))]
     rows = g.gather_floats(mine)
     return {
         "mode": g.mode, "ranks": g.size, **g.info,
         "rank_weight_bytes": [int(r[0]) for r in rows],
         "rank_bytes_per_token": [int(r[1]) for r in rows],
         "rank_active_memory_bytes": [int(r[2]) for r in rows],
+        # The safetensors files each rank mapped: the whole checkpoint, or its own shard.
+        "rank_checkpoint_bytes": [int(r[3]) for r in rows],
     }
 
 
@@ -494,6 +575,7 @@ class Lockstep:
 
     def __init__(self, g: Group) -> None:
         self.g = g
+        self.shard = shard_for(g)  # the loader hook: keep this rank's share
         self._last = time.monotonic()  # when the ranks last met
 
     def until_beat(self) -> float:
@@ -504,19 +586,19 @@ class Lockstep:
     def _pace(self) -> None:
         time.sleep(self.until_beat())
 
-    def idle(self, model) -> None:
+    def idle(self, model, exit_on_lost: bool = True) -> None:
         """Rank 0 has no request this beat: tell the others so (they sleep to the next one).
-        A rank gone ends the server here, with one line: it cannot answer without it."""
+        A rank gone ends the server here, with one line: it cannot answer without it
+        (`exit_on_lost=False`: raise the PocketError instead, for the chat app, which must
+        restore the terminal before it exits)."""
         try:
             self._command(devices.stream_for(model.device), _IDLE)
         except PocketError as e:
+            if not exit_on_lost:
+                raise
             sys.stderr.write(f"pocket-mlx serve: error: {e}\n")
             sys.stderr.flush()
             os._exit(2)
-
-    def shard(self, model: nn.Module) -> None:
-        """The loader hook: keep this rank's share (see `shard_for`)."""
-        shard_for(self.g)(model)
 
     def ready(self, model) -> None:
         """After loading: wait for every rank, then take rank 0's token when generating."""

@@ -21,6 +21,7 @@ from pocket_mlx.config import (
     safetensors_header,
     weight_files,
 )
+from pocket_mlx.engine import rank_shards
 from pocket_mlx.engine.devices import policy_dtype, resolve_device, stream_for
 from pocket_mlx.engine.hub import fetch, parse_repo_id
 from pocket_mlx.engine.tokenizer import load_tokenizer
@@ -97,12 +98,14 @@ def _quant_label(module: nn.Module | None) -> str:
     return f" ({bits}-bit, group size {module.group_size})" if bits else ""
 
 
-def check_shapes(model: nn.Module, weights: dict[str, mx.array]) -> None:
+def check_shapes(model: nn.Module, weights: dict[str, mx.array],
+                 shapes: dict[str, tuple] | None = None) -> None:
     """Names, dtypes and shapes of the checkpoint against the (quantized) model skeleton, read
     from the safetensors headers only: a tensor that cannot work fails here, by name, before
     any forward. Quantized matrices must be packed uint32 with scales and biases of the
     shapes their bits and group size imply; float tensors must be float."""
     expected = dict(tree_flatten(model.parameters()))
+    shapes = shapes or {}  # names whose shape differs from the skeleton's (one rank's experts)
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
     if missing:
@@ -125,9 +128,9 @@ def check_shapes(model: nn.Module, weights: dict[str, mx.array]) -> None:
                 raise PocketError(f"{k} is {_dtype_name(v)} (packed) but {owner}.scales is "
                                   "missing: the checkpoint is incomplete")
             raise PocketError(f"{k} is {_dtype_name(v)}; a float tensor belongs there")
-        if tuple(v.shape) != tuple(want.shape):
+        if tuple(v.shape) != tuple(shapes.get(k, want.shape)):
             raise PocketError(f"wrong shape for {k}: {tuple(v.shape)}, "
-                              f"config implies {tuple(want.shape)}{quant}")
+                              f"config implies {tuple(shapes.get(k, want.shape))}{quant}")
 
 
 def _dtype_name(v: mx.array) -> str:
@@ -263,13 +266,22 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
     matmul (`Model.fuse_projections`); the parameters are then no longer the checkpoint's, so
     converting, calibrating and saving load without it. `shard` (a distributed run, see
     engine/distributed.py) cuts the still-lazy model down to this rank's share before anything
-    is evaluated, so the rest of the checkpoint is never read."""
+    is evaluated, so the rest of the checkpoint is never read. A rank folder of per-rank shards
+    (engine/rank_shards.py) holds only that rank's tensors: they are fitted to the skeleton
+    (`rank_shards.complete`) and the model remembers the rank's entry (`rank_shard`) for
+    `shard`."""
     config = config or read_config(path)
     quant = quantization(config, where=str(path / "config.json"))
     model = build_model(config)
+    rank = rank_shards.read_rank(path)
+    if rank is not None and shard is None:
+        raise PocketError(f"{path} is one rank's share of a sharded checkpoint; it loads only "
+                          "under --distributed")
+    files = weight_files(path)
     weights = model.sanitize(load_weights(path))
     quantize_as_stored(model, quant, weights)
-    check_shapes(model, weights)
+    shapes = rank_shards.complete(weights, rank, model) if rank is not None else None
+    check_shapes(model, weights, shapes)
     model.update(tree_unflatten(list(weights.items())))
     del weights
     model.eval()
@@ -281,6 +293,9 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
     object.__setattr__(model, "stored_dtypes", {
         k: (v.dtype, v.ndim) for k, v in tree_flatten(model.parameters())})
     cast_model(model, dtype)
+    # What this process mapped from disk (rank_report shows it per rank).
+    object.__setattr__(model, "checkpoint_bytes", sum(f.stat().st_size for f in files))
+    object.__setattr__(model, "rank_shard", rank)
     if shard is not None:
         shard(model)
     # An explicit dtype sticks; None lets generation apply the device's policy (`use_device`).
@@ -311,7 +326,8 @@ def load(path_or_repo: str | os.PathLike | None = None, device: str | None = Non
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise PocketError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
     device = resolve_device(device)
-    path = resolve_model_path(path_or_repo)
+    path = rank_shards.rank_folder(resolve_model_path(path_or_repo),
+                                   getattr(shard, "group", None))
     config = read_config(path)
     model = load_model(path, config, dtype=dtype or policy_dtype(device), lazy=lazy, fuse=fuse,
                        shard=shard)
