@@ -75,7 +75,8 @@ neon_clang() {
   fi
   local v="${cxxinc[-1]##*/}"
   echo "== arm64 cross build ($clang), run under qemu-aarch64"
-  "$clang" --target=aarch64-linux-gnu "${FLAGS[@]}" -Wno-unknown-warning-option -static \
+  # -ffp-contract=on after FLAGS' fast: what csrc/CMakeLists.txt gives Clang (see there).
+  "$clang" --target=aarch64-linux-gnu "${FLAGS[@]}" -ffp-contract=on -Wno-unknown-warning-option -static \
     --gcc-toolchain=/usr \
     -isystem /usr/aarch64-linux-gnu/include -isystem "/usr/aarch64-linux-gnu/include/c++/$v" \
     -isystem "/usr/aarch64-linux-gnu/include/c++/$v/aarch64-linux-gnu" \

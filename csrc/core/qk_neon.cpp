@@ -13,8 +13,10 @@
 
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/auxv.h>
@@ -236,40 +238,102 @@ static void rows_mmla_bits(const detail::RowsArgs& a) {
   }
 }
 
-// FAST with i8mm: usmmla tiles for pairs of activation rows and pairs of weight rows, usdot
-// (rows_fast) for a single activation row (decode), an odd one left over, the last weight row
-// of an odd range, and 1-bit at group size 32.
+// One weight row x each activation row with the arithmetic of an usmmla tile (rows_mmla_t), for
+// the odd last weight row of a range: usdot lanes summed by 8-byte halves (integer sums, exact,
+// so equal to the tile's), then the same two fused multiply-adds per block in the same order.
+template <int BITS>
+static void row_mmla_order(const detail::RowsArgs& a, int64_t n) {
+  constexpr int T = detail::vals_per_lane(BITS);
+  constexpr int S = T / 4;
+  constexpr int BV = QK_W * T;
+  constexpr int BB = BV * BITS / 8;
+  constexpr uint32_t BM = BITS == 1 ? 0x01010101u : BITS == 2 ? 0x03030303u
+                        : BITS == 4 ? 0x0F0F0F0Fu : 0xFFFFFFFFu;
+  const int64_t K = a.K;
+  const int gsh = __builtin_ctz((unsigned)a.gs);
+  const int64_t G = K >> gsh;
+  const int64_t nblk = K / BV;
+  const int64_t kt = nblk * BV;
+  const int64_t row_bytes = K * BITS / 8;
+  std::vector<float> sf(G), bf(G), sd(G);
+  detail::convert_to_f32(a.scales, a.sdt, n * G, G, sf.data());
+  detail::convert_to_f32(a.biases, a.sdt, n * G, G, bf.data());
+  const uint8_t* wr = a.w + n * row_bytes;
+  for (int m = 0; m < a.mr; m++) {
+    for (int64_t g = 0; g < G; g++) sd[g] = sf[g] * a.xd[m][g];
+    const float bt = dot_f32(bf.data(), a.xsum[m], G);
+    float acc = 0.f;
+    for (int64_t b = 0; b < nblk; b++) {
+      const vu L = BITS == 6 ? qk_unpack6(wr + b * BB, a.w_end) : vloadu(wr + b * BB);
+      vi iacc = vi{};
+      for (int s = 0; s < S; s++) {
+        const vu qb = BITS == 6 ? L : (L >> (s * BITS)) & BM;
+        iacc = qk_dot8_bits<BITS>(iacc, qb, vloadu(a.xq[m] + b * BV + s * QK_W * 4));
+      }
+      const int32_t lo = iacc[0] + iacc[1], hi = iacc[2] + iacc[3];
+      acc = std::fma((float)lo, sd[(b * BV) >> gsh], acc);
+      acc = std::fma((float)hi, sd[(b * BV + 2 * T) >> gsh], acc);
+    }
+    float res = acc + bt;
+    for (int64_t k = kt; k < K; k++)
+      res += sd[k >> gsh] * (float)detail::get_q(wr, k, BITS) * (float)a.xq[m][k];
+    detail::store_elem(a.out[m], a.odt, n, res);
+  }
+}
+
+// FAST with i8mm: usmmla tiles for pairs of activation rows and pairs of weight rows. Every row
+// goes through the tile arithmetic, so a row's result does not depend on how many rows share
+// the product (batched decode must give each sequence the bits it gets alone): a lone or odd
+// activation row is paired with itself (the tile's two results are equal; usmmla does twice
+// usdot's multiply-adds, so a lone row costs what usdot would), the odd last weight row goes
+// through row_mmla_order. 1-bit at group size 32 (a tile half would span two groups) uses usdot
+// (rows_fast) for every row count.
 static void rows_fast_mm(const detail::RowsArgs& a) {
   const int T = detail::vals_per_lane(a.bits);
   const int64_t G = a.K / a.gs;
-  if (a.mr < 2 || 2 * T > a.gs || a.n1 - a.n0 < 2 || detail::fast_chunk_rows(G) < 2)
-    return rows_fast(a);
-  const int mp = std::min(a.mr / 2, 4);
-  const int64_t n1e = a.n0 + ((a.n1 - a.n0) & ~(int64_t)1);
-  detail::RowsArgs p = a;
-  p.n1 = n1e;
-  p.mr = 2 * mp;
-  switch (a.bits) {
-    case 1: rows_mmla_bits<1>(p); break;
-    case 2: rows_mmla_bits<2>(p); break;
-    case 4: rows_mmla_bits<4>(p); break;
-    case 6: rows_mmla_bits<6>(p); break;
-    default: rows_mmla_bits<8>(p); break;
-  }
-  if (a.mr > 2 * mp) {  // the odd activation row
-    detail::RowsArgs q = a;
-    q.n1 = n1e;
-    q.mr = a.mr - 2 * mp;
-    q.xq = a.xq + 2 * mp;
-    q.xd = a.xd + 2 * mp;
-    q.xsum = a.xsum + 2 * mp;
-    q.out = a.out + 2 * mp;
-    rows_fast(q);
-  }
-  if (n1e < a.n1) {  // the last weight row, all activation rows
-    detail::RowsArgs t = a;
-    t.n0 = n1e;
-    rows_fast(t);
+  if (2 * T > a.gs || detail::fast_chunk_rows(G) < 2) return rows_fast(a);
+  constexpr int MMAX = 8;  // rows_mmla_bits: up to 4 pairs
+  for (int m0 = 0; m0 < a.mr; m0 += MMAX) {
+    const int mr = std::min(MMAX, a.mr - m0);
+    const int mr2 = (mr + 1) & ~1;
+    const int8_t* xq[MMAX];
+    const float* xd[MMAX];
+    const float* xs[MMAX];
+    void* out[MMAX];
+    for (int m = 0; m < mr2; m++) {
+      const int src = m0 + std::min(m, mr - 1);
+      xq[m] = a.xq[src];
+      xd[m] = a.xd[src];
+      xs[m] = a.xsum[src];
+      out[m] = a.out[src];
+    }
+    detail::RowsArgs p = a;
+    p.xq = xq;
+    p.xd = xd;
+    p.xsum = xs;
+    p.out = out;
+    p.mr = mr2;
+    const int64_t n1e = a.n0 + ((a.n1 - a.n0) & ~(int64_t)1);
+    if (n1e > a.n0) {
+      p.n1 = n1e;
+      switch (a.bits) {
+        case 1: rows_mmla_bits<1>(p); break;
+        case 2: rows_mmla_bits<2>(p); break;
+        case 4: rows_mmla_bits<4>(p); break;
+        case 6: rows_mmla_bits<6>(p); break;
+        default: rows_mmla_bits<8>(p); break;
+      }
+    }
+    if (n1e < a.n1) {  // the last weight row of an odd range
+      p.mr = mr;
+      switch (a.bits) {
+        case 1: row_mmla_order<1>(p, n1e); break;
+        case 2: row_mmla_order<2>(p, n1e); break;
+        case 4: row_mmla_order<4>(p, n1e); break;
+        case 6: row_mmla_order<6>(p, n1e); break;
+        default: row_mmla_order<8>(p, n1e); break;
+      }
+    }
   }
 }
 }  // namespace i8mm
