@@ -582,8 +582,11 @@ def test_shards_outside_distributed_and_bad_shard_requests_are_one_line(tmp_path
 def test_hostfile_of_mlx_launch_becomes_the_rings_own(tmp_path, monkeypatch):
     """`--hostfile` with mlx.launch's format: the ring's file gets one "ip:port" per host,
     ports numbered as mlx.launch numbers them; the ring's own format is used as it is."""
-    monkeypatch.delenv("MLX_RANK", raising=False)
-    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    # setenv first: pytest's delenv of an unset variable records nothing, so what use_hostfile
+    # sets would outlive the test (a later mx.distributed.init() would wait for the ring).
+    for k in ("MLX_RANK", "MLX_HOSTFILE"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     f = tmp_path / "hosts.json"
     f.write_text(json.dumps([{"ssh": "mini1.local", "ips": ["10.10.0.1"]},
                              {"ssh": "mini2.local", "ips": ["10.10.0.2"]}]))
