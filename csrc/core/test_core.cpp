@@ -142,7 +142,7 @@ static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, 
         }
       }
   }
-  double max_err = 0, max_ref = 0;
+  double max_err = 0, max_ref = 0, max_mag = 0;
   bool bad = false, beyond_exact = false;
   const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.data());
   for (int64_t r = 0; r < R; r++) {
@@ -180,10 +180,13 @@ static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, 
       }
       max_err = std::max(max_err, err);
       max_ref = std::max(max_ref, std::fabs(acc));
+      max_mag = std::max(max_mag, mag);
     }
   }
-  // FAST (int8 activations) is approximate: bound the error relative to the output scale.
-  if (fast_here && !(max_err <= 3e-2 * max_ref)) bad = true;
+  // FAST (int8 activations) is approximate: bound the error relative to the output scale, or
+  // to the products' magnitude where the outputs cancel (a lone 1-bit output of a few groups:
+  // its int8 result, checked tightly above, was 3.2% of a cancelled |output| of 0.027).
+  if (fast_here && !(max_err <= 3e-2 * max_ref + 1e-2 * max_mag)) bad = true;
   if (fast_here && odt == F32 && !beyond_exact) bad = true;  // the mask claims FAST, EXACT ran
   set_mode(MODE_EXACT);
   checks++;
