@@ -333,12 +333,8 @@ class Engine:
                 if job is None:
                     stopping = True
                     break
-                with self._lock:
-                    if job.state == "dropped":
-                        continue
-                    job.state = "running"
-                    self._running += 1
-                    self._active.add(job)
+                if not self._claim(job):
+                    continue
                 try:
                     with mx.stream(stream):
                         prefilling.append(self._begin(job))
@@ -509,17 +505,23 @@ class Engine:
             self._admitted -= 1
         job.emit(final)
 
+    def _claim(self, job: Job) -> bool:
+        """Give `job` a slot; False when its client left while it waited (dropped)."""
+        with self._lock:
+            if job.state == "dropped":
+                return False
+            job.state = "running"
+            self._running += 1
+            self._active.add(job)
+        return True
+
     # ---- distributed: one request at a time, the other ranks in lockstep ----------------------
     def _serve_lockstep(self) -> None:
         """Under --distributed every forward is collective, so the ranks must run the same
         requests step for step: one at a time (the batched loop above stays one-process)."""
         while (job := self._next_job()) is not None:
-            with self._lock:
-                if job.state == "dropped":
-                    continue
-                job.state = "running"
-                self._running += 1
-                self._active.add(job)
+            if not self._claim(job):
+                continue
             t0 = time.perf_counter()
             final: Done | Failed
             try:
