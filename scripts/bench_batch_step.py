@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pocket_mlx import kernels  # noqa: E402 - after the path above
+from pocket_mlx.analysis.routing import RouteRecorder  # noqa: E402
 from pocket_mlx.engine.loader import load, resolve_model_path  # noqa: E402
 from pocket_mlx.models.batched import DecodeBatch, attend  # noqa: E402
 from pocket_mlx.models.fusion import project  # noqa: E402
@@ -52,11 +56,59 @@ def best(fn, repeats: int) -> float:
     return out
 
 
+def step_bytes(model, seqs: list[Seq], steps: int) -> dict[int, dict[str, float]]:
+    """Bytes a decode step of B sequences must move, B = 1, 2, 4, on this checkpoint with its
+    own routing: every non-expert weight once (plus B embedding rows), each layer's distinct
+    routed experts among the B tokens' top-k (recorded over `steps` real batched steps), and
+    per sequence its Gated DeltaNet state and conv state read and written and its KV cache
+    read. The ratio B x bytes(1) / bytes(B) is what batching can give when a step of B runs
+    at the same GB/s as a step of one: the bandwidth-bound ceiling of the speed-up."""
+    E = model.args.num_experts
+    expert = [0] * len(model.layers)
+    dense = embed = 0
+    for name, a in tree_flatten(model.parameters()):
+        m = re.search(r"layers\.(\d+)\.", name)
+        if m and ".switch_mlp." in name:
+            expert[int(m.group(1))] += a.nbytes
+        elif "embed_tokens" in name:
+            embed += a.nbytes
+        else:
+            dense += a.nbytes
+    per_expert = [b / E for b in expert]
+    embed_row = embed / model.args.vocab_size
+    out = {}
+    for b in WIDTHS:
+        batch = DecodeBatch(model)
+        members = batch.set_members(seqs[:b])
+        t = mx.concatenate([s.token for s in members])
+        with RouteRecorder(model) as rec:
+            for _ in range(steps):
+                t = mx.argmax(batch.step(t), axis=-1).astype(mx.uint32)
+                mx.eval(t)
+        batch.set_members([])
+        distinct = [np.mean([len(np.unique(g[i * b:(i + 1) * b])) for i in range(steps)])
+                    for g in (np.concatenate(x) for x in rec.got)]
+        state = 0.0
+        for s in seqs[:b]:
+            for c in s.cache:
+                if isinstance(c, LinearAttentionCache):
+                    state += 2 * (c.state.nbytes + c.conv_state.nbytes)  # read and write
+                elif getattr(c, "keys", None) is not None:
+                    state += c.keys[..., :c.offset, :].nbytes + c.values[..., :c.offset, :].nbytes
+        experts = sum(d * e for d, e in zip(distinct, per_expert))
+        out[b] = {"dense_weights": dense + b * embed_row, "routed_experts": experts,
+                  "distinct_experts_per_layer": float(np.mean(distinct)), "state": state,
+                  "total": dense + b * embed_row + experts + state}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="synthetic:pocket-35b-e128")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=4, help="decode steps per timed whole step")
+    ap.add_argument("--bytes-steps", type=int, default=16,
+                    help="batched steps whose routing gives the bytes per step (0: skip)")
     args = ap.parse_args()
     model, tok = load(str(resolve_model_path(args.model)), device="cpu", fuse=True)
     layers = model.layers
@@ -130,9 +182,12 @@ def main() -> int:
                 r["attention (whole layer mixer)"] = min(
                     r.get("attention (whole layer mixer)", 1e9),
                     n_full * min(attention_core() for _ in range(2)))
+        moved = step_bytes(model, seqs, args.bytes_steps) if args.bytes_steps else {}
     out = {"model": args.model, "kernels": kernels.info(), "layers": len(layers),
            "linear_layers": n_lin, "full_layers": n_full,
-           "ms": {b: {k: round(v * 1e3, 2) for k, v in r.items()} for b, r in rows.items()}}
+           "ms": {b: {k: round(v * 1e3, 2) for k, v in r.items()} for b, r in rows.items()},
+           "bytes_per_step": {b: {k: round(v, 2) for k, v in r.items()}
+                              for b, r in moved.items()}}
     print(json.dumps(out, indent=2))
     one = rows[1]["step"]
     print(f"\n{'part (x layers)':<34}" + "".join(f"{'B=' + str(b):>10}" for b in WIDTHS),
@@ -143,6 +198,19 @@ def main() -> int:
                                                  for b in WIDTHS), file=sys.stderr)
     print(f"{'vs B=1':<34}" + "".join(f"{b * one / rows[b]['step']:>9.2f}x" for b in WIDTHS),
           file=sys.stderr)
+    if moved:
+        print(f"\n{'bytes per step (MB)':<34}" + "".join(f"{'B=' + str(b):>10}" for b in WIDTHS),
+              file=sys.stderr)
+        for k in moved[1]:
+            unit = 1 if k.startswith("distinct") else 1e6
+            print(f"{k:<34}" + "".join(f"{moved[b][k] / unit:>10.1f}" for b in WIDTHS),
+                  file=sys.stderr)
+        print(f"{'ceiling at B=1 GB/s':<34}" + "".join(
+            f"{b * moved[1]['total'] / moved[b]['total']:>9.2f}x" for b in WIDTHS),
+            file=sys.stderr)
+        print(f"{'GB/s of the timed whole step':<34}" + "".join(
+            f"{moved[b]['total'] / rows[b]['step'] / 1e9:>10.1f}" for b in WIDTHS),
+            file=sys.stderr)
     return 0
 
 

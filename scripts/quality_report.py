@@ -68,6 +68,8 @@ def merged(parts: list[ExpertStats]) -> ExpertStats:
         out.freq += p.freq
         out.reap_sum += p.reap_sum
         out.tokens += p.tokens
+    if all(p.by_source is not None for p in parts):  # one calibration file each
+        out.by_source = np.concatenate([p.by_source for p in parts])
     return out
 
 
@@ -132,7 +134,8 @@ class Report:
         info = convert(str(SRC), out, opts, log=lambda m: None, stats=stats,
                        calib_info=infos).info
         model = load_model(out, dtype="float32")
-        row = {"recipe": recipe, "prune": prune, "calib": list(calib), "criterion": criterion,
+        row = {"recipe": recipe, "prune": prune, "calib": list(calib),
+               "criterion": info.get("criterion", criterion),
                "seed": seed, **{k: info["stats"][k] for k in
                                 ("bits_per_weight", "bytes_per_token", "size_on_disk")},
                "weights_bytes": weights_bytes(out), "target_bytes": target,
@@ -205,8 +208,9 @@ def run_all(a, rep: Report) -> int:
     base = rows["bf16"]
     budget = {}
     if "budget" not in skip:
-        # llama.cpp's IQ2_XS file holds 3.40 bits per weight of the same tensors.
-        iq2 = int(LLAMACPP[IQ2_XS][0] * rep.params / 8)
+        # The bytes of llama.cpp's IQ2_XS file's tensors (its 3.40 bits per weight, rounded,
+        # would give a budget 0.07% above the file).
+        iq2 = LLAMACPP[IQ2_XS][2]
         for name, b in (("IQ2_XS bytes", iq2), ("75% of IQ2_XS bytes", int(0.75 * iq2))):
             budget[name] = rep.build(f"size-{b}", f"size:{b}", calib=DOMAINS)
     combined = {}
@@ -267,18 +271,18 @@ def write_report(a, rows, base, pruned, crit, combined, seconds, rep, autos, bud
     if budget:
         L += ["", "## Size budgets against llama.cpp's low-bit files", "",
               "`--recipe auto --target-size BYTES --calib en --calib zh --calib code` "
-              "(`convert/budget.py`): one search over the experts kept per layer (REAP-sum on "
-              f"{a.calib_tokens} calibration tokens per domain) and 1/2/3/4/6/8 bits per module, "
-              "by the KL of the logits measured on 256 calibration tokens per domain; modules of "
-              "3 bits or fewer rounded activation-aware (`--rounding gptq`, the auto default: "
+              "(`convert/budget.py`): one search over the experts kept per layer (REAP-sum or "
+              f"reap-max on {a.calib_tokens} calibration tokens per domain) and 1/2/3/4/6/8 bits "
+              "per module, by the KL of the logits measured on 256 calibration tokens per "
+              "domain; the build whose worst domain has the lowest KL wins. Modules of 3 bits "
+              "or fewer are rounded activation-aware (`--rounding gptq`, the auto default: "
               "least-squares levels per group, plus GPTQ's error feedback where a matrix saw at "
-              "least 4x its input width in calibration rows, i.e. not the routed experts here). "
-              "Budgets: llama.cpp's IQ2_XS (imatrix) file of this model at the issue's "
-              f"{LLAMACPP[IQ2_XS][0]} bits per weight x {rep.params:,} weights = "
-              f"{budget['IQ2_XS bytes']['target_bytes']:,} bytes (the file's tensors measure "
-              f"{LLAMACPP[IQ2_XS][2]:,} bytes: this budget is "
-              f"{budget['IQ2_XS bytes']['target_bytes'] / LLAMACPP[IQ2_XS][2] - 1:+.2%} off), "
-              "and 75% of it. llama.cpp rows are cited from `../shared/anchors/llamacpp` (ratios to its own "
+              "least 4x its input width in rows of up to 8192 calibration tokens per domain, "
+              "routed experts included). "
+              "Budgets: the tensor bytes of llama.cpp's IQ2_XS (imatrix) file of this model, "
+              f"{budget['IQ2_XS bytes']['target_bytes']:,} bytes "
+              f"({8 * budget['IQ2_XS bytes']['target_bytes'] / rep.params:.3f} bits per weight "
+              f"of the {rep.params:,} weights), and 75% of it. llama.cpp rows are cited from `../shared/anchors/llamacpp` (ratios to its own "
               "BF16 from `llama-perplexity -c 256`; not re-measured here): compare ratios.", "",
               "| build | bits/weight (of the original) | weight bytes | experts | en | zh | code |",
               "|---|---|---|---|---|---|---|"]
@@ -296,7 +300,8 @@ def write_report(a, rows, base, pruned, crit, combined, seconds, rep, autos, bud
             L.append(fmt_row(f"ours auto, {name}", r, base, size=False).replace(
                 f"| ours auto, {name} |",
                 f"| ours auto, {name} | {8 * r['weights_bytes'] / rep.params:.2f} | "
-                f"{r['weights_bytes']:,} | {r['experts']} |"))
+                f"{r['weights_bytes']:,} | {r['experts']}"
+                + (f" ({r['criterion']})" if r["experts"] < 32 else "") + " |"))
             L.append(f"|  ({bits}) | | | | | | |")
         iq2 = LLAMACPP[IQ2_XS][1]
         for name, r in budget.items():

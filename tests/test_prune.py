@@ -50,6 +50,12 @@ def test_criteria_disagree_and_select_accordingly():
     assert select_experts(stats, 2, "frequency", 1, 4) == [[0, 3]]
     assert select_experts(stats, 2, "reap-sum", 1, 4) == [[1, 2]]
     assert select_experts(stats, 2, "reap", 1, 4) == [[1, 2]]
+    # reap-max: per calibration file, each expert's share of the layer's REAP-sum; the largest
+    # share counts. File 1 relies on expert 3, which the summed scores rank below expert 2.
+    stats.by_source = np.array([[[8.0, 1.0, 1.0, 0.0]], [[0.0, 0.0, 1.0, 2.0]]])
+    stats.reap_sum = stats.by_source.sum(0)  # [8, 1, 2, 2]
+    assert select_experts(stats, 2, "reap-sum", 1, 4) == [[0, 2]]
+    assert select_experts(stats, 2, "reap-max", 1, 4) == [[0, 3]]
     r = select_experts(None, 2, "random", 3, 4, seed=5)
     assert r == select_experts(None, 2, "random", 3, 4, seed=5) and all(len(x) == 2 for x in r)
 
@@ -107,6 +113,11 @@ def test_calibrated_pruning_keeps_top_reap_sum(tmp_path, make_ckpt):
     assert info["calibration"][0]["tokens"] == 300 == files[0].get("tokens")
     assert info["calibration"][0]["sha256"] == files[0]["sha256"]
     assert stats.freq.sum(axis=1).tolist() == [300 * 2] * 4  # every token routes to top-2
+    # Per-file statistics (reap-max): two files, each file's share recorded apart.
+    two, _ = collect_router_stats(src, read_config(src), [CALIB, CALIB], 64, 300, progress=False)
+    assert two.by_source.shape == (2, 4, stats.num_experts)
+    np.testing.assert_allclose(two.by_source[0], two.by_source[1], rtol=1e-5)
+    np.testing.assert_allclose(two.by_source.sum(0), two.reap_sum, rtol=1e-6)
     p = mx.array([[1, 2, 3, 400, 5000, 77]])
     a, b = np.array(load_model(out)(p)), np.array(lm_load(out)[0](p))
     assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())

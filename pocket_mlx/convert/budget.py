@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_unflatten
 
 from pocket_mlx.convert.prune import ExpertStats, select_experts
@@ -100,8 +101,10 @@ class _Measure:
     """KL of the model's output distribution from its float baseline on calibration windows,
     with each layer's input cached so a change in layer i is run from layer i on."""
 
-    def __init__(self, model, chunks: list[list[int]]):
+    def __init__(self, model, chunks: list[list[int]], sources: list[int] | None = None):
         self.model = model
+        self.sources = sources or [0] * len(chunks)
+        self.num_sources = max(self.sources) + 1
         self.lm = model.language_model
         self.layers = self.lm.model.layers
         self.xs = [mx.array(c, mx.int32)[None] for c in chunks]
@@ -128,16 +131,20 @@ class _Measure:
     def kl(self, start: int = 0) -> float:
         """Mean KL(base || current) over all tokens, running the layers from `start` (0: from
         the embeddings; len(layers): only the final norm and lm_head)."""
-        total, n = 0.0, 0
+        return self.kl_by_source(start)[0]
+
+    def kl_by_source(self, start: int = 0) -> tuple[float, list[float]]:
+        """(mean KL over all tokens, mean KL over each calibration file's tokens)."""
+        total, n = np.zeros(self.num_sources), np.zeros(self.num_sources)
         for j, x in enumerate(self.xs):
             h = self.lm.model.embed_tokens(x) if start == 0 else self.inputs[j][start]
             for layer in self.layers[start:]:
                 h = layer(h)
             logp = self._logp(h)
             p = self.base[j]
-            total += float((mx.exp(p) * (p - logp)).sum(-1).sum().item())
-            n += p.shape[1]
-        return total / n
+            total[self.sources[j]] += float((mx.exp(p) * (p - logp)).sum(-1).sum().item())
+            n[self.sources[j]] += p.shape[1]
+        return float(total.sum() / n.sum()), (total / np.maximum(n, 1)).tolist()
 
 
 def _start_layer(group: str, num_layers: int) -> int:
@@ -274,9 +281,12 @@ def check_target(sizer: Sizer, target: int, top_k: int) -> dict[int, int]:
 def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, sizer: Sizer,
                   target: int, criterion: str = "reap-sum", seed: int = 0,
                   progress: bool = True, log: Callable[[str], None] = print,
-                  quantizer: Quantizer | None = None) -> tuple[Recipe, int | None, dict]:
+                  quantizer: Quantizer | None = None, sources: list[int] | None = None
+                  ) -> tuple[Recipe, int | None, dict]:
     """(recipe, experts to keep per layer or None for all, report) for a build of at most
-    `target` weight bytes; `model` is the float model, fully loaded (small models only)."""
+    `target` weight bytes; `model` is the float model, fully loaded (small models only).
+    `sources`: the calibration file of each chunk (the build with the lowest worst-file KL
+    wins). The report's "criterion" is the expert criterion the chosen build used."""
     args = model.args
     E, top_k, L = args.num_experts, args.num_experts_per_tok, args.num_hidden_layers
     paths = [p for p, m in model.named_modules() if hasattr(m, "to_quantized")]
@@ -289,7 +299,7 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
     gsize = {g: sum(math.prod(sizer.shapes[u]) for u in us) for g, us in groups.items()}
     share = {u: math.prod(sizer.shapes[u]) / gsize[group_of[u]] for u in units}
 
-    meas = _Measure(model, chunks)
+    meas = _Measure(model, chunks, sources)
     edit = _Editor(model, quantizer)
     kl: dict[tuple[str, int], float] = {}
     todo = [(g, b) for g in groups for b in BUDGET_BITS]
@@ -297,24 +307,37 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
         edit.quantize({p: Spec(b) for p in groups[g]})
         kl[(g, b)] = meas.kl(_start_layer(g, L))
         edit.restore()
+    # With several calibration files (domains), experts are also chosen by reap-max (each
+    # domain's own REAP-sum share: what one domain relies on stays), and a build is judged by
+    # its worst domain: the acceptance of a budget is "within X on every domain", and a
+    # domain hurt by pruning (code, on the reference model) would otherwise be sacrificed to
+    # a lower mean.
+    criteria = [criterion]
+    if stats is not None and stats.num_sources > 1 and criterion == "reap-sum":
+        criteria.append("reap-max")
+    runs = [(k, c) for k in feasible for c in (criteria if k < E else [criterion])]
     tried = []
-    for k in progress_bar(feasible, desc="search", unit="K", enabled=progress):
-        kept = select_experts(stats, k, criterion, L, E, seed) if k < E else None
+    for k, crit in progress_bar(runs, desc="search", unit="build", enabled=progress):
+        kept = select_experts(stats, k, crit, L, E, seed) if k < E else None
         specs, spent = _allocate(units, share, group_of, kl, sizer, k, fixed, target)
         if kept is not None:
             edit.prune(kept)
         prune_kl = meas.kl() if kept is not None else 0.0
         edit.quantize({**fixed, **specs})
-        real = meas.kl()
+        real, per_source = meas.kl_by_source()
         edit.restore()
         est = prune_kl + sum(share[u] * kl[(group_of[u], s.bits)] for u, s in specs.items())
-        tried.append({"experts": k, "bytes": spent, "kl_pruning": round(prune_kl, 5),
-                      "kl_estimate": round(est, 5), "kl_measured": round(real, 5),
+        tried.append({"experts": k, "criterion": crit if k < E else None, "bytes": spent,
+                      "kl_pruning": round(prune_kl, 5), "kl_estimate": round(est, 5),
+                      "kl_measured": round(real, 5),
+                      "kl_worst_source": round(max(per_source), 5),
                       "specs": specs, "kept": kept})
-    best = min(tried, key=lambda t: t["kl_measured"])
+    best = min(tried, key=lambda t: (t["kl_worst_source"], t["kl_measured"]))
     log(f"target {target:,} bytes: " + "; ".join(
-        f"{t['experts']} experts KL {t['kl_measured']:.4f}" for t in tried)
-        + f" -> {best['experts']} experts")
+        f"{t['experts']} experts{' ' + t['criterion'] if t['criterion'] else ''} KL "
+        f"{t['kl_measured']:.4f} (worst file {t['kl_worst_source']:.4f})" for t in tried)
+        + f" -> {best['experts']} experts" + (f" ({best['criterion']})" if best["criterion"]
+                                              else ""))
     rules = [glob_rule(p, s) for p, s in fixed.items()]
     rules += [glob_rule(p, s) for p, s in best["specs"].items()]
     recipe = Recipe(f"auto-{target}B", rules, default=Spec(4))
@@ -322,6 +345,7 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
         "target_bytes": target,
         "bytes": best["bytes"],
         "experts": best["experts"],
+        "criterion": best["criterion"],
         "tokens": sum(len(c) for c in chunks),
         "candidates": [{k: v for k, v in t.items() if k not in ("specs", "kept")}
                        for t in tried],

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_unflatten
 
 from pocket_mlx.convert.prune import ExpertStats
@@ -100,15 +101,27 @@ def calibration_windows(files: list[Path], tokenizer, window: int = 512,
     return chunks, infos
 
 
-def collect_stats(model, chunks: list[list[int]], progress: bool = True) -> ExpertStats:
+def window_sources(infos: list[TextFile], window: int) -> list[int]:
+    """The file index of each window `calibration_windows` returned with these `infos`."""
+    out = []
+    for i, info in enumerate(infos):
+        out += [i] * len(windows(list(range(info.tokens)), window))
+    return out
+
+
+def collect_stats(model, chunks: list[list[int]], progress: bool = True,
+                  sources: list[int] | None = None) -> ExpertStats:
     """Run the windows through a (lazily loaded) model layer by layer, observing each MoE
-    block. The model's layers are dropped as they are done: do not use it afterwards."""
+    block. The model's layers are dropped as they are done: do not use it afterwards.
+    `sources`: the calibration file of each window, for per-file statistics (reap-max)."""
     if not chunks:
         raise PocketError("no calibration text")
     lm = model.language_model
     layers = lm.model.layers
     stats = ExpertStats(len(layers), model.args.num_experts)
     stats.tokens = sum(len(c) for c in chunks)
+    if sources is not None:
+        stats.by_source = np.zeros((max(sources) + 1, len(layers), model.args.num_experts))
     hs = []
     for c in chunks:
         h = lm.model.embed_tokens(mx.array(c, mx.int32)[None])
@@ -119,6 +132,7 @@ def collect_stats(model, chunks: list[list[int]], progress: bool = True) -> Expe
         layer = layers[i]
         layer.mlp.observer = stats.observer(i)
         for j, h in enumerate(hs):
+            stats.source = sources[j] if sources is not None else 0
             hs[j] = layer(h)
             mx.eval(hs[j])
         layer.mlp.observer = None
