@@ -42,8 +42,9 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--calib-tokens", type=int, default=16384, metavar="N",
                    help="calibration tokens per file (default 16384)")
     # `random` (with the hidden --seed) is accepted too: the baseline of docs/QUALITY.md.
-    p.add_argument("--criterion", default="reap-sum", metavar="reap-sum|reap|frequency",
-                   help="expert score: reap-sum (default), reap, frequency")
+    p.add_argument("--criterion", default="reap-sum", metavar="reap-sum|reap|frequency|reap-max",
+                   help="expert score: reap-sum (default), reap, frequency, or reap-max (several "
+                        "--calib domains: keep what any one domain relies on)")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="float dtype of unquantized weights and scales (default: the source's)")

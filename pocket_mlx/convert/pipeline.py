@@ -293,6 +293,11 @@ def quantizer_for(rounding: str, inputs: dict[str, Inputs] | None) -> Quantizer 
     return quantize
 
 
+# Calibration tokens per file on which --target-size compares its complete candidate builds
+# (convert/budget.py, step 3).
+JUDGE_TOKENS = 2048
+
+
 def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
                stats: ExpertStats | None, log: Callable[[str], None],
                quantizer: Quantizer | None = None) -> tuple[Recipe, int | None, dict]:
@@ -302,11 +307,15 @@ def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
     per_file = max(2, min(opts.calib_tokens, opts.measure_tokens))
     window = min(opts.window, per_file)
     chunks, infos = calibration_windows(opts.calib, tokenizer, window, per_file)
+    judge_per_file = max(2, min(opts.calib_tokens, JUDGE_TOKENS))
+    judge_window = min(opts.window, judge_per_file)
+    judge, judge_infos = calibration_windows(opts.calib, tokenizer, judge_window, judge_per_file)
     sizer = sizer_for(config, weights, getattr(mx, opts.dtype) if opts.dtype else None)
     model = load_model(path, config, dtype="float32")
     return budget_recipe(model, chunks, stats, sizer, opts.target_size, opts.criterion,
                          opts.seed, opts.progress, log, quantizer,
-                         window_sources(infos, window))
+                         window_sources(infos, window),
+                         (judge, window_sources(judge_infos, judge_window)))
 
 
 # Calibration tokens per file whose inputs the activation-aware rounding sees. GPTQ's error
