@@ -140,6 +140,7 @@ class Report:
                                 ("bits_per_weight", "bytes_per_token", "size_on_disk")},
                "weights_bytes": weights_bytes(out), "target_bytes": target,
                "experts": info["num_experts"], "bits": info["bits"],
+               "widths": info.get("widths"),
                "rounding": info.get("rounding"), "ppl": {}, "routing": {}}
         all_routes = []
         for d in domains:
@@ -272,8 +273,8 @@ def write_report(a, rows, base, pruned, crit, combined, seconds, rep, autos, bud
         L += ["", "## Size budgets against llama.cpp's low-bit files", "",
               "`--recipe auto --target-size BYTES --calib en --calib zh --calib code` "
               "(`convert/budget.py`): one search over the experts kept per layer (REAP-sum or "
-              f"reap-max on {a.calib_tokens} calibration tokens per domain) and 1/2/3/4/6/8 bits "
-              "per module, by the KL of the logits measured on 256 calibration tokens per "
+              f"reap-max on {a.calib_tokens} calibration tokens per domain) and the width of each "
+              "module (1/2/3/4/6/8 bits in groups of 64, 1/2/3/4 bits in groups of 128), by the KL of the logits measured on 256 calibration tokens per "
               "domain; each candidate build (expert count and criterion) is then measured whole "
               "on 2048 calibration tokens per domain, and the one whose worst domain has the "
               "lowest KL wins. Modules of 3 bits "
@@ -296,7 +297,8 @@ def write_report(a, rows, base, pruned, crit, combined, seconds, rep, autos, bud
                           f"{8 * rows['pocket-2bit']['weights_bytes'] / rep.params:.2f} | "
                           f"{rows['pocket-2bit']['weights_bytes']:,} | 32 |"))
         for name, r in budget.items():
-            bits = ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in r["bits"].items()
+            widths = r.get("widths") or {k: [f"{b}-bit" for b in v] for k, v in r["bits"].items()}
+            bits = ", ".join(f"{k} {' / '.join(v)}" for k, v in widths.items()
                              if k in ("experts", "attention", "linear_attention",
                                       "shared_expert", "embed_tokens", "lm_head"))
             L.append(fmt_row(f"ours auto, {name}", r, base, size=False).replace(

@@ -14,7 +14,7 @@ from conftest import ROOT
 
 from pocket_mlx.cli.main import main
 from pocket_mlx.config import weights_bytes
-from pocket_mlx.convert.budget import spec_bytes
+from pocket_mlx.convert.budget import BUDGET_SPECS, Sizer, _allocate, options, spec_bytes
 from pocket_mlx.convert.recipes import Spec, load_recipe
 from pocket_mlx.engine.loader import load_model
 from pocket_mlx.kernels import ops
@@ -39,12 +39,34 @@ def test_parse_size():
             parse_size(bad)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8])
-def test_spec_bytes_match_mlx_quantize(bits):
-    w = mx.zeros((3, 16, 128), mx.bfloat16)
-    q, s, b = mx.quantize(w, 64, bits)
-    assert spec_bytes(w.shape, Spec(bits), 2) == q.nbytes + s.nbytes + b.nbytes
+@pytest.mark.parametrize("spec", BUDGET_SPECS, ids=Spec.label)
+def test_spec_bytes_match_mlx_quantize(spec):
+    w = mx.zeros((3, 16, 256), mx.bfloat16)
+    q, s, b = mx.quantize(w, spec.group_size, spec.bits)
+    assert spec_bytes(w.shape, spec, 2) == q.nbytes + s.nbytes + b.nbytes
     assert spec_bytes(w.shape, None, 2) == w.nbytes
+
+
+def test_allocation_uses_groups_of_128_between_the_bit_widths():
+    """At ~2.3 bits per weight, 2-bit in groups of 128 (2.25) fits where 2-bit g64 (2.5) does
+    not, and beats 1-bit; a module whose input dim (192) is no multiple of 128 gets only the
+    g64 widths."""
+    shapes = {"a.w": (64, 256), "b.w": (64, 256), "c.w": (64, 192)}
+    sizer = Sizer(shapes, {p: 2 for p in shapes}, other=0, num_experts=1)
+    assert options(sizer, "c.w") == [s for s in BUDGET_SPECS if s.group_size == 64]
+    units = ["a.w", "b.w"]
+    # KL halves with every bit; g128 a little worse than g64 at the same bits.
+    kl = {(u, s): 2.0 ** -s.bits * (1.1 if s.group_size == 128 else 1.0)
+          for u in units for s in BUDGET_SPECS}
+    target = int(2.3 * 64 * 512 / 8)
+    specs, spent = _allocate(units, {u: 1.0 for u in units}, {u: u for u in units}, kl, sizer,
+                             1, {}, target)
+    assert spent == sum(sizer.module(u, s, 1) for u, s in specs.items()) <= target
+    assert specs == {"a.w": Spec(2, 128), "b.w": Spec(2, 128)}
+    # With room for g64 in one of them, the search takes it.
+    specs, _ = _allocate(units, {u: 1.0 for u in units}, {u: u for u in units}, kl, sizer, 1,
+                         {}, int(2.4 * 64 * 512 / 8))
+    assert sorted(s.group_size for s in specs.values()) == [64, 128]
 
 
 def test_one_bit_recipe_loads_in_pocket_and_mlx_lm(tmp_path, make_ckpt):

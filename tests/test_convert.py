@@ -113,7 +113,8 @@ def test_converted_model_loads_in_pocket_and_mlx_lm_with_equal_logits(tmp_path, 
         recipe = str(tmp_path / "u.toml")
         Path(recipe).write_text('base = "pocket-3bit"\n[[rules]]\nglob = "*lm_head"\n'
                                 'float = true\n[[rules]]\nglob = "*.switch_mlp.down_proj"\n'
-                                'bits = 4\ngroup_size = 128\n')
+                                'bits = 4\ngroup_size = 128\n[[rules]]\n'
+                                'glob = "*.switch_mlp.up_proj"\nbits = 2\ngroup_size = 128\n')
     out = tmp_path / "out"
     assert main(["convert", str(src), str(out), "--recipe", recipe, "--shard-size-gb",
                  "0.0003"]) == 0
@@ -131,7 +132,10 @@ def test_converted_model_loads_in_pocket_and_mlx_lm_with_equal_logits(tmp_path, 
         # down_proj's input (moe_intermediate 64) is not a multiple of 128: float, with a note.
         assert q[f"{L0}.mlp.switch_mlp.down_proj"] is False
         assert any("down_proj" in n for n in info["notes"])
-        assert info["bits"]["experts"] == [3, "float"]
+        assert info["bits"]["experts"] == [2, 3, "float"]
+        # 2-bit in groups of 128 (a width --target-size hands out) loads in both.
+        assert q[f"{L0}.mlp.switch_mlp.up_proj"] == {"group_size": 128, "bits": 2}
+        assert info["widths"]["experts"] == ["2-bit g128", "3-bit g64"]
     assert len(list(out.glob("model-*.safetensors"))) > 1  # sharded
     assert not list(out.glob(".shard-*"))
     for key in ("bits_per_weight", "bytes_per_token", "size_on_disk"):

@@ -6,7 +6,7 @@ of the output distribution from the float model's (mean over the calibration tok
 calibration file contributes the same number of tokens, so domains weigh equally):
 
 1. KL of every group (a layer's routed experts, a layer's dense part, embeddings, lm_head)
-   quantized alone at 1, 2, 3, 4, 6 and 8 bits (the rest float), rounded as the build will
+   quantized alone at every width of BUDGET_SPECS (the rest float), rounded as the build will
    round them (`--rounding`: GPTQ by default, which changes the low-bit picture a lot); a group
    in layer i is run from the cached input of layer i, so late groups cost less.
 2. For each candidate expert count K (the same K in every layer: the config has one
@@ -43,7 +43,14 @@ from pocket_mlx.errors import PocketError
 from pocket_mlx.progress import progress as progress_bar
 from pocket_mlx.units import size as fmt_size
 
-BUDGET_BITS = (1, 2, 3, 4, 6, 8)
+# The widths the search hands out, cheapest first: 1-8 bits in groups of 64, and 1-4 bits in
+# groups of 128 (a scale and a bias per 128 weights: 2-bit g128 costs 2.25 bits per weight
+# against 2.5 for g64 and 1.5 for 1-bit g64). On the reference model's 75%-of-IQ2_XS budget
+# the search then drops 1-bit experts for 2-bit g64/g128 ones: en 1.29x -> 1.22x, zh 1.21x ->
+# 1.23x, code 1.320x -> 1.317x (docs/QUALITY.md).
+BUDGET_SPECS = tuple(sorted(
+    [Spec(b) for b in (1, 2, 3, 4, 6, 8)] + [Spec(b, 128) for b in (1, 2, 3, 4)],
+    key=lambda s: s.bits + 32 / s.group_size))
 ROUTER_SPEC = Spec(8)  # routers and shared-expert gates: tiny, and quality collapses below 8
 PRUNE_FRACTIONS = (1.0, 0.875, 0.75, 0.625, 0.5)  # below half, quality falls off (measured)
 
@@ -218,42 +225,47 @@ def _candidates(num_experts: int, top_k: int) -> list[int]:
     return sorted((k for k in ks if top_k <= k <= num_experts), reverse=True)
 
 
-def _allocate(units: list[str], share: dict[str, float], group_of: dict[str, str],
-              kl: dict[tuple[str, int], float], sizer: Sizer, k: int,
-              fixed: dict[str, Spec], target: int) -> tuple[dict[str, Spec], int]:
-    """Greedy: every unit at the lowest width, then the upgrade (to any higher width) with the
-    best estimated KL drop per byte, while it fits; then, to land close to the budget, the
-    least harmful upgrades that still fit."""
-    bits = {u: BUDGET_BITS[0] for u in units}
-    cost = {(u, b): sizer.module(u, Spec(b), k) for u in units for b in BUDGET_BITS}
-    spent = sizer.total({**fixed, **{u: Spec(b) for u, b in bits.items()}}, k)
+def options(sizer: Sizer, path: str) -> list[Spec]:
+    """The widths `path` can take (a group must divide its input dim), cheapest first."""
+    k = sizer.shapes[path][-1]
+    return [s for s in BUDGET_SPECS if k % s.group_size == 0]
 
-    def est(u: str, b: int) -> float:
-        return share[u] * kl[(group_of[u], b)]
+
+def _allocate(units: list[str], share: dict[str, float], group_of: dict[str, str],
+              kl: dict[tuple[str, Spec], float], sizer: Sizer, k: int,
+              fixed: dict[str, Spec], target: int) -> tuple[dict[str, Spec], int]:
+    """Greedy: every unit at its cheapest width, then the upgrade (to any dearer width) with
+    the best estimated KL drop per byte, while it fits; then, to land close to the budget, the
+    least harmful upgrades that still fit."""
+    opts = {u: sorted(options(sizer, u), key=lambda s: sizer.module(u, s, k)) for u in units}
+    cost = {(u, s): sizer.module(u, s, k) for u in units for s in opts[u]}
+    cur = {u: opts[u][0] for u in units}
+    spent = sizer.total({**fixed, **cur}, k)
+
+    def est(u: str, s: Spec) -> float:
+        return share[u] * kl[(group_of[u], s)]
 
     for positive_only in (True, False):
         while True:
             best = None
             for u in units:
-                b0 = bits[u]
-                for b in BUDGET_BITS:
-                    if b <= b0:
-                        continue
-                    extra = cost[(u, b)] - cost[(u, b0)]
+                s0 = cur[u]
+                for s in opts[u][opts[u].index(s0) + 1:]:
+                    extra = cost[(u, s)] - cost[(u, s0)]
                     if spent + extra > target:
                         break  # wider is dearer still
-                    gain = est(u, b0) - est(u, b)
+                    gain = est(u, s0) - est(u, s)
                     if positive_only and gain <= 0:
                         continue
-                    key = gain / extra if positive_only else gain
+                    key = gain / max(extra, 1) if positive_only else gain
                     if best is None or key > best[0]:
-                        best = (key, u, b, extra)
+                        best = (key, u, s, extra)
             if best is None:
                 break
-            _, u, b, extra = best
-            bits[u] = b
+            _, u, s, extra = best
+            cur[u] = s
             spent += extra
-    return {u: Spec(b) for u, b in bits.items()}, spent
+    return cur, spent
 
 
 def check_target(sizer: Sizer, target: int, top_k: int) -> dict[int, int]:
@@ -265,9 +277,10 @@ def check_target(sizer: Sizer, target: int, top_k: int) -> dict[int, int]:
         if sizer.shapes[p][-1] % DEFAULT_GROUP:
             raise PocketError(f"{p}: input dim {sizer.shapes[p][-1]} is not a multiple of "
                               f"{DEFAULT_GROUP}; --target-size cannot quantize this model")
-    lowest = {k: sizer.total({**fixed, **{u: Spec(BUDGET_BITS[0]) for u in units}}, k)
+    cheapest = {u: options(sizer, u)[0] for u in units}
+    lowest = {k: sizer.total({**fixed, **cheapest}, k)
               for k in _candidates(sizer.num_experts, top_k)}
-    highest = sizer.total({**fixed, **{u: Spec(BUDGET_BITS[-1]) for u in units}},
+    highest = sizer.total({**fixed, **{u: BUDGET_SPECS[-1] for u in units}},
                           sizer.num_experts)
     least = min(lowest.values())
     if target < least:
@@ -308,11 +321,14 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
     meas = _Measure(model, chunks, sources)
     whole = _Measure(model, *judge) if judge is not None else meas
     edit = _Editor(model, quantizer)
-    kl: dict[tuple[str, int], float] = {}
-    todo = [(g, b) for g in groups for b in BUDGET_BITS]
-    for g, b in progress_bar(todo, desc="measure", unit="group", enabled=progress):
-        edit.quantize({p: Spec(b) for p in groups[g]})
-        kl[(g, b)] = meas.kl(_start_layer(g, L))
+    kl: dict[tuple[str, Spec], float] = {}
+    # A group is measured at every width one of its modules can take; a module that cannot
+    # take it is measured at the same bits in groups of DEFAULT_GROUP.
+    todo = [(g, s) for g in groups for s in BUDGET_SPECS
+            if any(s in options(sizer, u) for u in groups[g])]
+    for g, s in progress_bar(todo, desc="measure", unit="group", enabled=progress):
+        edit.quantize({p: s if s in options(sizer, p) else Spec(s.bits) for p in groups[g]})
+        kl[(g, s)] = meas.kl(_start_layer(g, L))
         edit.restore()
     # With several calibration files (domains), experts are also chosen by reap-max (each
     # domain's own REAP-sum share: what one domain relies on stays), and a build is judged by
@@ -333,7 +349,7 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
         edit.quantize({**fixed, **specs})
         real, per_source = whole.kl_by_source()
         edit.restore()
-        est = prune_kl + sum(share[u] * kl[(group_of[u], s.bits)] for u, s in specs.items())
+        est = prune_kl + sum(share[u] * kl[(group_of[u], s)] for u, s in specs.items())
         tried.append({"experts": k, "criterion": crit if k < E else None, "bytes": spent,
                       "kl_pruning": round(prune_kl, 5), "kl_estimate": round(est, 5),
                       "kl_measured": round(real, 5),
@@ -358,7 +374,9 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
         "candidates": [{k: v for k, v in t.items() if k not in ("specs", "kept")}
                        for t in tried],
         "groups": {g: {"bits": sorted({best["specs"][u].bits for u in us}),
-                       "kl": {b: round(kl[(g, b)], 5) for b in BUDGET_BITS}}
+                       "widths": sorted({best["specs"][u].label() for u in us}),
+                       "kl": {s.label(): round(kl[(g, s)], 5) for s in BUDGET_SPECS
+                              if (g, s) in kl}}
                    for g, us in groups.items()},
     }
     return recipe, (best["experts"] if best["experts"] < E else None), report

@@ -151,6 +151,15 @@ def family_bits(specs: dict[str, Spec | None]) -> dict[str, list]:
     return {k: sorted(v, key=lambda b: (isinstance(b, str), b)) for k, v in sorted(out.items())}
 
 
+def family_widths(specs: dict[str, Spec | None]) -> dict[str, list[str]]:
+    """Bits and group size ("2-bit g128") each quantized module family got."""
+    out: dict[str, set] = {}
+    for path, spec in specs.items():
+        if spec is not None:
+            out.setdefault(family(path), set()).add((spec.bits, spec.group_size))
+    return {k: [Spec(*bg).label() for bg in sorted(v)] for k, v in sorted(out.items())}
+
+
 def _convert_module(tensors: dict, path: str, src: Spec | None, dst: Spec | None,
                     dtype: mx.Dtype | None, rounding: str = "rtn",
                     inputs: Inputs | None = None) -> dict[str, mx.array]:
@@ -449,6 +458,7 @@ def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_
         **source_info(src, path),
         "recipe": opts.recipe.describe(),
         "bits": family_bits(specs),
+        "widths": family_widths(specs),
         "notes": notes,
         "dtype": opts.dtype or "source",
         "rounding": {"method": rounding, "max_bits": MAX_BITS} if rounding != "rtn" else "rtn",
