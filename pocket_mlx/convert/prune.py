@@ -6,8 +6,9 @@ the expert's total contribution); REAP = REAP-sum / frequency (its mean contribu
 reap-max, for several calibration files (domains): each file's REAP-sum as a share of its
 layer's total, the largest share over the files, so an expert that one domain relies on is kept
 even when the others rarely use it (reference model, 3 domains, 32 -> 20 experts, bf16: the
-worst domain's perplexity ratio 1.30x with reap-sum, 1.20x with reap-max). Pruning slices the router's rows and the experts' tensors, so the kept experts route
-exactly as before among themselves.
+worst domain's perplexity ratio 1.30x with reap-sum, 1.20x with reap-max). Pruning slices the
+router's rows and the experts' tensors, so the kept experts route exactly as before among
+themselves.
 """
 
 from __future__ import annotations
