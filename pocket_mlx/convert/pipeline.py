@@ -259,13 +259,12 @@ def auto_for(path: Path, config: dict, opts: ConvertOptions) -> tuple[Recipe, di
     return auto_recipe(model, chunks, opts.auto_bpw, opts.progress, 8 * out_dtype.size)
 
 
-def _float_bytes(weights: dict, path: str, dtype: mx.Dtype | None) -> int:
-    """Bytes per float of a module as written: its scales' dtype for a quantized source
+def _float_dtype(weights: dict, path: str, dtype: mx.Dtype | None) -> mx.Dtype:
+    """The float dtype of a module as written: its scales' dtype for a quantized source
     (it is dequantized in it), else its weight's; `dtype` when the output casts."""
     if dtype is not None:
-        return dtype.size
-    v = weights.get(f"{path}.scales", weights[f"{path}.weight"])
-    return v.dtype.size
+        return dtype
+    return weights.get(f"{path}.scales", weights[f"{path}.weight"]).dtype
 
 
 def sizer_for(config: dict, weights: dict, dtype: mx.Dtype | None) -> Sizer:
@@ -282,8 +281,9 @@ def sizer_for(config: dict, weights: dict, dtype: mx.Dtype | None) -> Sizer:
         cast = dtype is not None and mx.issubdtype(v.dtype, mx.floating) \
             and not _keep_float32(k, v)
         other += v.size * (dtype.size if cast else v.dtype.size)
-    return Sizer(shapes, {p: _float_bytes(weights, p, dtype) for p in shapes}, other,
-                 ref.args.num_experts)
+    dtypes = {p: _float_dtype(weights, p, dtype) for p in shapes}
+    return Sizer(shapes, {p: d.size for p, d in dtypes.items()}, other, ref.args.num_experts,
+                 dtypes)
 
 
 def quantizer_for(rounding: str, inputs: dict[str, Inputs] | None) -> Quantizer | None:
