@@ -293,9 +293,9 @@ def _judge(tried: list[dict]) -> dict:
     calibration text, unevenly by domain), so "lowest worst-file KL" chose the build that
     pruned hardest (24 of 32 experts), good for zh and en and the worst for code on held-out
     text: 1.22x/1.23x/1.32x (en/zh/code) at 75% of the IQ2_XS bytes; judged relatively, 28
-    experts (reap-max): 1.26x/1.22x/1.24x (docs/QUALITY.md). A file's KL against its own KL in another build does track
-    its held-out perplexity: the question each candidate answers is "does pruning this much
-    cost some domain more than it gives back in bits?"."""
+    experts (reap-max): 1.26x/1.22x/1.24x (docs/QUALITY.md). A file's KL against its own KL
+    in another build does track its held-out perplexity: the question each candidate answers
+    is "does pruning this much cost some domain more than it gives back in bits?"."""
     ref = max(tried, key=lambda t: (t["experts"], t["criterion"] == tried[0]["criterion"]))
     base = [max(v, 1e-9) for v in ref["kl_by_source"]]
     for t in tried:
@@ -339,8 +339,8 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
     `target` weight bytes; `model` is the float model, fully loaded (small models only).
     `sources`: the calibration file of each chunk. `judge`: (chunks, sources) on which the
     complete candidate builds are compared (default: `chunks`); the build with the lowest
-    worst-file KL relative to the least pruned build wins (`_judge`). The report's "criterion" is the expert criterion the chosen build
-    used."""
+    worst-file KL relative to the least pruned build wins (`_judge`). The report's
+    "criterion" is the expert criterion the chosen build used."""
     args = model.args
     E, top_k, L = args.num_experts, args.num_experts_per_tok, args.num_hidden_layers
     paths = [p for p, m in model.named_modules() if hasattr(m, "to_quantized")]
@@ -367,9 +367,9 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
         edit.restore()
     # With several calibration files (domains), experts are also chosen by reap-max (each
     # domain's own REAP-sum share: what one domain relies on stays), and a build is judged by
-    # its worst domain (relative to the least pruned build): the acceptance of a budget is "within X on every domain", and a
-    # domain hurt by pruning (code, on the reference model) would otherwise be sacrificed to
-    # a lower mean.
+    # its worst domain (relative to the least pruned build): the acceptance of a budget is
+    # "within X on every domain", and a domain hurt by pruning (code, on the reference model)
+    # would otherwise be sacrificed to a lower mean.
     criteria = [criterion]
     if stats is not None and stats.num_sources > 1 and criterion == "reap-sum":
         criteria.append("reap-max")
