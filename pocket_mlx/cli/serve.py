@@ -21,7 +21,6 @@ from pocket_mlx.engine.params import PROMPT_CACHE_MB, SERVE_MAX_CONCURRENCY
 from pocket_mlx.errors import PocketError
 
 LAUNCHD_LABEL = "com.pocket-mlx.serve"
-DEFAULT_MAX_TOKENS = 512  # mlx_lm.server's default reply cap when a request names none
 
 
 def register(sub) -> argparse.ArgumentParser:
@@ -45,8 +44,9 @@ def register(sub) -> argparse.ArgumentParser:
                         f"one at a time (default: {SERVE_MAX_CONCURRENCY}; 1 under --distributed)")
     p.add_argument("--max-queue", type=_non_negative, default=8, metavar="N",
                    help="requests waiting for a slot; beyond it: 429 with Retry-After")
-    p.add_argument("--max-tokens", type=argtypes.max_tokens, default=DEFAULT_MAX_TOKENS,
-                   metavar="N", help="reply cap for requests that give no max_tokens")
+    p.add_argument("--max-tokens", type=argtypes.max_tokens, default=None,
+                   metavar="N", help="reply cap for requests that give no max_tokens (default: "
+                                     "none: they run to the end of text, a stop or a full window)")
     p.add_argument("--cors", default=None, metavar="ORIGIN",
                    help="allow browser pages from ORIGIN (e.g. http://localhost:3000, or *) to "
                         "call the API (default: no CORS headers)")
@@ -132,7 +132,9 @@ def launchd_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--device", args.device]
     argv += ["--host", args.host, "--port", str(args.port),
              "--max-concurrency", str(args.max_concurrency), "--max-queue", str(args.max_queue),
-             "--max-tokens", str(args.max_tokens), "--max-body-mb", str(args.max_body_mb)]
+             "--max-body-mb", str(args.max_body_mb)]
+    if args.max_tokens is not None:
+        argv += ["--max-tokens", str(args.max_tokens)]
     if args.cors:
         argv += ["--cors", args.cors]
     argv += ["--prompt-cache-mb", str(args.prompt_cache_mb)]

@@ -162,7 +162,7 @@ class _Seq:
     """A running job on the engine thread: its cache, sampling state and reply so far."""
 
     def __init__(self, job: Job, cache: list, n_cached: int, sampling: SamplingParams,
-                 max_tokens: int, room: int, tokenizer) -> None:
+                 max_tokens: int | None, room: int, tokenizer) -> None:
         ids = job.ids
         self.job, self.ids, self.cache, self.n_cached = job, ids, cache, n_cached
         self.rest = mx.array(ids[n_cached:], mx.uint32)  # prompt tokens not yet fed
@@ -179,8 +179,8 @@ class _Seq:
         self.processors = make_logits_processors(sampling)
         self.keep = sampling.repetition_context
         self.history = mx.array(ids[n_cached:][-self.keep:], mx.uint32)
-        self.max_tokens = max_tokens
-        self.limit = min(max_tokens, room)  # tokens that may be sampled
+        self.max_tokens = max_tokens  # None: no cap but the window (agents send none)
+        self.limit = room if max_tokens is None else min(max_tokens, room)  # may be sampled
         self.text = _StopText(tokenizer, [s for s in (job.request.stop or []) if s])
         self.eos = set(tokenizer.eos_token_ids)
         self.read = 0  # sampled tokens read so far (an EOS included)
@@ -205,7 +205,7 @@ class Engine:
 
     def __init__(self, model: str | None = None, device: str | None = None, *,
                  max_concurrency: int = SERVE_MAX_CONCURRENCY, max_queue: int = 8,
-                 default_max_tokens: int = 512, prompt_cache: PromptCache | None = None,
+                 default_max_tokens: int | None = None, prompt_cache: PromptCache | None = None,
                  prompt_cache_mb: int = 0, prompt_cache_dir: Path | None = None, log=None,
                  prefill_step: int = DEFAULT_PREFILL_STEP, distributed=None) -> None:
         if max_concurrency < 1:
@@ -218,6 +218,8 @@ class Engine:
         self.model_ref, self.device_name = model, device
         self.max_concurrency, self.max_queue = max_concurrency, max_queue
         kernels.keep_rows_independent(max_concurrency)
+        # None: a request without max_tokens runs to the end of text, a stop or a full window
+        # (as llama.cpp's server and Ollama do); a number caps such requests (`--max-tokens`).
         self.default_max_tokens = default_max_tokens
         self.prefill_step = prefill_step
         self.prompt_cache: PromptCache = (prompt_cache if prompt_cache is not None
@@ -458,7 +460,8 @@ class Engine:
         if stopped:
             return "stop"
         if s.read >= s.limit:
-            return "length" if s.n >= s.max_tokens else "context"
+            capped = s.max_tokens is not None and s.n >= s.max_tokens
+            return "length" if capped else "context"
         if s.job.cancelled.is_set():
             return "cancelled"
         return None
@@ -606,7 +609,8 @@ class Engine:
         last, t_token = None, None
         for r in self.dist.stream_generate(
                 self.model, self.tokenizer, ids[n_cached:], cache=cache,
-                max_tokens=req.max_tokens or self.default_max_tokens, sampling=sampling,
+                max_tokens=(req.max_tokens or self.default_max_tokens
+                            or max(1, self.context - len(ids))), sampling=sampling,
                 stop=req.stop, device=self.device, should_stop=job.cancelled.is_set,
                 warn=self.log):
             if r.token is not None:
