@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -320,3 +321,34 @@ def test_template_limits_fail_fast(source):
         render_template(source, messages=[{"role": "user", "content": "hi"}],
                         add_generation_prompt=True, bos_token="", eos_token="")
     assert time.monotonic() - t0 < 5
+
+
+# ---- a tokenizer file the tokenizers library cannot parse (issue 28, item 7) -----------------
+
+@pytest.fixture(scope="module")
+def truncated_tokenizer_model(tmp_path_factory) -> Path:
+    """A copy of the bundled model whose tokenizer.json is cut in half (a broken download)."""
+    folder = tmp_path_factory.mktemp("broken-tok") / "model"
+    shutil.copytree(ASSET, folder)
+    tok = folder / "tokenizer.json"
+    data = tok.read_bytes()
+    tok.write_bytes(data[:len(data) // 2])
+    return folder
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", "{m}", "-p", "hi", "-n", "3"],
+    ["chat", "--model", "{m}"],
+    ["serve", "--model", "{m}", "--port", "{port}"],
+    ["convert", "{m}", "{out}"],
+    ["bench", "--model", "{m}"],
+], ids=["generate", "chat", "serve", "convert", "bench"])
+def test_truncated_tokenizer_json_is_one_line_exit_2(truncated_tokenizer_model, tmp_path, argv):
+    m = truncated_tokenizer_model
+    with socket.socket() as sock:  # a port free now: serve must fail on the tokenizer, not it
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = cli(*[a.format(m=m, out=tmp_path / "out", port=port) for a in argv],
+            home=tmp_path / "home")
+    assert_one_line_error(r, str(m / "tokenizer.json"), "cannot read this tokenizer file")
+    assert not (tmp_path / "out").exists()  # convert wrote nothing

@@ -196,7 +196,17 @@ def run(args: argparse.Namespace) -> int:
                     max_queue=args.max_queue, default_max_tokens=args.max_tokens,
                     prompt_cache_mb=args.prompt_cache_mb, prompt_cache_dir=args.prompt_cache_dir,
                     distributed=lockstep)
-    engine.start()
+    try:
+        engine.start()
+    except PocketError as e:
+        # MLX may already have run on the engine thread (weights loaded before the tokenizer
+        # failed): a normal exit would then abort in MLX's teardown, so end here, exit 2.
+        sock.close()
+        from pocket_mlx.cli.main import one_line
+        from pocket_mlx.engine.devices import exit_now
+
+        print(f"pocket-mlx serve: error: {one_line(e)}", file=sys.stderr)
+        exit_now(e.exit_code)
     app = create_app(engine, api_key=args.api_key, cors=args.cors,
                      max_body=args.max_body_mb * 2**20)
     host = f"[{args.host}]" if ":" in args.host else args.host

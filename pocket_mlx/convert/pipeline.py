@@ -63,7 +63,7 @@ from pocket_mlx.engine.loader import (
     quantize_as_stored,
     resolve_model_path,
 )
-from pocket_mlx.engine.tokenizer import load_tokenizer
+from pocket_mlx.engine.tokenizer import check_tokenizer_files, load_tokenizer
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
 from pocket_mlx.progress import progress as progress_bar
@@ -355,6 +355,7 @@ def convert(src: str, out: Path, opts: ConvertOptions,
     out = Path(out)
     path = resolve_model_path(src)
     config = read_config(path)
+    check_tokenizer_files(path)  # a truncated download stops here, not in the written model
     source = build_model(config)
     args = source.args
     dtype = getattr(mx, opts.dtype) if opts.dtype else None

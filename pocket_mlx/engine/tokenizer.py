@@ -23,6 +23,34 @@ def _token_content(tok) -> str | None:
     return tok
 
 
+def _unreadable(file: Path, e: BaseException) -> PocketError:
+    """A tokenizer file its library cannot parse (truncated download, wrong format) as the
+    one-line error every command prints with exit 2, instead of the library's traceback."""
+    why = " ".join(str(e).split())[:200] or type(e).__name__
+    return PocketError(f"{file}: cannot read this tokenizer file ({why}); download the model "
+                       "again or replace the file")
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """Parse the tokenizer files in `path` that exist, so that a command which only copies them
+    (convert) refuses a broken one up front instead of writing a model that cannot load."""
+    path = Path(path)
+    if (file := path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            HFTokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 - the library raises plain Exception
+            raise _unreadable(file, e) from None
+    elif (file := path / "tokenizer.model").is_file():
+        import sentencepiece as spm
+
+        try:
+            spm.SentencePieceProcessor(model_file=str(file))
+        except Exception as e:  # noqa: BLE001 - sentencepiece raises RuntimeError/OSError
+            raise _unreadable(file, e) from None
+
+
 class Tokenizer:
     """One face over both backends: encode, decode, chat template, EOS ids."""
 
@@ -34,12 +62,20 @@ class Tokenizer:
         if (self.path / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as HFTokenizer
 
-            self._hf = HFTokenizer.from_file(str(self.path / "tokenizer.json"))
+            file = self.path / "tokenizer.json"
+            try:
+                self._hf = HFTokenizer.from_file(str(file))
+            except Exception as e:  # noqa: BLE001 - the library raises plain Exception
+                raise _unreadable(file, e) from None
             self._sp = None
         elif (self.path / "tokenizer.model").is_file():
             import sentencepiece as spm
 
-            self._sp = spm.SentencePieceProcessor(model_file=str(self.path / "tokenizer.model"))
+            file = self.path / "tokenizer.model"
+            try:
+                self._sp = spm.SentencePieceProcessor(model_file=str(file))
+            except Exception as e:  # noqa: BLE001 - sentencepiece raises RuntimeError/OSError
+                raise _unreadable(file, e) from None
             self._hf = None
         else:
             raise PocketError(f"{self.path} has no tokenizer.json or tokenizer.model")
