@@ -266,21 +266,46 @@ def test_anthropic_tool_refusals(server, extra):
 
 
 def test_tools_on_a_model_without_a_tool_format(tmp_path):
-    """The bundled model's template renders no tools: tools are refused, not dropped."""
+    """The bundled model's template renders no tools. Tools it may ignore (tool_choice absent
+    or auto, as Open WebUI sends its built-in ones) are left out and said (header and log);
+    tools it must call (required, a named function) and tool-call history are refused."""
     s = Server(tmp_path / "serve.log", "--max-queue", "0")
+    anth_tool = {"name": "f", "input_schema": {"type": "object"}}
     try:
-        for path, body in ((CHAT, {"messages": Q, "tools": [FN]}),
-                           (CHAT, {"messages": tm.after_call()}),
-                           ("/v1/messages", {"max_tokens": 5, "messages": Q, "tools": [
-                               {"name": "f", "input_schema": {}}]})):
-            status, _, err = s.request("POST", path, body)
+        for path, body in ((CHAT, {"messages": Q, "tools": [FN]}),  # no max_tokens, as sent
+                           (CHAT, {"messages": Q, "tools": [FN], "tool_choice": "auto",
+                                   "max_tokens": 4}),
+                           ("/v1/messages", {"max_tokens": 4, "messages": Q,
+                                             "tools": [anth_tool]})):
+            status, headers, r = s.request("POST", path, body)
+            assert status == 200, r
+            assert headers["x-pocket-tools-omitted"] == "1", headers
+        # streamed: the header comes with the stream
+        status, headers, r = s.request("POST", CHAT, {"messages": Q, "tools": [FN, {
+            "type": "function", "function": {"name": "g"}}], "stream": True, "max_tokens": 3})
+        assert status == 200 and headers["x-pocket-tools-omitted"] == "2", headers
+        assert "data: [DONE]" in r["text"]
+        log = s.log.read_text()
+        assert log.count("renders no tools; answered without the") == 4, log
+        assert "(f, g)" in log
+        for path, body in (
+                (CHAT, {"messages": Q, "tools": [FN], "tool_choice": "required"}),
+                (CHAT, {"messages": Q, "tools": [FN], "tool_choice": {
+                    "type": "function", "function": {"name": "f"}}}),
+                (CHAT, {"messages": tm.after_call()}),
+                ("/v1/messages", {"max_tokens": 5, "messages": Q, "tools": [anth_tool],
+                                  "tool_choice": {"type": "any"}})):
+            status, headers, err = s.request("POST", path, body)
             assert status == 400 and "cannot use tools" in json.dumps(err), err
-        # tool_choice none: the tools are not shown to the model, so nothing is lost.
-        status, _, r = s.request("POST", CHAT, {"messages": Q, "tools": [FN],
-                                                "tool_choice": "none", "max_tokens": 2})
+            assert "x-pocket-tools-omitted" not in headers
+        # tool_choice none: the tools are not shown to the model, so nothing is lost or said.
+        status, headers, r = s.request("POST", CHAT, {"messages": Q, "tools": [FN],
+                                                      "tool_choice": "none", "max_tokens": 2})
         assert status == 200 and r["choices"][0]["finish_reason"] in ("stop", "length")
+        assert "x-pocket-tools-omitted" not in headers
     finally:
         s.stop()
+    assert "Traceback" not in s.log.read_text()
 
 
 # ---- the splitter, on text, with mlx-lm's real parser ------------------------------------------

@@ -51,6 +51,7 @@ from pocket_mlx.server.tools import CallSplitter, ToolCall, splitter_for
 
 DEFAULT_MAX_BODY = 8 * 2**20  # bytes; a 2,000-token prompt is ~10 kB of JSON
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+TOOLS_OMITTED = "X-Pocket-Tools-Omitted"  # header: how many tools the prompt left out
 
 
 def one_line(text: str) -> str:
@@ -262,9 +263,11 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
                 job.cancel()
                 log(f"pocket-mlx serve: {where}: the client went away; stopped")
 
-    def sse(stream: AsyncIterator[str]) -> StreamingResponse:
+    def sse(stream: AsyncIterator[str], extra: dict[str, str] | None = None
+            ) -> StreamingResponse:
         return StreamingResponse(stream, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          **(extra or {})})
 
     def data(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
@@ -288,11 +291,22 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
             log(f"pocket-mlx serve: {where}: {split.dropped} tool call(s) past the first "
                 "dropped (parallel_tool_calls is false)")
 
+    def omitted(request: Request, req: GenRequest) -> dict[str, str]:
+        """The reply's extra headers: the tools left out of the prompt (the template renders
+        none, tool_choice was auto), also logged, so the client can tell why none was called."""
+        if not req.tools_omitted:
+            return {}
+        names = ", ".join(t["function"]["name"] for t in req.tools or [])
+        log(f"pocket-mlx serve: {where(request, req)}: this model's chat template renders no "
+            f"tools; answered without the {len(req.tools or [])} tool(s) sent ({one_line(names)})")
+        return {TOOLS_OMITTED: str(len(req.tools or []))}
+
     async def openai_endpoint(request: Request, parse: Callable[[dict], GenRequest]) -> Response:
         req = parse(await read_json(request))
         job = await admit(request, req)
         reply = Reply(req.kind, engine.model_id)
         split = splitter_for(req, "call_")
+        extra = omitted(request, req)
         if not req.stream:
             got = await collect(request, job, where(request, req))
             if got is None:
@@ -302,7 +316,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
             log_calls(split, where(request, req))
             return JSONResponse(reply.full(text, finish_reason(ev.finish_reason, bool(calls)),
                                            usage(ev.prompt_tokens, ev.completion_tokens,
-                                                 ev.cached_tokens), calls))
+                                                 ev.cached_tokens), calls), headers=extra)
 
         def pieces(parts: list[str | ToolCall], inc: bool) -> list[str]:
             out = []
@@ -343,13 +357,14 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
                                                            ev.cached_tokens)))
                     yield "data: [DONE]\n\n"
 
-        return sse(stream())
+        return sse(stream(), extra)
 
     async def anthropic_endpoint(request: Request) -> Response:
         req = anthropic.parse_messages(await read_json(request))
         job = await admit(request, req)
         msg = anthropic.Message(engine.model_id)
         split = splitter_for(req, "toolu_")
+        extra = omitted(request, req)
         if not req.stream:
             got = await collect(request, job, where(request, req))
             if got is None:
@@ -358,7 +373,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
             text, calls = split_all(split, text)
             log_calls(split, where(request, req))
             return JSONResponse(msg.full(text, ev.finish_reason, ev.stop_string, msg.usage(
-                ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens), calls))
+                ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens), calls),
+                                headers=extra)
 
         def event(name: str, obj: dict) -> str:
             return f"event: {name}\n{data(obj)}"
@@ -397,7 +413,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
                                              {"output_tokens": ev.completion_tokens}, called):
                         yield event(name, obj)
 
-        return sse(stream())
+        return sse(stream(), extra)
 
     async def chat(request: Request) -> Response:
         return await openai_endpoint(request, parse_chat)

@@ -93,6 +93,9 @@ class GenRequest:
     # format (None: replies are plain text) and the text the reply is forced to start with.
     tool_format: Any = None
     reply_prefix: str = ""
+    # Set by `render_chat` when the template renders no tools and tool_choice was auto: the
+    # tools were left out of the prompt (the reply says so in X-Pocket-Tools-Omitted).
+    tools_omitted: bool = False
 
 
 def _unsupported(name: str, why: str) -> ApiError:

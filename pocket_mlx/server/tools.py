@@ -262,7 +262,13 @@ def render_chat(tok, req: GenRequest) -> str:
             raise ApiError(500, f"mlx-lm's tool-call parser could not be loaded ({e}); "
                                 "reinstall mlx-lm", type="server_error",
                            code="internal_error") from None
-        if fmt is None:
+        if fmt is None and tools_on and req.tool_choice == "auto" and not history:
+            # Clients such as Open WebUI send their built-in tools with every message, without
+            # tool_choice: the model may answer without them, so it does (said in a header and
+            # the log) rather than refusing every message. "required" or a named function
+            # cannot be honoured without them: those keep the 400 below.
+            req.tools_omitted, tools_on = True, False
+        elif fmt is None:
             raise ApiError(400, f"{what}: this model's chat template has no tool-call format "
                                 "(it does not render tools and tool calls), so this model "
                                 "cannot use tools", param=what, code="unsupported_parameter")
