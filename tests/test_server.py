@@ -473,6 +473,8 @@ def run_serve(*args: str) -> subprocess.CompletedProcess:
     (["--max-concurrency", "0"], "1 or more"),
     (["--port", "70000"], "TCP port"),
     (["--model", "/no/such/model"], "no such model folder"),
+    (["--alias", " padded"], "argument --alias"),
+    (["--alias", ""], "argument --alias"),
 ])
 def test_refusals_exit_2_on_one_line(args, words):
     out = run_serve(*args)

@@ -1,8 +1,10 @@
 """`pocket-mlx serve` on `synthetic:tiny` (window 4096): replies without max_tokens run past the
-old 512-token default to the end of text or the window; `--max-tokens` caps them."""
+old 512-token default to the end of text or the window; `--max-tokens` caps them; `--alias`
+names; the window and the prompts beyond it."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 from test_server import Server
 
@@ -13,7 +15,8 @@ MSGS = [{"role": "user", "content": "Tell me a long story"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("serve") / "serve.log", "--model", SYNTH)
+    s = Server(tmp_path_factory.mktemp("serve") / "serve.log", "--model", SYNTH,
+               "--alias", "my-model", "--alias", "other name")
     yield s
     s.stop()
     assert "Traceback" not in s.log.read_text()
@@ -45,3 +48,24 @@ def test_max_tokens_flag_caps_requests_without_one(tmp_path):
         assert status == 200 and r["usage"]["completion_tokens"] > 40, r  # the request's own wins
     finally:
         s.stop()
+
+
+def test_aliases_are_served_and_unknown_names_get_404_listing_them(server):
+    own = server.health()["model"]
+    status, _, r = server.request("GET", "/v1/models")
+    assert status == 200
+    assert [m["id"] for m in r["data"]] == [own, "my-model", "other name"]
+    assert {m["context_length"] for m in r["data"]} == {4096}
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    for name in (own, "my-model", "other name"):
+        r = client.chat.completions.create(model=name, messages=MSGS, max_tokens=2)
+        assert r.usage.completion_tokens == 2
+    assert client.models.retrieve("my-model").id == "my-model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=2)
+    message = e.value.body["message"]
+    assert "'gpt-4o-mini'" in message and "'my-model'" in message and repr(own) in message
+    status, _, r = server.request("POST", "/v1/messages",
+                                  {"model": "my-model", "max_tokens": 2, "messages": MSGS})
+    assert status == 200, r
+    assert "(also answers to my-model, other name)" in server.log.read_text()

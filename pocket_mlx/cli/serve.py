@@ -47,6 +47,9 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=argtypes.max_tokens, default=None,
                    metavar="N", help="reply cap for requests that give no max_tokens (default: "
                                      "none: they run to the end of text, a stop or a full window)")
+    p.add_argument("--alias", action="append", type=_alias, default=[], metavar="NAME",
+                   help="another model name this server answers to (repeatable; as llama.cpp's "
+                        "flag): requests and /v1/models accept it beside the model's own name")
     p.add_argument("--cors", default=None, metavar="ORIGIN",
                    help="allow browser pages from ORIGIN (e.g. http://localhost:3000, or *) to "
                         "call the API (default: no CORS headers)")
@@ -71,6 +74,14 @@ def register(sub) -> argparse.ArgumentParser:
 _port = argtypes.int_range(1, 65535, "a TCP port from 1 to 65535")
 _positive = argtypes.int_range(1, None, "1 or more")
 _non_negative = argtypes.int_range(0, None, "0 or more")
+
+
+def _alias(text: str) -> str:
+    """A model name for --alias: printable, no spaces at its ends (a client sends it as is)."""
+    if not text.strip() or text != text.strip() or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"must be a model name with no spaces at its ends and "
+                                         f"no control characters, got {text!r}")
+    return text
 
 
 def is_loopback(host: str) -> bool:
@@ -135,6 +146,8 @@ def launchd_argv(args: argparse.Namespace) -> list[str]:
              "--max-body-mb", str(args.max_body_mb)]
     if args.max_tokens is not None:
         argv += ["--max-tokens", str(args.max_tokens)]
+    for name in args.alias:
+        argv += ["--alias", name]
     if args.cors:
         argv += ["--cors", args.cors]
     argv += ["--prompt-cache-mb", str(args.prompt_cache_mb)]
@@ -208,10 +221,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"pocket-mlx serve: error: {one_line(e)}", file=sys.stderr)
         exit_now(e.exit_code)
     app = create_app(engine, api_key=args.api_key, cors=args.cors,
-                     max_body=args.max_body_mb * 2**20)
+                     max_body=args.max_body_mb * 2**20, aliases=args.alias)
     host = f"[{args.host}]" if ":" in args.host else args.host
     ranks = f" x{lockstep.g.size} ranks ({args.distributed})" if lockstep else ""
-    print(f"pocket-mlx serve: {engine.model_id} on {engine.device}{ranks}, context "
+    also = f" (also answers to {', '.join(args.alias)})" if args.alias else ""
+    print(f"pocket-mlx serve: {engine.model_id}{also} on {engine.device}{ranks}, context "
           f"{engine.context} tokens; listening on http://{host}:{args.port}/v1 "
           f"({'API key required' if args.api_key else 'no API key'})",
           file=sys.stderr, flush=True)

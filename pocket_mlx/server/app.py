@@ -24,7 +24,7 @@ import hmac
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -67,7 +67,8 @@ def error_response(e: ApiError) -> Response:
 
 def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None = None,
                max_body: int = DEFAULT_MAX_BODY,
-               log: Callable[[str], object] | None = None) -> Starlette:
+               log: Callable[[str], object] | None = None,
+               aliases: Sequence[str] = ()) -> Starlette:
     """The ASGI app serving `engine`'s model. `api_key`: Bearer key required on every endpoint
     but /health; `cors`: the one origin allowed to call from a browser (None: no CORS)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -156,23 +157,29 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
                                                        stats() if stats else None),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def model_card() -> dict:
-        return {"id": engine.model_id, "object": "model", "created": engine.created,
+    def names() -> list[str]:
+        """The model's own name, then its `--alias` names: clients configured for another
+        name (an agent's "gpt-4o-mini" setting renamed to "my-model") reach it by those."""
+        return list(dict.fromkeys([engine.model_id, *aliases]))
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": engine.created,
                 "owned_by": "pocket-mlx", "context_length": engine.context}
 
     def unknown_model(name: str) -> ApiError:
+        served = ", ".join(repr(n) for n in names())
         return ApiError(404, f"the model {name!r} does not exist here; this server serves "
-                             f"{engine.model_id!r} (GET /v1/models)", param="model",
+                             f"{served} (GET /v1/models)", param="model",
                         code="model_not_found")
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in names()]})
 
     async def model(request: Request) -> Response:
         """GET /v1/models/{id}: OpenAI's clients' `models.retrieve`."""
-        if request.path_params["model"] != engine.model_id:
+        if request.path_params["model"] not in names():
             raise unknown_model(request.path_params["model"])
-        return JSONResponse(model_card())
+        return JSONResponse(model_card(request.path_params["model"]))
 
     async def count_tokens(request: Request) -> Response:
         """Anthropic's POST /v1/messages/count_tokens: the prompt's size as this model's
@@ -182,14 +189,14 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
             raise ApiError(400, "max_tokens: Extra inputs are not permitted",
                            param="max_tokens", code="unknown_parameter")
         req = anthropic.parse_messages({**body, "max_tokens": 1})
-        if req.model is not None and req.model != engine.model_id:
+        if req.model is not None and req.model not in names():
             raise unknown_model(req.model)
         ids = await run_in_threadpool(engine.encode, req)
         return JSONResponse({"input_tokens": len(ids)})
 
     async def admit(request: Request, req: GenRequest) -> Job:
         """The checked request's model, prompt and slot: a queued job, or an ApiError."""
-        if req.model is not None and req.model != engine.model_id:
+        if req.model is not None and req.model not in names():
             raise unknown_model(req.model)
         ids = await run_in_threadpool(engine.encode, req)
         try:
