@@ -65,9 +65,9 @@ class Server:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def request(self, method: str, path: str, body: bytes | dict | None = None,
-                headers: dict | None = None) -> tuple[int, dict, dict]:
+                headers: dict | None = None, timeout: float = 30) -> tuple[int, dict, dict]:
         """(status, headers, JSON body) of one raw HTTP request."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             data = json.dumps(body).encode() if isinstance(body, dict) else body
             conn.request(method, path, body=data,

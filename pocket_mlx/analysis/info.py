@@ -33,7 +33,7 @@ from pocket_mlx.engine.loader import load_model, resolve_model_path
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system import chips
 from pocket_mlx.system.host import get_platform
-from pocket_mlx.system.wired import default_reserve_bytes, kv_cache_bytes
+from pocket_mlx.system.wired import default_reserve_bytes, kv_cache_bytes, planned_context
 from pocket_mlx.units import GB, bandwidth, count, size
 
 FAMILIES = ("experts", "router", "attention", "linear_attention", "shared_expert", "embeddings",
@@ -191,6 +191,9 @@ def describe(model: str | None = None, context: int | None = None,
         "ram_total_bytes": total_ram,
         "ram_usable_bytes": usable,
         "fits": bool(usable is not None and ram_needed <= usable),
+        # The window `serve` offers without --ctx-size: the model's own, capped by what fits.
+        "serve_context": planned_context(src.config, int(args.max_position_embeddings),
+                                         stats.bytes_total, total_ram, dtype_bytes(act_dtype)),
         "bandwidth_gbps": bandwidth_gbps,
         "bandwidth_source": bw_source,
         "decode_ceiling_tps": (bandwidth_gbps * GB / stats.bytes_per_token
@@ -237,6 +240,10 @@ def format_text(d: dict) -> str:
         f"{size(d['linear_state_bytes'])}, {d['activation_dtype']} cache)",
         f"fits this host   {fit} ({size(d['ram_total_bytes'])} RAM, "
         f"{size(d['ram_usable_bytes'])} usable)",
+        f"serve window     {d['serve_context']} tokens ("
+        + ("the model's window" if d["serve_context"] == d["architecture"][
+            "max_position_embeddings"] else "what fits in RAM beside the weights")
+        + "; `serve --ctx-size N` picks another)",
     ]
     if d["decode_ceiling_tps"]:
         lines.append(f"decode ceiling   {d['decode_ceiling_tps']:.1f} tok/s at "

@@ -47,6 +47,11 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=argtypes.max_tokens, default=None,
                    metavar="N", help="reply cap for requests that give no max_tokens (default: "
                                      "none: they run to the end of text, a stop or a full window)")
+    p.add_argument("--ctx-size", "-c", type=_positive, default=None, metavar="N",
+                   help="the context window served, in tokens (prompt and reply), at most the "
+                        "model's own: a smaller one needs less RAM (default: the model's "
+                        "window, capped by what the memory planner says fits in RAM beside "
+                        "the weights, as `pocket-mlx info` shows)")
     p.add_argument("--alias", action="append", type=_alias, default=[], metavar="NAME",
                    help="another model name this server answers to (repeatable; as llama.cpp's "
                         "flag): requests and /v1/models accept it beside the model's own name")
@@ -146,6 +151,8 @@ def launchd_argv(args: argparse.Namespace) -> list[str]:
              "--max-body-mb", str(args.max_body_mb)]
     if args.max_tokens is not None:
         argv += ["--max-tokens", str(args.max_tokens)]
+    if args.ctx_size is not None:
+        argv += ["--ctx-size", str(args.ctx_size)]
     for name in args.alias:
         argv += ["--alias", name]
     if args.cors:
@@ -208,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(args.model, args.device, max_concurrency=args.max_concurrency,
                     max_queue=args.max_queue, default_max_tokens=args.max_tokens,
                     prompt_cache_mb=args.prompt_cache_mb, prompt_cache_dir=args.prompt_cache_dir,
-                    distributed=lockstep)
+                    distributed=lockstep, ctx_size=args.ctx_size)
     try:
         engine.start()
     except PocketError as e:
@@ -226,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = f" x{lockstep.g.size} ranks ({args.distributed})" if lockstep else ""
     also = f" (also answers to {', '.join(args.alias)})" if args.alias else ""
     print(f"pocket-mlx serve: {engine.model_id}{also} on {engine.device}{ranks}, context "
-          f"{engine.context} tokens; listening on http://{host}:{args.port}/v1 "
+          f"{engine.context} tokens ({engine.context_source}); listening on http://{host}:{args.port}/v1 "
           f"({'API key required' if args.api_key else 'no API key'})",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False,

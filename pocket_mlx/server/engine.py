@@ -55,7 +55,9 @@ from typing import Protocol
 import mlx.core as mx
 
 from pocket_mlx import kernels
+from pocket_mlx.config import checkpoint_dtype, dtype_bytes, read_config
 from pocket_mlx.engine import devices
+from pocket_mlx.engine.devices import policy_dtype
 from pocket_mlx.engine.generation import (
     SamplingParams,
     _cache_arrays,
@@ -72,7 +74,9 @@ from pocket_mlx.models.batched import DecodeBatch
 from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.openai import ApiError, GenRequest
 from pocket_mlx.server.tools import render_chat
+from pocket_mlx.system.host import total_ram_bytes
 from pocket_mlx.system.memory import wired_limit
+from pocket_mlx.system.wired import planned_context
 
 
 class PromptCache(Protocol):
@@ -207,7 +211,8 @@ class Engine:
                  max_concurrency: int = SERVE_MAX_CONCURRENCY, max_queue: int = 8,
                  default_max_tokens: int | None = None, prompt_cache: PromptCache | None = None,
                  prompt_cache_mb: int = 0, prompt_cache_dir: Path | None = None, log=None,
-                 prefill_step: int = DEFAULT_PREFILL_STEP, distributed=None) -> None:
+                 prefill_step: int = DEFAULT_PREFILL_STEP, distributed=None,
+                 ctx_size: int | None = None) -> None:
         if max_concurrency < 1:
             raise PocketError(f"--max-concurrency {max_concurrency}: must be 1 or more")
         if distributed is not None and max_concurrency != 1:
@@ -221,6 +226,8 @@ class Engine:
         # None: a request without max_tokens runs to the end of text, a stop or a full window
         # (as llama.cpp's server and Ollama do); a number caps such requests (`--max-tokens`).
         self.default_max_tokens = default_max_tokens
+        self.ctx_size = ctx_size  # None: the model's window, capped by the memory planner
+        self.context_source = ""
         self.prefill_step = prefill_step
         self.prompt_cache: PromptCache = (prompt_cache if prompt_cache is not None
                                           else NoPromptCache())
@@ -273,6 +280,25 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    def _window(self, path: Path, weight_bytes: int) -> tuple[int, str]:
+        """The window served and why: --ctx-size (never past the model's own), else the
+        model's own capped by what the memory planner says fits beside the weights (a full
+        window must not swap; see system/wired.py `planned_context`)."""
+        own = context_limit(self.model)
+        if self.ctx_size is not None:
+            if self.ctx_size > own:
+                raise PocketError(f"--ctx-size {self.ctx_size}: beyond this model's window of "
+                                  f"{own} tokens")
+            return self.ctx_size, "--ctx-size"
+        if self.dist is not None:  # each rank holds a share: this rank's RAM says little
+            return own, "the model's window"
+        config = read_config(path)
+        act = policy_dtype(self.device) or checkpoint_dtype(config)
+        n = planned_context(config, own, weight_bytes, total_ram_bytes(), dtype_bytes(act))
+        if n == own:
+            return own, "the model's window"
+        return n, f"what fits in RAM beside the weights; the model's own is {own}"
+
     def _main(self) -> None:
         try:
             # The loader resolves the device and creates this thread's stream on first use.
@@ -282,9 +308,9 @@ class Engine:
             if self.dist is not None:
                 self.dist.ready(self.model)
             self.model_id = Path(path).name
-            self.context = context_limit(self.model)
             self.device = self.model.device
             weights = model_weight_stats(self.model)
+            self.context, self.context_source = self._window(path, weights.bytes_total)
             self.metrics.bytes_per_token = weights.bytes_per_token
             if self._store_args:
                 store = open_store(self.model, *self._store_args)  # (empty: len() is 0)

@@ -254,6 +254,37 @@ def kv_cache_bytes(config: dict, context: int | None = None,
     return KVEstimate(ctx, full, linear, full_bytes, linear_bytes, act)
 
 
+def fitting_context(config: dict, weight_bytes: int, total_ram: int | None,
+                    act_bytes: int | None = None) -> int | None:
+    """The longest window whose KV cache (one sequence's, as `info` sizes it) fits beside the
+    weights in usable RAM (total less the default reserve, the `fits` test of `info`): the
+    window `serve` offers when no --ctx-size is given, so that a full window cannot swap.
+    None when RAM is unknown or the cache does not grow with the window (no full attention);
+    0 when the weights alone leave no room."""
+    if not total_ram:
+        return None
+    one = kv_cache_bytes(config, 1, act_bytes)
+    if one.full_bytes == 0:
+        return None
+    room = total_ram - default_reserve_bytes(total_ram) - weight_bytes - one.linear_bytes
+    return max(0, room // one.full_bytes)
+
+
+# The planner never shrinks the window below this (or the model's own, if smaller): where the
+# weights leave less, such a window is still more use than none, and --ctx-size decides.
+MIN_PLANNED_CONTEXT = 2048
+
+
+def planned_context(config: dict, own: int, weight_bytes: int, total_ram: int | None,
+                    act_bytes: int | None = None) -> int:
+    """The window `serve` offers without --ctx-size (and `info` reports): the model's own,
+    capped by `fitting_context`, never below MIN_PLANNED_CONTEXT (or the model's own)."""
+    fit = fitting_context(config, weight_bytes, total_ram, act_bytes)
+    if fit is None or fit >= own:
+        return own
+    return max(fit, min(own, MIN_PLANNED_CONTEXT))
+
+
 @dataclass(frozen=True)
 class ModelFootprint:
     path: Path
