@@ -343,8 +343,9 @@ BAD = [
     (CHAT, {"messages": MSGS, "n": 2}, 400, "n", "unsupported_parameter"),
     (CHAT, {"messages": MSGS, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
     (CHAT, {"messages": MSGS, "top_logprobs": 2}, 400, "top_logprobs", "unsupported_parameter"),
-    (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tools", "unsupported_parameter"),
+    # (tool_choice auto or absent: the tools are left out instead, see test_server_tools.py)
+    (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required"}, 400, "tools", "unsupported_parameter"),
     (CHAT, {"messages": MSGS, "tool_choice": "required"}, 400, "tool_choice",
      "invalid_value"),
     (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}, 400,
@@ -748,7 +749,8 @@ BAD_MESSAGES = [
      "invalid_request_error"),  # prefill
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {}}]}]}, 400, "invalid_request_error"),
-    ({"max_tokens": 5, "messages": MSGS, "tools": [{"name": "f", "input_schema": {}}]}, 400,
+    ({"max_tokens": 5, "messages": MSGS, "tools": [{"name": "f", "input_schema": {}}],
+      "tool_choice": {"type": "any"}}, 400,
      "invalid_request_error"),
     ({"max_tokens": 5, "messages": MSGS, "thinking": {"type": "enabled"}}, 400,
      "invalid_request_error"),
