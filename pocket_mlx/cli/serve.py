@@ -54,7 +54,8 @@ def register(sub) -> argparse.ArgumentParser:
                         "the weights, as `pocket-mlx info` shows)")
     p.add_argument("--alias", action="append", type=_alias, default=[], metavar="NAME",
                    help="another model name this server answers to (repeatable; as llama.cpp's "
-                        "flag): requests and /v1/models accept it beside the model's own name")
+                        "flag): requests and /v1/models accept it beside the model's own name "
+                        "(default: none)")
     p.add_argument("--cors", default=None, metavar="ORIGIN",
                    help="allow browser pages from ORIGIN (e.g. http://localhost:3000, or *) to "
                         "call the API (default: no CORS headers)")
