@@ -65,13 +65,13 @@ from pocket_mlx.engine.generation import (
 )
 from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_path, use_device
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
-from pocket_mlx.engine.prompt_cache import open_store
+from pocket_mlx.engine.prompt_cache import SNAPSHOT_INTERVAL, open_store
 from pocket_mlx.engine.sampling import KeyedSampler, greedy
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models.batched import DecodeBatch
 from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.openai import ApiError, GenRequest
-from pocket_mlx.server.tools import render_chat
+from pocket_mlx.server.tools import message_boundaries, render_chat
 from pocket_mlx.system.memory import wired_limit
 
 
@@ -84,8 +84,9 @@ class PromptCache(Protocol):
         caller owns the returned cache and will extend it."""
         ...
 
-    def store(self, tokens: Sequence[int], cache: list) -> None:
-        """Keep `cache`, which holds exactly `tokens`, for later requests."""
+    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None:
+        """Keep `cache`, which holds exactly `tokens`, for later requests; `kind` says where it
+        was taken (boundary | interval | end)."""
         ...
 
 
@@ -95,7 +96,7 @@ class NoPromptCache:
     def fetch(self, tokens: Sequence[int]) -> tuple[list | None, int]:
         return None, 0
 
-    def store(self, tokens: Sequence[int], cache: list) -> None:
+    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None:
         return None
 
 
@@ -191,6 +192,11 @@ class _Seq:
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
         self.t_prev = 0.0
+        # Positions past the cached prefix where prefill stops a chunk and stores a snapshot:
+        # message boundaries, then every SNAPSHOT_INTERVAL tokens (a boundary wins a tie).
+        points = {p: "interval" for p in range(SNAPSHOT_INTERVAL, len(ids), SNAPSHOT_INTERVAL)}
+        points.update((p, "boundary") for p in job.request.boundaries)
+        self.points = deque(sorted((p, k) for p, k in points.items() if n_cached < p < len(ids)))
 
     def sample(self, logits: mx.array) -> mx.array:
         """The next token [1] from logits [1, vocab] (lazy), as `generate_step` samples."""
@@ -415,21 +421,40 @@ class Engine:
         if cache is None or not 0 <= n_cached < len(ids):
             cache, n_cached = self.model.make_cache(), 0
         use_device(self.model, self.device, cache)  # a restored cache in the model's dtypes
-        self.metrics.cache_lookup(n_cached)
+        self._reused(len(ids), n_cached)
         s = _Seq(job, cache, n_cached, sampling, req.max_tokens or self.default_max_tokens,
                  self.context - len(ids), self.tokenizer)
         job.emit(Started(len(ids), n_cached))
         return s
 
+    def _reused(self, n_prompt: int, n_cached: int) -> None:
+        """Count a prompt-cache lookup in /metrics, and log a hit with the kind of snapshot."""
+        kind = getattr(self.prompt_cache, "last_kind", None) if n_cached else None
+        self.metrics.cache_lookup(n_cached, kind)
+        if n_cached:
+            self.log(f"pocket-mlx serve: prompt cache: reused {n_cached} of {n_prompt} prompt "
+                     f"tokens ({kind or 'unknown'} snapshot)")
+
     def _prefill(self, s: _Seq) -> bool:
         """One chunk of `s`'s prompt into its cache (all but the last token, as
         `generate_step`), or, once only the last is left, that token alone: its first sampled
-        token is then queued and True returned (it joins the batch)."""
+        token is then queued and True returned (it joins the batch). A chunk ends at the next
+        snapshot point, where the cache is stored (no extra pass: the chunk was due anyway)."""
         if s.rest.size > 1:
+            pos = len(s.ids) - s.rest.size
             n = min(self.prefill_step, s.rest.size - 1)
+            if s.points:
+                n = min(n, s.points[0][0] - pos)
             self.model(s.rest[:n][None], cache=s.cache)
             mx.eval([a for c in s.cache for a in _cache_arrays(c)])
             s.rest = s.rest[n:]
+            if s.points and s.points[0][0] == pos + n:
+                _, kind = s.points.popleft()
+                try:
+                    self.prompt_cache.store(s.ids[:pos + n], s.cache, kind=kind)
+                except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation
+                    self.log(f"pocket-mlx serve: prompt cache: not stored: "
+                             f"{type(e).__name__}: {' '.join(str(e).split())}")
             return False
         logits = self.model(s.rest[None], cache=s.cache)[:, -1, :]
         s.unread = s.sample(logits)
@@ -550,6 +575,10 @@ class Engine:
                 for m in request.messages or []:
                     _utf8(m["content"], "messages")
                 ids = tok.encode(render_chat(tok, request), add_special_tokens=False)
+                # Computed with the cache off too: prefill chunks end at these points, and the
+                # same chunks with and without the cache give bit-identical states (a chunk
+                # split elsewhere rounds differently, and can change a greedy reply).
+                request.boundaries = message_boundaries(tok, request, ids)
             elif isinstance(request.prompt, str):
                 ids = tok.encode(_utf8(request.prompt, "prompt"))
             else:
@@ -600,7 +629,7 @@ class Engine:
         cache, n_cached = self.prompt_cache.fetch(ids)
         if cache is None or not 0 <= n_cached < len(ids):
             cache, n_cached = self.model.make_cache(), 0
-        self.metrics.cache_lookup(n_cached)
+        self._reused(len(ids), n_cached)
         job.emit(Started(len(ids), n_cached))
         sampling = SamplingParams(**req.sampling)
         last, t_token = None, None

@@ -93,6 +93,9 @@ class GenRequest:
     # format (None: replies are plain text) and the text the reply is forced to start with.
     tool_format: Any = None
     reply_prefix: str = ""
+    # Set when the prompt is encoded (server/tools.py `message_boundaries`): prompt positions
+    # at the end of an earlier message, where prefill stores a reusable snapshot.
+    boundaries: list[int] = field(default_factory=list)
 
 
 def _unsupported(name: str, why: str) -> ApiError:
