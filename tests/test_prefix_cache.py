@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import ASSET
 from test_server import Server
@@ -150,3 +151,34 @@ def test_store_refuses_an_unknown_kind(tok):
     store = PromptCache(model, 1 << 30)
     with pytest.raises(ValueError, match="snapshot kind"):
         store.store([1, 2], model.make_cache(), kind="middle")
+
+
+def test_chunk_points_leave_no_short_piece_and_keep_the_later_of_two_close_points():
+    from pocket_mlx.server.engine import _chunk_points
+
+    pts = [(10, "boundary"), (100, "boundary"), (110, "boundary"), (1024, "interval"),
+           (1030, "boundary"), (2000, "boundary")]
+    # 10: too close to the start; 100 and 110: the later wins; 1024 vs 1030: 1030 wins;
+    # 2000 is the last prompt token (fed alone, never a point).
+    assert _chunk_points(pts, 0, 2000, 512) == [(110, "boundary"), (1030, "boundary")]
+    # Past a cached prefix only; a point 5 tokens past a chunk's end (512 + 110) is dropped.
+    assert _chunk_points([(627, "interval"), (700, "boundary")], 110, 900, 512) == \
+        [(700, "boundary")]
+
+
+def test_prefill_split_into_pieces_of_16_or_more_gives_the_same_logits(tok):
+    """The ground the chunk points stand on: where a prompt is split does not change the
+    result while every piece takes the chunked Gated DeltaNet path (16+ tokens)."""
+    model = load(ASSET, device="cpu")[0]
+    ids = tok.encode(SYSTEM)[:300]
+
+    def last_logits(splits):
+        cache, pos, out = model.make_cache(), 0, None
+        for end in [*splits, len(ids)]:
+            out = model(mx.array(ids[pos:end])[None], cache=cache)
+            pos = end
+        return np.array(out[0, -1])
+
+    whole = last_logits([])
+    for splits in ([100], [64, 128], [200, 250]):
+        assert np.array_equal(last_logits(splits), whole), splits
