@@ -12,6 +12,7 @@ Then, in process, the cost of one snapshot against the prefill it saves (the bas
 SNAPSHOT_INTERVAL): prefill `--interval` tokens, then time `PromptCache.store` of that cache.
 
     python scripts/bench_prefix_cache.py [--model MODEL] [--rules 45] [--interval 1024]
+        [--no-cost]
 """
 
 from __future__ import annotations
@@ -99,9 +100,13 @@ def http_part(args) -> None:
                 u = out["usage"]
                 rows.append(("anthropic", u["input_tokens"] + u["cache_read_input_tokens"],
                              u["cache_read_input_tokens"], dt))
+            held = [ln for ln in _get(port, "/metrics").splitlines()
+                    if ln.startswith(("pocket_mlx_prompt_cache_bytes",
+                                      "pocket_mlx_prompt_cache_entries"))]
         finally:
             proc.terminate()
             proc.wait()
+    print("\n".join(held))
     print("endpoint   prompt  reused  TTFT_s")
     for name, n, cached, dt in rows:
         print(f"{name:10} {n:6d} {cached:7d} {dt:7.3f}")
@@ -144,9 +149,12 @@ def main() -> None:
     ap.add_argument("--rules", type=int, default=45, help="system prompt length (45: ~1,300 "
                     "tokens on the bundled tokenizer)")
     ap.add_argument("--interval", type=int, default=1024)
+    ap.add_argument("--no-cost", action="store_true", help="skip the in-process snapshot cost "
+                    "(it loads the model a second time)")
     args = ap.parse_args()
     http_part(args)
-    snapshot_cost(args)
+    if not args.no_cost:
+        snapshot_cost(args)
 
 
 if __name__ == "__main__":
