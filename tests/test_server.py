@@ -562,7 +562,7 @@ class OnePrefixCache:
             return cache, n
         return None, 0
 
-    def store(self, tokens, cache):
+    def store(self, tokens, cache, kind="end"):
         self.tokens, self.cache = list(tokens), cache
         self.stored.append(list(tokens))
 
@@ -842,7 +842,7 @@ class BrokenOnceCache:
             raise RuntimeError("store index corrupt\nsecond line")
         return None, 0
 
-    def store(self, tokens, cache):
+    def store(self, tokens, cache, kind="end"):
         return None
 
 

@@ -200,6 +200,25 @@ class _Entry:
     nbytes: int = 0  # bytes of the arrays (when in RAM)
     path: Path | None = None  # on disk
     disk_bytes: int = 0
+    kind: str = "end"  # where it was taken: boundary | interval | end
+    hits: int = 0  # fetches it answered: a shared prefix outlives one-off tails
+
+
+#: Where a snapshot was taken: a chat-template message boundary inside a prompt, every N tokens
+#: of a long prompt, or the end of a prompt/reply (see server/engine.py's prefill).
+SNAPSHOT_KINDS = ("boundary", "interval", "end")
+#: Hits beyond this count no more in eviction: an old prefix hit often once still ages out.
+_HIT_CAP = 4
+#: Prefill stores an "interval" snapshot every this many prompt tokens (see docs/SERVE.md for
+#: the measurement behind it: a snapshot costs a copy of the state, the prefill it saves is
+#: this many tokens).
+SNAPSHOT_INTERVAL = 1024
+
+
+def _victim_key(e: _Entry) -> tuple[int, int]:
+    # Why: a system prompt shared by many conversations is hit again and again; a reply's tail
+    # is hit at most by its own next turn. Fewest hits go first, then least recently used.
+    return (min(e.hits, _HIT_CAP), e.used)
 
 
 class PromptCache:
@@ -230,6 +249,8 @@ class PromptCache:
         self.disk_used = 0
         self.hits = self.misses = self.tokens_served = 0
         self.spills = self.restores = self.evictions = self.stores = 0
+        self.tokens_by_kind = dict.fromkeys(SNAPSHOT_KINDS, 0)
+        self.last_kind: str | None = None  # the kind of the snapshot the last fetch returned
         if self.dir is not None:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -250,6 +271,7 @@ class PromptCache:
         dtype = run_dtype(self.model)
         hashes = _prefix_hashes(tokens)
         with self._lock:
+            self.last_kind = None
             lengths = sorted((n for n in self._lengths.get(dtype, {}) if n < len(tokens)),
                              reverse=True)
             for n in lengths:
@@ -266,14 +288,20 @@ class PromptCache:
                 if e.states is None:
                     self._admit(e, states)
                 self.hits += 1
+                e.hits += 1
                 self.tokens_served += n
+                self.tokens_by_kind[e.kind] = self.tokens_by_kind.get(e.kind, 0) + n
+                self.last_kind = e.kind
                 return restore(self.model.make_cache(), states), n
             self.misses += 1
         return self.model.make_cache(), 0
 
-    def store(self, tokens, cache: list) -> bool:
-        """Snapshot `cache`, which holds exactly `tokens` (its offset must be len(tokens)).
-        Returns False when that sequence is already stored (then it only counts as used)."""
+    def store(self, tokens, cache: list, kind: str = "end") -> bool:
+        """Snapshot `cache`, which holds exactly `tokens` (its offset must be len(tokens));
+        `kind` says where it was taken (SNAPSHOT_KINDS, reported on reuse). Returns False when
+        that sequence is already stored (then it only counts as used)."""
+        if kind not in SNAPSHOT_KINDS:
+            raise ValueError(f"snapshot kind must be one of {', '.join(SNAPSHOT_KINDS)}")
         tokens = tuple(int(t) for t in tokens)
         if not tokens:
             return False
@@ -295,7 +323,7 @@ class PromptCache:
                     self._admit(e, states)
                 return False
             self._clock += 1
-            e = _Entry(dtype, tokens, key, self._clock)
+            e = _Entry(dtype, tokens, key, self._clock, kind=kind)
             self._entries[key] = e
             by_len = self._lengths.setdefault(dtype, {})
             by_len[len(tokens)] = by_len.get(len(tokens), 0) + 1
@@ -344,6 +372,7 @@ class PromptCache:
                     "tokens_served": self.tokens_served, "stores": self.stores,
                     "spills": self.spills, "restores": self.restores,
                     "evictions": self.evictions,
+                    "tokens_by_kind": dict(self.tokens_by_kind),
                     "ram_bytes": self.ram_used, "ram_budget_bytes": self.ram_budget,
                     "disk_bytes": self.disk_used, "disk_budget_bytes": self.disk_budget,
                     "entries": len(self._entries), "entries_ram": ram, "entries_disk": disk}
@@ -372,7 +401,7 @@ class PromptCache:
         self.ram_used += e.nbytes
         while self.ram_used > self.ram_budget:
             victim = min((x for x in self._entries.values() if x.states is not None),
-                         key=lambda x: x.used)
+                         key=_victim_key)
             if victim.path is None and self._write(victim):
                 self.spills += 1
             self.ram_used -= victim.nbytes
@@ -385,7 +414,7 @@ class PromptCache:
     def _shrink_disk(self) -> None:
         while self.disk_used > self.disk_budget:
             victim = min((x for x in self._entries.values() if x.path is not None),
-                         key=lambda x: x.used)
+                         key=_victim_key)
             self._unlink(victim)
             if victim.states is None:
                 self._forget(victim)
@@ -428,7 +457,7 @@ class PromptCache:
             for name, a in zip(names, s.arrays):
                 if a is not None:
                     arrays[f"{i}.{name}"] = a
-        meta = {"format": FORMAT, "model": self.fingerprint, "dtype": e.dtype,
+        meta = {"format": FORMAT, "model": self.fingerprint, "dtype": e.dtype, "kind": e.kind,
                 "layers": json.dumps([[s.kind, s.offset] for s in e.states])}
         final = self._file(e)
         tmp = final.with_name(f"{final.stem}{_TMP}{os.getpid()}-{threading.get_ident()}{SUFFIX}")
@@ -487,18 +516,19 @@ class PromptCache:
                 found.append((f.stat().st_mtime_ns, f, *self._read_index(f)))
             except (OSError, ValueError, KeyError, TypeError, PocketError) as err:
                 log.warning("prompt cache: skipping %s: %s", f, err)
-        for _, f, dtype, tokens, size in sorted(found, key=lambda x: x[0]):
+        for _, f, dtype, tokens, size, kind in sorted(found, key=lambda x: x[0]):
             key = (dtype, len(tokens), _prefix_hashes(tokens)[-1])
             if key in self._entries:
                 continue
             self._clock += 1
-            self._entries[key] = _Entry(dtype, tokens, key, self._clock, path=f, disk_bytes=size)
+            self._entries[key] = _Entry(dtype, tokens, key, self._clock, path=f, disk_bytes=size,
+                                        kind=kind)
             by_len = self._lengths.setdefault(dtype, {})
             by_len[len(tokens)] = by_len.get(len(tokens), 0) + 1
             self.disk_used += size
         self._shrink_disk()
 
-    def _read_index(self, f: Path) -> tuple[str, tuple[int, ...], int]:
+    def _read_index(self, f: Path) -> tuple[str, tuple[int, ...], int, str]:
         """(dtype, token ids, bytes) of a cache file, from its header and its token array only."""
         n, header = safetensors_header(f)
         meta = header.get("__metadata__") or {}
@@ -522,7 +552,9 @@ class PromptCache:
         ids.frombytes(raw)
         if sys.byteorder == "big":  # pragma: no cover - safetensors is little-endian
             ids.byteswap()
-        return str(meta["dtype"]), tuple(ids), f.stat().st_size
+        kind = meta.get("kind", "end")
+        return str(meta["dtype"]), tuple(ids), f.stat().st_size, \
+            kind if kind in SNAPSHOT_KINDS else "end"
 
 
 def open_store(model, ram_mb: int, folder: Path | None = None, *,

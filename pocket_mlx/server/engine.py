@@ -67,13 +67,14 @@ from pocket_mlx.engine.generation import (
 )
 from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_path, use_device
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
-from pocket_mlx.engine.prompt_cache import open_store
+from pocket_mlx.engine.prompt_cache import SNAPSHOT_INTERVAL, open_store
 from pocket_mlx.engine.sampling import KeyedSampler, greedy
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models.batched import DecodeBatch
+from pocket_mlx.models.qwen3_5_moe import CHUNKED_MIN_TOKENS
 from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.openai import ApiError, GenRequest
-from pocket_mlx.server.tools import render_chat
+from pocket_mlx.server.tools import message_boundaries, render_chat
 from pocket_mlx.system.host import total_ram_bytes
 from pocket_mlx.system.memory import wired_limit
 from pocket_mlx.system.wired import planned_context
@@ -88,8 +89,9 @@ class PromptCache(Protocol):
         caller owns the returned cache and will extend it."""
         ...
 
-    def store(self, tokens: Sequence[int], cache: list) -> None:
-        """Keep `cache`, which holds exactly `tokens`, for later requests."""
+    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None:
+        """Keep `cache`, which holds exactly `tokens`, for later requests; `kind` says where it
+        was taken (boundary | interval | end)."""
         ...
 
 
@@ -99,7 +101,7 @@ class NoPromptCache:
     def fetch(self, tokens: Sequence[int]) -> tuple[list | None, int]:
         return None, 0
 
-    def store(self, tokens: Sequence[int], cache: list) -> None:
+    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None:
         return None
 
 
@@ -162,6 +164,32 @@ class Job:
 
 
 
+def _chunk_points(points: list[tuple[int, str]], start: int, end: int,
+                  step: int) -> list[tuple[int, str]]:
+    """The snapshot points prefill can end a chunk at: past `start`, before `end` (the last
+    prompt token, fed alone), and at least CHUNKED_MIN_TOKENS past the previous chunk's end
+    (of two points closer than that, the later is kept: the boundary before a new message).
+    Why: a piece that short takes the model's step-by-step Gated DeltaNet kernel, which rounds
+    differently from the chunked one (pieces of 16+ tokens give the same state however a
+    prompt is split, measured on the bundled model), and a snapshot that close to the last
+    is worth little. The piece after a point may be short (a short user message after a
+    long system prompt): `serve` splits there with the cache on or off alike, so its replies
+    do not depend on the cache, but may differ in rounding from `generate`'s one-piece
+    prefill of the same prompt."""
+    points = [(p, k) for p, k in points if start < p < end]
+    points = [(p, k) for i, (p, k) in enumerate(points)
+              if i + 1 == len(points) or points[i + 1][0] - p >= CHUNKED_MIN_TOKENS]
+    out: list[tuple[int, str]] = []
+    pos = start
+    for p, kind in points:
+        while p - pos > step:
+            pos += step
+        if p - pos >= CHUNKED_MIN_TOKENS:
+            out.append((p, kind))
+            pos = p
+    return out
+
+
 class _Seq:
     """A running job on the engine thread: its cache, sampling state and reply so far."""
 
@@ -195,6 +223,12 @@ class _Seq:
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
         self.t_prev = 0.0
+        # Positions past the cached prefix where prefill stops a chunk and stores a snapshot:
+        # message boundaries, then every SNAPSHOT_INTERVAL tokens (a boundary wins a tie).
+        points = {p: "interval" for p in range(SNAPSHOT_INTERVAL, len(ids), SNAPSHOT_INTERVAL)}
+        points.update((p, "boundary") for p in job.request.boundaries)
+        self.points = deque(_chunk_points(sorted(points.items()), n_cached, len(ids) - 1,
+                                          job.engine.prefill_step))
 
     def sample(self, logits: mx.array) -> mx.array:
         """The next token [1] from logits [1, vocab] (lazy), as `generate_step` samples."""
@@ -443,21 +477,40 @@ class Engine:
         if cache is None or not 0 <= n_cached < len(ids):
             cache, n_cached = self.model.make_cache(), 0
         use_device(self.model, self.device, cache)  # a restored cache in the model's dtypes
-        self.metrics.cache_lookup(n_cached)
+        self._reused(len(ids), n_cached)
         s = _Seq(job, cache, n_cached, sampling, req.max_tokens or self.default_max_tokens,
                  self.context - len(ids), self.tokenizer)
         job.emit(Started(len(ids), n_cached))
         return s
 
+    def _reused(self, n_prompt: int, n_cached: int) -> None:
+        """Count a prompt-cache lookup in /metrics, and log a hit with the kind of snapshot."""
+        kind = getattr(self.prompt_cache, "last_kind", None) if n_cached else None
+        self.metrics.cache_lookup(n_cached, kind)
+        if n_cached:
+            self.log(f"pocket-mlx serve: prompt cache: reused {n_cached} of {n_prompt} prompt "
+                     f"tokens ({kind or 'unknown'} snapshot)")
+
     def _prefill(self, s: _Seq) -> bool:
         """One chunk of `s`'s prompt into its cache (all but the last token, as
         `generate_step`), or, once only the last is left, that token alone: its first sampled
-        token is then queued and True returned (it joins the batch)."""
+        token is then queued and True returned (it joins the batch). A chunk ends at the next
+        snapshot point, where the cache is stored (no extra pass: the chunk was due anyway)."""
         if s.rest.size > 1:
+            pos = len(s.ids) - s.rest.size
             n = min(self.prefill_step, s.rest.size - 1)
+            if s.points:
+                n = min(n, s.points[0][0] - pos)
             self.model(s.rest[:n][None], cache=s.cache)
             mx.eval([a for c in s.cache for a in _cache_arrays(c)])
             s.rest = s.rest[n:]
+            if s.points and s.points[0][0] == pos + n:
+                _, kind = s.points.popleft()
+                try:
+                    self.prompt_cache.store(s.ids[:pos + n], s.cache, kind=kind)
+                except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation
+                    self.log(f"pocket-mlx serve: prompt cache: not stored: "
+                             f"{type(e).__name__}: {' '.join(str(e).split())}")
             return False
         logits = self.model(s.rest[None], cache=s.cache)[:, -1, :]
         s.unread = s.sample(logits)
@@ -579,6 +632,10 @@ class Engine:
                 for m in request.messages or []:
                     _utf8(m["content"], "messages")
                 ids = tok.encode(render_chat(tok, request), add_special_tokens=False)
+                # Computed with the cache off too: prefill chunks end at these points, and the
+                # same chunks with and without the cache give bit-identical states (a chunk
+                # split elsewhere rounds differently, and can change a greedy reply).
+                request.boundaries = message_boundaries(tok, request, ids)
             elif isinstance(request.prompt, str):
                 ids = tok.encode(_utf8(request.prompt, "prompt"))
             else:
@@ -629,7 +686,7 @@ class Engine:
         cache, n_cached = self.prompt_cache.fetch(ids)
         if cache is None or not 0 <= n_cached < len(ids):
             cache, n_cached = self.model.make_cache(), 0
-        self.metrics.cache_lookup(n_cached)
+        self._reused(len(ids), n_cached)
         job.emit(Started(len(ids), n_cached))
         sampling = SamplingParams(**req.sampling)
         last, t_token = None, None

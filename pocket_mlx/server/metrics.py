@@ -39,6 +39,7 @@ class Metrics:
         self.cache_lookups = 0
         self.cache_hits = 0
         self.cached_tokens = 0
+        self.cached_by_kind: dict[str, int] = {}  # snapshot kind -> prompt tokens reused
         self.cancelled = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.token_latency = Histogram(TOKEN_BUCKETS)
@@ -53,12 +54,16 @@ class Metrics:
         with self._lock:
             self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
 
-    def cache_lookup(self, n_cached: int) -> None:
+    def cache_lookup(self, n_cached: int, kind: str | None = None) -> None:
+        """One prompt-cache lookup that reused `n_cached` tokens from a snapshot of `kind`
+        (boundary | interval | end; None when the store does not say)."""
         with self._lock:
             self.cache_lookups += 1
             if n_cached:
                 self.cache_hits += 1
                 self.cached_tokens += n_cached
+                k = kind or "unknown"
+                self.cached_by_kind[k] = self.cached_by_kind.get(k, 0) + n_cached
 
     def first_token(self, ttft_s: float) -> None:
         with self._lock:
@@ -124,6 +129,10 @@ class Metrics:
                    "prefix.", [("", self.cache_hits)])
             metric("prompt_cache_tokens_total", "counter", "Prompt tokens served from the "
                    "prompt cache instead of prefilled.", [("", self.cached_tokens)])
+            metric("prompt_cache_reused_tokens_total", "counter", "Prompt tokens reused, by the "
+                   "kind of snapshot (boundary: a message boundary inside a prompt; interval: "
+                   "every N tokens of a prompt; end: the end of a prompt or reply).",
+                   [(f'{{kind="{k}"}}', n) for k, n in sorted(self.cached_by_kind.items())])
             histogram("ttft_seconds", "Time from start of generation to the first token.",
                       self.ttft)
             histogram("token_latency_seconds", "Time between two generated tokens.",

@@ -96,6 +96,9 @@ class GenRequest:
     # Set by `render_chat` when the template renders no tools and tool_choice was auto: the
     # tools were left out of the prompt (the reply says so in X-Pocket-Tools-Omitted).
     tools_omitted: bool = False
+    # Set when the prompt is encoded (server/tools.py `message_boundaries`): prompt positions
+    # at the end of an earlier message, where prefill stores a reusable snapshot.
+    boundaries: list[int] = field(default_factory=list)
 
 
 def _unsupported(name: str, why: str) -> ApiError:

@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Issue 30's measurement: a shared system prompt reused across conversations.
+
+Through real HTTP against a `python -m pocket_mlx serve` child (fresh data and cache folders):
+one unmeasured warm-up request, then two new conversations with the same long system prompt
+and different user messages, on /v1/chat/completions, then the same on /v1/messages with
+another system prompt (so its first request is cold too). Each timed request asks for one
+token, not streamed: its wall time is the time to first token (prefill + one step + HTTP).
+Reports each request's prompt and reused tokens, TTFT cold vs warm and the ratio.
+
+Then, in process, the cost of one snapshot against the prefill it saves (the basis of
+SNAPSHOT_INTERVAL): prefill `--interval` tokens, then time `PromptCache.store` of that cache.
+
+    python scripts/bench_prefix_cache.py [--model MODEL] [--rules 45] [--interval 1024]
+        [--no-cost]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def system_prompt(rules: int, salt: str) -> str:
+    return " ".join(f"Rule {i}{salt}: answer the user about topic {i * 7 % 53} politely, briefly "
+                    f"and without guessing." for i in range(rules))
+
+
+def post(port: int, path: str, body: dict) -> tuple[float, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    t0 = time.perf_counter()
+    conn.request("POST", path, body=json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    out = json.loads(r.read())
+    dt = time.perf_counter() - t0
+    conn.close()
+    if r.status != 200:
+        raise SystemExit(f"{path}: {r.status}: {out}")
+    return dt, out
+
+
+def serve(args, home: str) -> tuple[subprocess.Popen, int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "POCKET_MLX_HOME": home, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "pocket_mlx", "serve", "--port", str(port),
+           "--device", args.device, "--prompt-cache-dir", str(Path(home) / "cache")]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 1800
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"serve exited {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc, port
+        except OSError:
+            time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit("serve did not start")
+
+
+def http_part(args) -> None:
+    with tempfile.TemporaryDirectory(prefix="pocket-prefix-bench-") as home:
+        proc, port = serve(args, home)
+        try:
+            model = json.loads(_get(port, "/v1/models"))["data"][0]["id"]
+            post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 1, "temperature": 0})
+            sys_a = system_prompt(args.rules, "")
+            rows = []
+            for user in ("Tell me a joke.", "What is 2+2?"):
+                dt, out = post(port, "/v1/chat/completions", {
+                    "messages": [{"role": "system", "content": sys_a},
+                                 {"role": "user", "content": user}],
+                    "max_tokens": 1, "temperature": 0})
+                u = out["usage"]
+                rows.append(("openai", u["prompt_tokens"],
+                             u["prompt_tokens_details"]["cached_tokens"], dt))
+            sys_b = system_prompt(args.rules, "b")
+            for user in ("Tell me a joke.", "What is 2+2?"):
+                dt, out = post(port, "/v1/messages", {
+                    "model": model, "system": sys_b, "max_tokens": 1, "temperature": 0,
+                    "messages": [{"role": "user", "content": user}]})
+                u = out["usage"]
+                rows.append(("anthropic", u["input_tokens"] + u["cache_read_input_tokens"],
+                             u["cache_read_input_tokens"], dt))
+            held = [ln for ln in _get(port, "/metrics").splitlines()
+                    if ln.startswith(("pocket_mlx_prompt_cache_bytes",
+                                      "pocket_mlx_prompt_cache_entries"))]
+        finally:
+            proc.terminate()
+            proc.wait()
+    print("\n".join(held))
+    print("endpoint   prompt  reused  TTFT_s")
+    for name, n, cached, dt in rows:
+        print(f"{name:10} {n:6d} {cached:7d} {dt:7.3f}")
+    for i in (0, 2):
+        print(f"{rows[i][0]}: cold/warm TTFT = {rows[i][3] / rows[i + 1][3]:.1f}x")
+
+
+def _get(port: int, path: str) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", path)
+    return conn.getresponse().read().decode()
+
+
+def snapshot_cost(args) -> None:
+    import mlx.core as mx
+
+    from pocket_mlx.engine.loader import load
+    from pocket_mlx.engine.prompt_cache import PromptCache
+
+    model, tok = load(args.model or str(ROOT / "assets" / "pocket-tiny"), device=args.device)[:2]
+    ids = tok.encode(system_prompt(args.rules * 4, ""))[:args.interval]
+    cache = model.make_cache()
+    t0 = time.perf_counter()
+    for i in range(0, len(ids), 512):
+        model(mx.array(ids[i:i + 512])[None], cache=cache)
+        mx.eval([a for c in cache for a in c.state if a is not None])
+    prefill = time.perf_counter() - t0
+    store = PromptCache(model, 1 << 40)
+    t0 = time.perf_counter()
+    store.store(ids, cache)
+    cost = time.perf_counter() - t0
+    print(f"prefill of {len(ids)} tokens: {prefill:.3f} s; one snapshot of it: {cost * 1e3:.1f} ms "
+          f"({store.ram_used / 2**20:.1f} MiB); snapshot/prefill = {cost / prefill:.3%}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the bundled model")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--rules", type=int, default=45, help="system prompt length (45: ~1,300 "
+                    "tokens on the bundled tokenizer)")
+    ap.add_argument("--interval", type=int, default=1024)
+    ap.add_argument("--no-cost", action="store_true", help="skip the in-process snapshot cost "
+                    "(it loads the model a second time)")
+    args = ap.parse_args()
+    http_part(args)
+    if not args.no_cost:
+        snapshot_cost(args)
+
+
+if __name__ == "__main__":
+    main()
