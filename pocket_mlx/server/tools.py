@@ -307,7 +307,7 @@ def message_boundaries(tok, req: GenRequest, ids: list[int]) -> list[int]:
     ks = list(range(1, len(msgs)))
     if len(ks) > MAX_BOUNDARIES:
         ks = ks[:1] + ks[-(MAX_BOUNDARIES - 1):]
-    tools_on = bool(req.tools) and req.tool_choice != "none"
+    tools_on = bool(req.tools) and req.tool_choice != "none" and not req.tools_omitted
     tools = [t for t in req.tools or []
              if req.tool_name is None or t["function"]["name"] == req.tool_name] \
         if tools_on else None
