@@ -529,7 +529,8 @@ class PromptCache:
         self._shrink_disk()
 
     def _read_index(self, f: Path) -> tuple[str, tuple[int, ...], int, str]:
-        """(dtype, token ids, bytes) of a cache file, from its header and its token array only."""
+        """(dtype, token ids, bytes, snapshot kind) of a cache file, from its header and its
+        token array only (a file from before kinds were recorded counts as "end")."""
         n, header = safetensors_header(f)
         meta = header.get("__metadata__") or {}
         if meta.get("format") != FORMAT:
