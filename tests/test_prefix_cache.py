@@ -154,7 +154,7 @@ def test_store_refuses_an_unknown_kind(tok):
 
 
 def test_chunk_points_leave_no_short_piece_and_keep_the_later_of_two_close_points():
-    from pocket_mlx.server.engine import _chunk_points
+    from pocket_mlx.engine.snapshot_points import chunk_points as _chunk_points
 
     pts = [(10, "boundary"), (100, "boundary"), (110, "boundary"), (1024, "interval"),
            (1030, "boundary"), (2000, "boundary")]
