@@ -480,3 +480,30 @@ def test_kv_that_differs_from_the_stored_prefix_is_not_shared(tiny, ids):
     # Evicting the short one frees its own bytes only; the long one is whole.
     store._forget(next(e for e in store._entries.values() if len(e.tokens) == 16))
     assert store.ram_used == sum(s.nbytes for s in capture(long, detach=True))
+
+
+def test_chat_reuses_a_system_prompt_across_new_conversations(tiny, exact_kernels):
+    """Issue 30 in `chat`: the prefill of a new conversation stores a snapshot at the end of the
+    system message (as `serve` does); a second new conversation with the same system prompt
+    starts there (a "boundary" snapshot) and replies, greedy, as a session without the store."""
+    model, tok = tiny
+    settings = Settings(system=" ".join(f"Rule {i}: be brief and kind." for i in range(40)),
+                        max_tokens=6)
+
+    def reply(session, text):
+        out = ""
+        for r, _ in session.generate([{"role": "user", "content": text}], settings, "cpu"):
+            out += r.text
+        return out
+
+    store = PromptCache(model, 1 << 30)
+    reply(ChatSession(model, tok, store), "Tell me a joke.")
+    assert store.stats()["stores"] == 2  # the system message's boundary, the reply's end
+    second = ChatSession(model, tok, store)
+    warm = reply(second, "What is two and two?")
+    system_only = len(tok.encode(tok.apply_chat_template(
+        [{"role": "system", "content": settings.system}], add_generation_prompt=False),
+        add_special_tokens=False))
+    assert second.plan_kind == "stored" and store.last_kind == "boundary"
+    assert store.stats()["tokens_by_kind"]["boundary"] == system_only > 300
+    assert warm == reply(ChatSession(model, tok), "What is two and two?")

@@ -69,7 +69,7 @@ from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_pat
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
 from pocket_mlx.engine.prompt_cache import open_store
 from pocket_mlx.engine.sampling import KeyedSampler, greedy
-from pocket_mlx.engine.snapshot_points import snapshot_points
+from pocket_mlx.engine.snapshot_points import chunk_size, snapshot_points
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models.batched import DecodeBatch
 from pocket_mlx.server.metrics import Metrics
@@ -198,8 +198,7 @@ class _Seq:
         self.t_first: float | None = None
         self.t_prev = 0.0
         # Positions past the cached prefix where prefill stops a chunk and stores a snapshot.
-        self.points = deque(snapshot_points(len(ids), job.request.boundaries, n_cached,
-                                            job.engine.prefill_step))
+        self.points = deque(snapshot_points(len(ids), job.request.boundaries, n_cached))
 
     def sample(self, logits: mx.array) -> mx.array:
         """The next token [1] from logits [1, vocab] (lazy), as `generate_step` samples."""
@@ -469,9 +468,8 @@ class Engine:
         snapshot point, where the cache is stored (no extra pass: the chunk was due anyway)."""
         if s.rest.size > 1:
             pos = len(s.ids) - s.rest.size
-            n = min(self.prefill_step, s.rest.size - 1)
-            if s.points:
-                n = min(n, s.points[0][0] - pos)
+            n = chunk_size(pos, s.rest.size - 1, self.prefill_step,
+                           s.points[0][0] if s.points else None)
             self.model(s.rest[:n][None], cache=s.cache)
             mx.eval([a for c in s.cache for a in _cache_arrays(c)])
             s.rest = s.rest[n:]
