@@ -8,11 +8,16 @@ another system prompt (so its first request is cold too). Each timed request ask
 token, not streamed: its wall time is the time to first token (prefill + one step + HTTP).
 Reports each request's prompt and reused tokens, TTFT cold vs warm and the ratio.
 
+With `--identity N`: a third new conversation behind the same system prompt, N greedy tokens on
+the warm server (it starts from the system prompt's snapshot), then the same request on a fresh
+server with the prompt cache off: the two replies must be identical (issue 30: reuse never
+changes output).
+
 Then, in process, the cost of one snapshot against the prefill it saves (the basis of
 SNAPSHOT_INTERVAL): prefill `--interval` tokens, then time `PromptCache.store` of that cache.
 
     python scripts/bench_prefix_cache.py [--model MODEL] [--rules 45] [--interval 1024]
-        [--no-cost]
+        [--identity N] [--no-cost]
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def post(port: int, path: str, body: dict) -> tuple[float, dict]:
     return dt, out
 
 
-def serve(args, home: str) -> tuple[subprocess.Popen, int]:
+def serve(args, home: str, *extra: str) -> tuple[subprocess.Popen, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -59,6 +64,7 @@ def serve(args, home: str) -> tuple[subprocess.Popen, int]:
            "--device", args.device, "--prompt-cache-dir", str(Path(home) / "cache")]
     if args.model:
         cmd += ["--model", args.model]
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline:
@@ -100,18 +106,46 @@ def http_part(args) -> None:
                 u = out["usage"]
                 rows.append(("anthropic", u["input_tokens"] + u["cache_read_input_tokens"],
                              u["cache_read_input_tokens"], dt))
+            if args.identity:
+                third = identity_request(sys_a, args.identity)
+                dt, out = post(port, "/v1/chat/completions", third)
+                warm = (out["choices"][0]["message"]["content"],
+                        out["usage"]["prompt_tokens_details"]["cached_tokens"], dt)
             held = [ln for ln in _get(port, "/metrics").splitlines()
                     if ln.startswith(("pocket_mlx_prompt_cache_bytes",
                                       "pocket_mlx_prompt_cache_entries"))]
         finally:
             proc.terminate()
             proc.wait()
+        if args.identity:
+            with tempfile.TemporaryDirectory(prefix="pocket-prefix-cold-") as cold_home:
+                proc, port = serve(args, cold_home, "--prompt-cache-mb", "0")
+                try:
+                    dt, out = post(port, "/v1/chat/completions", third)
+                    cold = (out["choices"][0]["message"]["content"],
+                            out["usage"]["prompt_tokens_details"]["cached_tokens"], dt)
+                finally:
+                    proc.terminate()
+                    proc.wait()
     print("\n".join(held))
     print("endpoint   prompt  reused  TTFT_s")
     for name, n, cached, dt in rows:
         print(f"{name:10} {n:6d} {cached:7d} {dt:7.3f}")
     for i in (0, 2):
         print(f"{rows[i][0]}: cold/warm TTFT = {rows[i][3] / rows[i + 1][3]:.1f}x")
+    if args.identity:
+        for name, (text, cached, dt) in (("warm", warm), ("cold, cache off", cold)):
+            print(f"identity, {name}: reused {cached} tokens, {dt:.2f} s: {text!r}")
+        same = warm[0] == cold[0]
+        print(f"greedy reply identical with and without the cache: {'yes' if same else 'NO'}")
+        if not same:
+            raise SystemExit(1)
+
+
+def identity_request(system: str, n: int) -> dict:
+    return {"messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "Name three colours, please."}],
+            "max_tokens": n, "temperature": 0}
 
 
 def _get(port: int, path: str) -> str:
@@ -149,6 +183,9 @@ def main() -> None:
     ap.add_argument("--rules", type=int, default=45, help="system prompt length (45: ~1,300 "
                     "tokens on the bundled tokenizer)")
     ap.add_argument("--interval", type=int, default=1024)
+    ap.add_argument("--identity", type=int, default=0, metavar="N",
+                    help="also check that N greedy tokens behind a reused prefix equal a "
+                         "cache-off server's (a second server start)")
     ap.add_argument("--no-cost", action="store_true", help="skip the in-process snapshot cost "
                     "(it loads the model a second time)")
     args = ap.parse_args()

@@ -154,16 +154,33 @@ def test_store_refuses_an_unknown_kind(tok):
 
 
 def test_chunk_points_leave_no_short_piece_and_keep_the_later_of_two_close_points():
-    from pocket_mlx.server.engine import _chunk_points
+    from pocket_mlx.engine.snapshot_points import chunk_points as _chunk_points
 
     pts = [(10, "boundary"), (100, "boundary"), (110, "boundary"), (1024, "interval"),
            (1030, "boundary"), (2000, "boundary")]
     # 10: too close to the start; 100 and 110: the later wins; 1024 vs 1030: 1030 wins;
     # 2000 is the last prompt token (fed alone, never a point).
-    assert _chunk_points(pts, 0, 2000, 512) == [(110, "boundary"), (1030, "boundary")]
-    # Past a cached prefix only; a point 5 tokens past a chunk's end (512 + 110) is dropped.
-    assert _chunk_points([(627, "interval"), (700, "boundary")], 110, 900, 512) == \
-        [(700, "boundary")]
+    assert _chunk_points(pts, 0, 2000) == [(110, "boundary"), (1030, "boundary")]
+    # Past a cached prefix only, 16+ tokens past it.
+    assert _chunk_points([(100, "boundary"), (120, "interval"), (700, "boundary")], 110,
+                         900) == [(700, "boundary")]
+
+
+def test_chunk_size_never_leaves_a_short_piece_before_a_point():
+    from pocket_mlx.engine.snapshot_points import chunk_size
+
+    assert chunk_size(0, 600, 512, 515) == 499  # then 16, not 512 then 3
+    assert chunk_size(499, 101, 512, 515) == 16
+    assert chunk_size(0, 600, 512, 528) == 512  # 16 left: fine
+    assert chunk_size(0, 600, 512, 300) == 300
+    assert chunk_size(0, 600, 512, None) == 512 and chunk_size(0, 40, 512, None) == 40
+    # From a snapshot at 1024 the rest splits as a cold prefill splits it past 1024.
+    cold, pos = [], 0
+    for point in (1024, 2056):
+        while pos < point:
+            cold.append(n := chunk_size(pos, 2500 - pos, 512, point))
+            pos += n
+    assert cold == [512, 512, 512, 504, 16]
 
 
 def test_prefill_split_into_pieces_of_16_or_more_gives_the_same_logits(tok):

@@ -359,7 +359,9 @@ def test_concurrent_stores_and_fetches_keep_consistent_stats(tiny, ids, tmp_path
     assert st["hits"] + st["misses"] == len(fetched)
     assert st["hits"] == sum(1 for g in fetched if g) and st["tokens_served"] == sum(fetched)
     assert st["ram_bytes"] <= per * 3
-    assert st["ram_bytes"] == sum(e.nbytes for e in store._entries.values())
+    held = [e for e in store._entries.values() if e.states is not None]
+    segments = {id(g): g for e in held for g in e.segments}.values()  # each counted once
+    assert st["ram_bytes"] == sum(e.nbytes for e in held) + sum(g.nbytes for g in segments)
     files = list((tmp_path / store.fingerprint).glob("*.safetensors"))
     assert st["disk_bytes"] == sum(f.stat().st_size for f in files)
     assert st["entries"] == len(lengths) and st["stores"] == len(lengths) + st["evictions"]
@@ -422,3 +424,86 @@ def test_the_disk_order_of_use_survives_a_restart(tiny, ids, tmp_path):
     one = max(f.stat().st_size for f in (tmp_path / store.fingerprint).glob("*.safetensors"))
     again = PromptCache(model, 0, tmp_path, disk_bytes=int(one * 1.5))  # room for one
     assert len(again) == 1 and again.fetch(ids[:22])[1] == 20
+
+
+def _kv_bytes(cache) -> int:
+    return sum(s.nbytes for s in capture(cache, detach=True) if s.kind == "kv")
+
+
+def test_snapshots_along_one_prefill_share_their_kv(tiny, ids, tmp_path):
+    """Issue 30: snapshots taken as one prefill goes on hold the KV of the prefix once (the
+    longer ones share the shorter ones' segments); each still restores its exact state, from
+    RAM and after a spill to disk (files are whole)."""
+    model, _ = tiny
+    store = PromptCache(model, 1 << 30, tmp_path)
+    cache, points = model.make_cache(), [16, 32, 48, len(ids) - 1]
+    start = 0
+    for p in points:
+        model(mx.array(ids[start:p])[None], cache=cache)
+        mx.eval([a for c in cache for a in c.arrays])
+        assert store.store(ids[:p], cache, kind="interval")
+        start = p
+    linear = sum(s.nbytes for s in capture(cache, detach=True) if s.kind == "linear")
+    # KV of the longest prefix once, plus one set of linear states per snapshot.
+    assert store.ram_used == _kv_bytes(cache) + linear * len(points)
+    longest = max(store._entries.values(), key=lambda e: len(e.tokens))
+    assert len(longest.segments) == len(points)
+    assert all(g.refs == len(points) - i for i, g in enumerate(longest.segments))
+    for p in points:
+        got, n = store.fetch(ids[:p + 1])
+        assert n == p
+        assert_same_state(got, prefilled(model, ids[:p]))
+    assert store.flush() == len(points)
+    again = PromptCache(model, 1 << 30, tmp_path)  # a new process's view: the files alone
+    for p in points:
+        got, n = again.fetch(ids[:p + 1])
+        assert n == p
+        assert_same_state(got, prefilled(model, ids[:p]))
+
+
+def test_kv_that_differs_from_the_stored_prefix_is_not_shared(tiny, ids):
+    """Sharing is decided by comparing the arrays, not assumed from the tokens: a cache whose
+    prefix KV differs from the stored prefix's (another rounding) gets its own copy."""
+    model, _ = tiny
+    store = PromptCache(model, 1 << 30)
+    short = prefilled(model, ids[:16])
+    for c in short:
+        if getattr(c, "keys", None) is not None:
+            c.keys = c.keys + 1e-3  # the same tokens, other numbers
+    store.store(ids[:16], short)
+    long = prefilled(model, ids[:40])
+    store.store(ids[:40], long)
+    entry = next(e for e in store._entries.values() if len(e.tokens) == 40)
+    assert [(g.start, g.end) for g in entry.segments] == [(0, 40)]
+    got, _ = store.fetch(ids[:41])
+    assert_same_state(got, long)
+    # Evicting the short one frees its own bytes only; the long one is whole.
+    store._forget(next(e for e in store._entries.values() if len(e.tokens) == 16))
+    assert store.ram_used == sum(s.nbytes for s in capture(long, detach=True))
+
+
+def test_chat_reuses_a_system_prompt_across_new_conversations(tiny, exact_kernels):
+    """Issue 30 in `chat`: the prefill of a new conversation stores a snapshot at the end of the
+    system message (as `serve` does); a second new conversation with the same system prompt
+    starts there (a "boundary" snapshot) and replies, greedy, as a session without the store."""
+    model, tok = tiny
+    settings = Settings(system=" ".join(f"Rule {i}: be brief and kind." for i in range(40)),
+                        max_tokens=6)
+
+    def reply(session, text):
+        out = ""
+        for r, _ in session.generate([{"role": "user", "content": text}], settings, "cpu"):
+            out += r.text
+        return out
+
+    store = PromptCache(model, 1 << 30)
+    reply(ChatSession(model, tok, store), "Tell me a joke.")
+    assert store.stats()["stores"] == 2  # the system message's boundary, the reply's end
+    second = ChatSession(model, tok, store)
+    warm = reply(second, "What is two and two?")
+    system_only = len(tok.encode(tok.apply_chat_template(
+        [{"role": "system", "content": settings.system}], add_generation_prompt=False),
+        add_special_tokens=False))
+    assert second.plan_kind == "stored" and store.last_kind == "boundary"
+    assert store.stats()["tokens_by_kind"]["boundary"] == system_only > 300
+    assert warm == reply(ChatSession(model, tok), "What is two and two?")

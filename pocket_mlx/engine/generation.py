@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
@@ -37,6 +38,7 @@ from pocket_mlx.engine.params import (
     check_top_p,
     checked,
 )
+from pocket_mlx.engine.snapshot_points import chunk_size
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system.memory import wired_limit
 
@@ -173,6 +175,8 @@ def generate_step(
     on_prefill: Callable[[int], bool] | None = None,
     fed: list[int] | None = None,
     history_size: int | None = None,
+    points: Sequence[tuple[int, str]] = (),
+    on_point: Callable[[int, str], object] | None = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token, logprobs [1, vocab]) for up to `max_tokens` sampled tokens after `ids`.
 
@@ -183,7 +187,10 @@ def generate_step(
     device's work (as mlx-lm does). `fed`, when given, receives every token the cache consumed
     (the prompt, then each sampled token whose successor was queued), so a caller that stops
     early knows what the cache holds. `processors` get the last `history_size` tokens (all of
-    them when None): the repetition penalty reads only its context, so only that is kept."""
+    them when None): the repetition penalty reads only its context, so only that is kept.
+    `points` are (position in `ids`, kind) where a chunk must end (engine/snapshot_points.py);
+    `on_point(position, kind)` is called there, the cache holding exactly `ids[:position]`
+    past what it held before (the prompt cache stores a snapshot)."""
     keep = len(ids) + max_tokens if history_size is None else history_size
     history = mx.array(ids[-keep:], mx.uint32)
     if fed is not None:
@@ -203,12 +210,17 @@ def generate_step(
     with mx.stream(stream):
         rest = mx.array(ids, mx.uint32)
         done = 0
+        points = deque(points)
         while rest.size > 1:
-            n = min(prefill_step, rest.size - 1)
+            n = chunk_size(done, rest.size - 1, prefill_step, points[0][0] if points else None)
             model(rest[:n][None], cache=cache)
             mx.eval([a for c in cache for a in _cache_arrays(c)])
             rest = rest[n:]
             done += n
+            if points and points[0][0] == done:
+                _, kind = points.popleft()
+                if on_point is not None:
+                    on_point(done, kind)
             if on_prefill is not None and on_prefill(done):
                 return
         y, logprobs = step(rest)
@@ -248,6 +260,8 @@ def stream_generate(
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     warn: Callable[[str], object] | None = None,
+    points: Sequence[tuple[int, str]] = (),
+    on_point: Callable[[int, str], object] | None = None,
     **sampling_kwargs,
 ) -> Iterator[Response]:
     """Yield `Response`s: text pieces as they decode, each with live stats; the last has
@@ -257,7 +271,8 @@ def stream_generate(
     `model.make_cache()`) to continue a conversation: only the new tokens are prefilled. A
     `device` other than the model's switches it (its float dtype follows, and the cache's
     with it, see `loader.use_device`). `warn` receives one-off warnings (the GPU memory one); default:
-    stderr."""
+    stderr. `points` and `on_point` (positions in the tokens fed) are `generate_step`'s: where
+    prefill ends a chunk and what to do there (store a prompt-cache snapshot)."""
     if sampling is not None and sampling_kwargs:
         raise PocketError("give sampling=SamplingParams(...) or sampling keywords, not both")
     sampling = sampling or SamplingParams.from_kwargs(sampling_kwargs)
@@ -312,7 +327,8 @@ def stream_generate(
         steps = generate_step(model, ids, cache, sampler=sampler, processors=processors,
                               max_tokens=min(max_tokens, room), stream=stream,
                               prefill_step=prefill_step, on_prefill=on_prefill, fed=fed,
-                              history_size=sampling.repetition_context)
+                              history_size=sampling.repetition_context, points=points,
+                              on_point=on_point)
         for token, _ in steps:
             if t_decode is None:
                 t_decode = time.perf_counter()

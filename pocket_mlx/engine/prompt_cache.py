@@ -4,8 +4,12 @@ Why: on a CPU, prefill is the cost (a 4k-token prompt takes minutes). A request 
 extends a stored sequence (the same system prompt, the previous turn of a conversation) copies
 that snapshot and prefills only the rest.
 
-What is stored: the cache as it holds exactly a token sequence, taken at reusable boundaries
-(the end of a prompt, the end of a reply). The hybrid model's Gated DeltaNet state cannot be
+What is stored: the cache as it holds exactly a token sequence, taken at reusable points (the
+chat template's message boundaries and every SNAPSHOT_INTERVAL tokens inside a prompt, the end
+of a prompt or reply). In RAM the KV positions are kept in segments that snapshots of the same
+sequence share: a snapshot taken further along the prefill that stored a shorter one holds that
+one's segments plus a copy of the positions past it, not a second copy of the whole prefix
+(they are shared only where the arrays are equal, checked when stored). The hybrid model's Gated DeltaNet state cannot be
 trimmed back to an earlier position, so a snapshot is only ever reused whole: `fetch` finds the
 longest stored sequence that is a proper prefix of the prompt (hash of every prefix, one pass;
 then the stored lengths are checked from the longest down).
@@ -130,6 +134,58 @@ def restore(cache: list, states: list[LayerState]) -> list:
     return cache
 
 
+@dataclass(eq=False)
+class _Segment:
+    """KV positions [start, end) of every KV layer of a model cache, evaluated and compact: a
+    piece of one or more RAM snapshots' KV (counted once in the RAM budget, however many
+    snapshots hold it; `refs` counts them)."""
+
+    start: int
+    end: int
+    kv: dict[int, tuple[mx.array, mx.array]]  # layer index -> (keys, values)
+    refs: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv.values())
+
+
+def _segment(cache: list, start: int, end: int) -> _Segment:
+    """A copy of positions [start, end) of `cache`'s KV layers (lazy; the caller evaluates)."""
+    kv = {}
+    for i, c in enumerate(cache):
+        if layer_kind(c) == "kv" and c.keys is not None:
+            k, v = (a[..., start:end, :] for a in (c.keys, c.values))
+            if start or end < c.keys.shape[2]:
+                k, v = mx.contiguous(k), mx.contiguous(v)  # do not pin the live buffer
+            kv[i] = (k, v)
+    return _Segment(start, end, kv)
+
+
+def _split(states: list[LayerState]) -> tuple[list[LayerState], list[_Segment]]:
+    """Detached layer states -> (states with the KV layers' arrays left out, one segment)."""
+    kv = {i: s.arrays for i, s in enumerate(states) if s.kind == "kv" and s.arrays[0] is not None}
+    bare = [LayerState("kv", s.offset, (None, None)) if s.kind == "kv" else s for s in states]
+    n = max((s.offset for s in states), default=0)
+    return bare, ([_Segment(0, n, kv)] if kv else [])
+
+
+def _join(states: list[LayerState], segments: list[_Segment]) -> list[LayerState]:
+    """The inverse of `_split` (and of a chain of shared segments): whole detached states, the
+    KV of several segments concatenated (lazy: the caller evaluates)."""
+    out = []
+    for i, s in enumerate(states):
+        parts = [seg.kv[i] for seg in segments if i in seg.kv]
+        if s.kind != "kv" or not parts:
+            out.append(s)
+        elif len(parts) == 1:
+            out.append(LayerState("kv", s.offset, parts[0]))
+        else:
+            out.append(LayerState("kv", s.offset, tuple(
+                mx.concatenate([p[j] for p in parts], axis=2) for j in (0, 1))))
+    return out
+
+
 def cache_offset(cache: list) -> int:
     return max((c.offset for c in cache), default=0)
 
@@ -196,8 +252,9 @@ class _Entry:
     tokens: tuple[int, ...]
     key: tuple[str, int, int]  # (dtype, length, prefix hash)
     used: int  # recency: larger is more recent
-    states: list[LayerState] | None = None  # in RAM
-    nbytes: int = 0  # bytes of the arrays (when in RAM)
+    states: list[LayerState] | None = None  # in RAM (KV layers: offsets only, see segments)
+    segments: list[_Segment] | None = None  # in RAM: its KV, possibly shared with others
+    nbytes: int = 0  # bytes of the arrays it holds alone (when in RAM): the linear states
     path: Path | None = None  # on disk
     disk_bytes: int = 0
     kind: str = "end"  # where it was taken: boundary | interval | end
@@ -278,15 +335,17 @@ class PromptCache:
                 e = self._entries.get((dtype, n, hashes[n]))
                 if e is None or list(e.tokens) != tokens[:n]:
                     continue
-                states = e.states
-                if states is None:
+                if e.states is not None:
+                    states = _join(e.states, e.segments)
+                    mx.eval([a for st in states for a in st.arrays if a is not None])
+                else:
                     states = self._read(e)
                     if states is None:
                         continue  # unreadable: dropped, try a shorter one
                     self.restores += 1
                 self._touch(e)
                 if e.states is None:
-                    self._admit(e, states)
+                    self._admit(e, *_split(states))
                 self.hits += 1
                 e.hits += 1
                 self.tokens_served += n
@@ -310,17 +369,22 @@ class PromptCache:
         if (off := cache_offset(cache)) != len(tokens):
             raise ValueError(f"the cache holds {off} positions, not the {len(tokens)} tokens given")
         dtype = run_dtype(self.model)
-        key = (dtype, len(tokens), _prefix_hashes(tokens)[-1])
+        hashes = _prefix_hashes(tokens)
+        key = (dtype, len(tokens), hashes[-1])
         with self._lock:
             if (e := self._entries.get(key)) is not None and e.states is not None:
                 self._touch(e)
                 return False
-        states = capture(cache, detach=True)  # outside the lock: it computes
+            parent = self._parent(dtype, tokens, hashes)
+            # Its segments as a list of their own: another thread may evict it meanwhile (the
+            # arrays stay valid; `_admit` counts them again if they are no longer held).
+            shareable = list(parent.segments) if parent is not None else []
+        states, segments = self._capture(cache, shareable)  # outside the lock: it computes
         with self._lock:
             if (e := self._entries.get(key)) is not None:
                 self._touch(e)
                 if e.states is None and e.tokens == tokens:  # on disk only: back in RAM
-                    self._admit(e, states)
+                    self._admit(e, states, segments)
                 return False
             self._clock += 1
             e = _Entry(dtype, tokens, key, self._clock, kind=kind)
@@ -328,11 +392,47 @@ class PromptCache:
             by_len = self._lengths.setdefault(dtype, {})
             by_len[len(tokens)] = by_len.get(len(tokens), 0) + 1
             self.stores += 1
-            self._admit(e, states)
+            self._admit(e, states, segments)
             if self.write_through and e.states is not None:
                 self._write(e)
                 self._shrink_disk()
             return True
+
+    def _parent(self, dtype: str, tokens: tuple[int, ...], hashes: list[int]) -> _Entry | None:
+        """The longest snapshot in RAM whose tokens are a proper prefix of `tokens` (the lock is
+        held): the one whose KV segments a new snapshot of `tokens` may share."""
+        for n in sorted((n for n in self._lengths.get(dtype, {}) if n < len(tokens)),
+                        reverse=True):
+            e = self._entries.get((dtype, n, hashes[n]))
+            if e is not None and e.states is not None and e.tokens == tokens[:n]:
+                return e
+        return None
+
+    @staticmethod
+    def _capture(cache: list, shareable: list[_Segment]
+                 ) -> tuple[list[LayerState], list[_Segment]]:
+        """`cache` detached as (bare layer states, KV segments), evaluated: the `shareable`
+        segments (a stored prefix's) plus a copy of the positions past them when the cache's KV
+        up to there equals them (the same prefill went on from that snapshot, or one that
+        rounded alike), else one copy of it all. The comparison reads the prefix once; a copy
+        would read and write it."""
+        n = cache_offset(cache)
+        bare = [LayerState("linear", c.offset, (c.conv_state, c.state))
+                if layer_kind(c) == "linear" else LayerState("kv", c.offset, (None, None))
+                for c in cache]
+        shared: list[_Segment] = []
+        if shareable:
+            checks = [mx.array_equal(c.keys[..., seg.start:seg.end, :], k)
+                      & mx.array_equal(c.values[..., seg.start:seg.end, :], v)
+                      for seg in shareable for i, (k, v) in seg.kv.items()
+                      for c in (cache[i],)]
+            if checks and all(mx.stack(checks).tolist()):
+                shared = shareable
+        start = shared[-1].end if shared else 0
+        segments = shared + ([_segment(cache, start, n)] if n > start else [])
+        mx.eval([a for st in bare for a in st.arrays if a is not None]
+                + [a for seg in segments[len(shared):] for kv in seg.kv.values() for a in kv])
+        return bare, [seg for seg in segments if seg.kv]
 
     def flush(self) -> int:
         """Write every snapshot held only in RAM to disk, the most recent first, within the disk
@@ -395,21 +495,34 @@ class PromptCache:
         except OSError:
             pass
 
-    def _admit(self, e: _Entry, states: list[LayerState]) -> None:
-        """Hold `states` in RAM for `e`, then spill the coldest over the budget."""
-        e.states, e.nbytes = states, sum(s.nbytes for s in states)
+    def _admit(self, e: _Entry, states: list[LayerState], segments: list[_Segment]) -> None:
+        """Hold `states` and KV `segments` in RAM for `e` (a segment other snapshots hold
+        already costs nothing more), then spill the coldest over the budget."""
+        e.states, e.segments, e.nbytes = states, segments, sum(s.nbytes for s in states)
         self.ram_used += e.nbytes
+        for seg in segments:
+            if not seg.refs:
+                self.ram_used += seg.nbytes
+            seg.refs += 1
         while self.ram_used > self.ram_budget:
             victim = min((x for x in self._entries.values() if x.states is not None),
                          key=_victim_key)
             if victim.path is None and self._write(victim):
                 self.spills += 1
-            self.ram_used -= victim.nbytes
-            victim.states, victim.nbytes = None, 0
+            self._release_ram(victim)
             if victim.path is None:
                 self._forget(victim)
             else:
                 self._shrink_disk()
+
+    def _release_ram(self, e: _Entry) -> None:
+        """Drop `e`'s RAM copy; its segments' bytes go when no other snapshot holds them."""
+        self.ram_used -= e.nbytes
+        for seg in e.segments or ():
+            seg.refs -= 1
+            if not seg.refs:
+                self.ram_used -= seg.nbytes
+        e.states, e.segments, e.nbytes = None, None, 0
 
     def _shrink_disk(self) -> None:
         while self.disk_used > self.disk_budget:
@@ -421,8 +534,7 @@ class PromptCache:
 
     def _forget(self, e: _Entry) -> None:
         if e.states is not None:
-            self.ram_used -= e.nbytes
-            e.states, e.nbytes = None, 0
+            self._release_ram(e)
         if e.path is not None:
             self._unlink(e)
         if self._entries.pop(e.key, None) is not None:
@@ -449,16 +561,17 @@ class PromptCache:
         no disk tier, it cannot fit, or the write fails (logged)."""
         if self.dir is None or e.states is None:
             return False
-        if e.nbytes + 4 * len(e.tokens) > self.disk_budget:
+        if e.nbytes + sum(g.nbytes for g in e.segments) + 4 * len(e.tokens) > self.disk_budget:
             return False
+        states = _join(e.states, e.segments)  # each file whole: read back alone
         arrays = {"tokens": mx.array(e.tokens, mx.uint32)}
-        for i, s in enumerate(e.states):
+        for i, s in enumerate(states):
             names = ("k", "v") if s.kind == "kv" else ("conv", "state")
             for name, a in zip(names, s.arrays):
                 if a is not None:
                     arrays[f"{i}.{name}"] = a
         meta = {"format": FORMAT, "model": self.fingerprint, "dtype": e.dtype, "kind": e.kind,
-                "layers": json.dumps([[s.kind, s.offset] for s in e.states])}
+                "layers": json.dumps([[s.kind, s.offset] for s in states])}
         final = self._file(e)
         tmp = final.with_name(f"{final.stem}{_TMP}{os.getpid()}-{threading.get_ident()}{SUFFIX}")
         try:

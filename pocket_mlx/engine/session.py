@@ -5,8 +5,10 @@ the chat template every turn; when the tokens the cache holds are a prefix of it
 fed. Regenerate rewinds to a snapshot taken before the last turn (KV caches trim; linear-attention
 caches cannot, but their arrays are immutable, so keeping references is a snapshot: see
 `prompt_cache.capture`). With a shared `PromptCache`, the cache after each reply is stored there,
-and a conversation this session does not hold (another one, or one resumed after a restart)
-starts from the longest stored prefix of it. Anything else (an edited system prompt, another
+and so is the cache at message boundaries and every SNAPSHOT_INTERVAL tokens of a prefill, as
+`serve` stores them (engine/snapshot_points.py); a conversation this session does not hold
+(another one with the same system prompt, or one resumed after a restart) starts from the
+longest stored prefix of it. Anything else (an edited system prompt, another
 conversation) gets a fresh cache and a full prefill.
 
 At the context limit: a turn is sent only with room for a reply (`reply_room`). When the
@@ -20,6 +22,7 @@ not fit even alone is refused (`ContextOverflow`) before the cache is touched.
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,7 +31,10 @@ from pocket_mlx.engine.generation import Response, SamplingParams, context_limit
 from pocket_mlx.engine.loader import use_device
 from pocket_mlx.engine.params import DEFAULT_MAX_TOKENS, check_max_tokens, checked
 from pocket_mlx.engine.prompt_cache import LayerState, PromptCache, capture, restore
+from pocket_mlx.engine.snapshot_points import message_boundaries, snapshot_points
 from pocket_mlx.errors import PocketError
+
+log = logging.getLogger(__name__)
 
 REPLY_SHARE = 4  # a reply's room is max_tokens, but at most a quarter of the context
 HEADROOM_SHARE = 4  # dropping leaves about a quarter of the context free for the next turns
@@ -79,6 +85,10 @@ class Window:
 
 def _role_content(messages: list[dict]) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _with_system(messages: list[dict], system: str) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + _role_content(messages)
 
 
 @dataclass
@@ -164,10 +174,21 @@ class ChatSession:
             return len(self.conversation_ids(messages, settings.system))
 
     def conversation_ids(self, messages: list[dict], system: str = "") -> list[int]:
-        msgs = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": m["role"], "content": m["content"]} for m in messages]
         tok = self.tokenizer
-        return tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+        return tok.encode(tok.apply_chat_template(_with_system(messages, system)),
+                          add_special_tokens=False)
+
+    def snapshot_points(self, messages: list[dict], system: str, ids: list[int],
+                        plan: TurnPlan) -> list[tuple[int, str]]:
+        """(position in `plan.feed`, kind) where this turn's prefill stores prompt-cache
+        snapshots, chosen as `serve` chooses them: message boundaries (only when the turn
+        starts from the store or afresh: continuing its own cache, the earlier messages are
+        behind it already) and every SNAPSHOT_INTERVAL tokens. Without a store too: chunks end
+        there with the cache on or off alike, so a reply does not depend on the cache."""
+        bounds = message_boundaries(self.tokenizer, _with_system(messages, system), ids) \
+            if plan.reused in ("stored", "fresh") else []
+        return [(p - plan.base, kind)
+                for p, kind in snapshot_points(len(ids), bounds, plan.base)]
 
     def plan(self, ids: list[int]) -> TurnPlan:
         """Pick the cache state to continue from; sets `self.cache` accordingly."""
@@ -224,13 +245,24 @@ class ChatSession:
         plan = self.plan(ids)
         self.plan_kind = plan.reused
         prog = (lambda done, total: progress(done, total, plan.base + done)) if progress else None
+        points = self.snapshot_points(messages[win.start:], settings.system, ids, plan)
+
+        def on_point(done: int, kind: str) -> None:
+            if self.prompt_cache is None:
+                return
+            try:
+                self.prompt_cache.store(ids[:plan.base + done], self.cache, kind=kind)
+            except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation
+                log.warning("prompt cache: not stored: %s: %s", type(e).__name__, e)
+
         last = None
         try:
             for r in stream_generate(self.model, self.tokenizer, plan.feed,
                                      max_tokens=settings.max_tokens,
                                      sampling=settings.sampling(), device=device,
                                      cache=self.cache, progress=prog,
-                                     should_stop=should_stop, warn=warn):
+                                     should_stop=should_stop, warn=warn, points=points,
+                                     on_point=on_point):
                 last = r
                 s = r.stats
                 used = plan.base + (s.prefill_done if s.phase == "prefill"

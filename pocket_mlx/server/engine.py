@@ -67,11 +67,11 @@ from pocket_mlx.engine.generation import (
 )
 from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_path, use_device
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
-from pocket_mlx.engine.prompt_cache import SNAPSHOT_INTERVAL, open_store
+from pocket_mlx.engine.prompt_cache import open_store
 from pocket_mlx.engine.sampling import KeyedSampler, greedy
+from pocket_mlx.engine.snapshot_points import chunk_size, snapshot_points
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models.batched import DecodeBatch
-from pocket_mlx.models.qwen3_5_moe import CHUNKED_MIN_TOKENS
 from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.openai import ApiError, GenRequest
 from pocket_mlx.server.tools import message_boundaries, render_chat
@@ -164,32 +164,6 @@ class Job:
 
 
 
-def _chunk_points(points: list[tuple[int, str]], start: int, end: int,
-                  step: int) -> list[tuple[int, str]]:
-    """The snapshot points prefill can end a chunk at: past `start`, before `end` (the last
-    prompt token, fed alone), and at least CHUNKED_MIN_TOKENS past the previous chunk's end
-    (of two points closer than that, the later is kept: the boundary before a new message).
-    Why: a piece that short takes the model's step-by-step Gated DeltaNet kernel, which rounds
-    differently from the chunked one (pieces of 16+ tokens give the same state however a
-    prompt is split, measured on the bundled model), and a snapshot that close to the last
-    is worth little. The piece after a point may be short (a short user message after a
-    long system prompt): `serve` splits there with the cache on or off alike, so its replies
-    do not depend on the cache, but may differ in rounding from `generate`'s one-piece
-    prefill of the same prompt."""
-    points = [(p, k) for p, k in points if start < p < end]
-    points = [(p, k) for i, (p, k) in enumerate(points)
-              if i + 1 == len(points) or points[i + 1][0] - p >= CHUNKED_MIN_TOKENS]
-    out: list[tuple[int, str]] = []
-    pos = start
-    for p, kind in points:
-        while p - pos > step:
-            pos += step
-        if p - pos >= CHUNKED_MIN_TOKENS:
-            out.append((p, kind))
-            pos = p
-    return out
-
-
 class _Seq:
     """A running job on the engine thread: its cache, sampling state and reply so far."""
 
@@ -223,12 +197,8 @@ class _Seq:
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
         self.t_prev = 0.0
-        # Positions past the cached prefix where prefill stops a chunk and stores a snapshot:
-        # message boundaries, then every SNAPSHOT_INTERVAL tokens (a boundary wins a tie).
-        points = {p: "interval" for p in range(SNAPSHOT_INTERVAL, len(ids), SNAPSHOT_INTERVAL)}
-        points.update((p, "boundary") for p in job.request.boundaries)
-        self.points = deque(_chunk_points(sorted(points.items()), n_cached, len(ids) - 1,
-                                          job.engine.prefill_step))
+        # Positions past the cached prefix where prefill stops a chunk and stores a snapshot.
+        self.points = deque(snapshot_points(len(ids), job.request.boundaries, n_cached))
 
     def sample(self, logits: mx.array) -> mx.array:
         """The next token [1] from logits [1, vocab] (lazy), as `generate_step` samples."""
@@ -498,9 +468,8 @@ class Engine:
         snapshot point, where the cache is stored (no extra pass: the chunk was due anyway)."""
         if s.rest.size > 1:
             pos = len(s.ids) - s.rest.size
-            n = min(self.prefill_step, s.rest.size - 1)
-            if s.points:
-                n = min(n, s.points[0][0] - pos)
+            n = chunk_size(pos, s.rest.size - 1, self.prefill_step,
+                           s.points[0][0] if s.points else None)
             self.model(s.rest[:n][None], cache=s.cache)
             mx.eval([a for c in s.cache for a in _cache_arrays(c)])
             s.rest = s.rest[n:]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from pocket_mlx.errors import PocketError
+from pocket_mlx.engine import snapshot_points
 from pocket_mlx.server.openai import ApiError, GenRequest
 
 # (marker test on the template, mlx-lm parser module), in `_infer_tool_parser`'s order.
@@ -290,37 +290,14 @@ def render_chat(tok, req: GenRequest) -> str:
     return text
 
 
-#: At most this many message boundaries per prompt (the first message's and the latest ones):
-#: each costs a render and a tokenization of its prefix.
-MAX_BOUNDARIES = 32
-
-
 def message_boundaries(tok, req: GenRequest, ids: list[int]) -> list[int]:
     """Token positions inside `ids` (the rendered prompt of `req`) where an earlier message
-    ends: the end of the system message (and tools), the end of each earlier turn. Why: a
-    snapshot there is reusable by another conversation with the same system prompt, or by the
-    same history resent with a new last message. Each prefix of the messages is rendered
-    without the generation prompt and kept only where its tokens are a true token prefix of
-    `ids` (a template that renders earlier turns differently, or a merge of tokens across the
-    boundary, gives no position rather than a wrong one)."""
-    msgs = req.messages or []
-    ks = list(range(1, len(msgs)))
-    if len(ks) > MAX_BOUNDARIES:
-        ks = ks[:1] + ks[-(MAX_BOUNDARIES - 1):]
+    ends (engine/snapshot_points.py), rendered with the tools the prompt itself carries."""
     tools_on = bool(req.tools) and req.tool_choice != "none" and not req.tools_omitted
     tools = [t for t in req.tools or []
              if req.tool_name is None or t["function"]["name"] == req.tool_name] \
         if tools_on else None
     extra = {"enable_thinking": False} if tools_on and req.tool_choice in (
         "required", "function") else {}
-    out = []
-    for k in ks:
-        try:
-            text = tok.apply_chat_template(msgs[:k], add_generation_prompt=False, tools=tools,
-                                           **extra)
-        except PocketError:  # e.g. a template that refuses a history without a user turn
-            continue
-        head = tok.encode(text, add_special_tokens=False)
-        if 0 < len(head) < len(ids) and ids[:len(head)] == head:
-            out.append(len(head))
-    return sorted(set(out))
+    return snapshot_points.message_boundaries(tok, req.messages or [], ids, tools=tools,
+                                              **extra)
