@@ -250,8 +250,8 @@ def test_streams_stops_and_keeps_the_conversation(page, server):
 def test_markdown_is_rendered_and_html_escaped(page):
     page.wait_model()
     src = (
-        "## Plan\n\nSome **bold**, *italic* and `x < y` in a snake_case_name.\n\n"
-        "- one\n- two\n\n1. first\n2. second\n\n```python\nif a < b:\n    print('<b>')\n```\n"
+        "## Plan\n\nSome **bold**, *italic*, *i* and `x < y` in a snake_case_name.\n\n"
+        "- one\n- two\n\n3. first\n4. second\n\n```python\nif a < b:\n    print('<b>')\n```\n"
         '<img src=x onerror="window.pwned=1"><script>window.pwned=2</script>'
         '`<img src=y onerror="window.pwned=3">`'
     )
@@ -263,15 +263,16 @@ def test_markdown_is_rendered_and_html_escaped(page):
         const q = s => [...d.querySelectorAll(s)].map(n => n.textContent);
         return {h2: q('h2'), strong: q('strong'), em: q('em'), code: q('p code'),
                 ul: q('ul li'), ol: q('ol li'), pre: q('pre code'),
-                lang: d.querySelector('pre').dataset.lang,
+                lang: d.querySelector('pre').dataset.lang, start: d.querySelector('ol').start,
                 unsafe: d.querySelectorAll('img, script, [onerror]').length,
                 text: d.textContent};
     }""",
         src,
     )
-    assert got["h2"] == ["Plan"] and got["strong"] == ["bold"] and got["em"] == ["italic"]
+    assert got["h2"] == ["Plan"] and got["strong"] == ["bold"] and got["em"] == ["italic", "i"]
     assert got["code"] == ["x < y", '<img src=y onerror="window.pwned=3">']
     assert got["ul"] == ["one", "two"] and got["ol"] == ["first", "second"]
+    assert got["start"] == 3
     assert got["pre"] == ["if a < b:\n    print('<b>')"] and got["lang"] == "python"
     assert got["unsafe"] == 0 and "<script>window.pwned=2</script>" in got["text"]
     assert "snake_case_name" in got["text"]
