@@ -10,7 +10,8 @@ mean threads per connection and hand-written chunked streaming.
 Endpoints: GET /health (no key needed), GET /metrics (Prometheus text), GET /v1/models (and
 /v1/models/{id}), POST /v1/chat/completions and POST /v1/completions (streamed with
 `"stream": true`), and Anthropic's POST /v1/messages and /v1/messages/count_tokens
-(server/anthropic.py). Tool calls: server/tools.py. Requests run on the engine thread
+(server/anthropic.py), and the browser chat page at GET / and /chat (server/page.py,
+no key needed). Tool calls: server/tools.py. Requests run on the engine thread
 (`server/engine.py`), up to --max-concurrency decoded together; extra requests wait in a
 bounded queue, then get 429 with Retry-After. Every refusal is OpenAI's error object with a
 4xx status and one line on stderr;
@@ -35,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pocket_mlx.server import anthropic
+from pocket_mlx.server import anthropic, page
 from pocket_mlx.server.engine import Busy, Done, Engine, Failed, Job, Piece, Started
 from pocket_mlx.server.openai import (
     ApiError,
@@ -459,6 +460,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
               methods=["POST"]),
         Route("/v1/messages/count_tokens", guarded(count_tokens, errors=anthropic.error_body),
               methods=["POST"]),
+        *page.routes(guarded),  # the browser chat page: GET / and /chat
     ]
     middleware = []
     if cors:
