@@ -35,9 +35,11 @@ def register(sub) -> argparse.ArgumentParser:
                         "(default: start a new one)")
     p.add_argument("--prompt-cache-mb", type=argtypes.megabytes, default=PROMPT_CACHE_MB,
                    metavar="MIB",
-                   help="replies' caches kept in RAM and written to the data folder, so a "
-                        "resumed conversation continues without prefilling it again; 0 = off "
-                        f"(default: {PROMPT_CACHE_MB})")
+                   help="snapshots of the model's cache (after the system prompt and each "
+                        "earlier message, every 1,024 prompt tokens, at each reply's end) kept "
+                        "in RAM and written to the data folder, so a resumed conversation, or "
+                        "a new one with the same system prompt, continues without prefilling "
+                        f"it again; 0 = off (default: {PROMPT_CACHE_MB})")
     add_distributed_args(p)
     p.add_argument("--hostfile", default=None, metavar="FILE",
                    help="with --distributed: start this rank without mlx.launch, which gives "
