@@ -571,7 +571,7 @@ def test_engine_uses_a_plugged_prompt_cache():
     import asyncio
 
     from pocket_mlx.server.engine import Done, Engine, Piece, Started
-    from pocket_mlx.server.openai import GenRequest
+    from pocket_mlx.server.requests import GenRequest
 
     store = OnePrefixCache()
     engine = Engine(None, "cpu", max_queue=0, prompt_cache=store)
