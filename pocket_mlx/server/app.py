@@ -45,8 +45,14 @@ DEFAULT_MAX_BODY = 8 * 2**20  # bytes; a 2,000-token prompt is ~10 kB of JSON
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def route(path: str, handler: Handler, method: str, *, auth: bool = True,
-          shape: Callable[[ApiError], dict] = ApiError.body) -> Route:
+def route(
+    path: str,
+    handler: Handler,
+    method: str,
+    *,
+    auth: bool = True,
+    shape: Callable[[ApiError], dict] = ApiError.body,
+) -> Route:
     """A route whose failures are error objects in `shape` (OpenAI's unless told), counted in
     /metrics under its path with parameters unfilled ("/v1/models/{id}"), behind the key
     unless `auth` is false."""
@@ -76,25 +82,36 @@ def routes() -> list[Route]:
     ]
 
 
-def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None = None,
-               max_body: int = DEFAULT_MAX_BODY,
-               log: Callable[[str], object] | None = None,
-               aliases: Sequence[str] = ()) -> Starlette:
+def create_app(
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    cors: str | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
+    log: Callable[[str], object] | None = None,
+    aliases: Sequence[str] = (),
+) -> Starlette:
     """The ASGI app serving `engine`'s model. `api_key`: Bearer key required on every endpoint
     but /health and the chat page; `cors`: the one origin allowed to call from a browser
     (None: no CORS)."""
     middleware = []
     if cors:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=[cors],
-                                     allow_methods=["GET", "POST", "OPTIONS"],
-                                     allow_headers=["Authorization", "Content-Type",
-                                                    "x-api-key", "anthropic-version"]))
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=[cors],
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
+            )
+        )
     handlers: dict = {HTTPException: http_error, Exception: http_error}
     app = Starlette(routes=routes(), middleware=middleware, exception_handlers=handlers)
     app.state.engine = engine
     app.state.metrics = engine.metrics
-    app.state.settings = Settings(api_key=api_key.encode("utf-8") if api_key else None,
-                                  max_body=max_body, aliases=tuple(aliases),
-                                  log=log or stderr_line)
+    app.state.settings = Settings(
+        api_key=api_key.encode("utf-8") if api_key else None,
+        max_body=max_body,
+        aliases=tuple(aliases),
+        log=log or stderr_line,
+    )
     return app
-

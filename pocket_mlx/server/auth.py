@@ -36,7 +36,10 @@ class RequireApiKey:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = scope["app"].state.settings.api_key
         if key is not None and not key_matches(Headers(scope=scope), key):
-            raise ApiError(401, "invalid or missing API key: send Authorization: Bearer KEY "
-                                "(or x-api-key: KEY)",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "invalid or missing API key: send Authorization: Bearer KEY (or x-api-key: KEY)",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         await self.app(scope, receive, send)

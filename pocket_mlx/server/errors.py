@@ -23,13 +23,18 @@ from pocket_mlx.server.state import log, one_line
 def error_response(e: ApiError, shape: Callable[[ApiError], dict] = ApiError.body) -> Response:
     """The error object as ASCII JSON: a message may quote the request's own text, lone
     surrogates included, which UTF-8 cannot encode."""
-    return Response(json.dumps(shape(e)), status_code=e.status, headers=e.headers,
-                    media_type="application/json")
+    return Response(
+        json.dumps(shape(e)), status_code=e.status, headers=e.headers, media_type="application/json"
+    )
 
 
 def internal_error() -> ApiError:
-    return ApiError(500, "internal server error; see the server's log", type="server_error",
-                    code="internal_error")
+    return ApiError(
+        500,
+        "internal server error; see the server's log",
+        type="server_error",
+        code="internal_error",
+    )
 
 
 class RouteOutcome:
@@ -56,14 +61,15 @@ class RouteOutcome:
         except ApiError as e:
             if started:
                 raise
-            log(request, f"{e.status} {request.method} {request.url.path}: "
-                         f"{one_line(e.message)}")
+            log(request, f"{e.status} {request.method} {request.url.path}: {one_line(e.message)}")
             await error_response(e, self.shape)(scope, receive, counted)
         except Exception as e:  # noqa: BLE001 - never a traceback to the client
             if started:
                 raise
-            log(request, f"500 {request.method} {request.url.path}: "
-                         f"{type(e).__name__}: {one_line(e)}")
+            log(
+                request,
+                f"500 {request.method} {request.url.path}: {type(e).__name__}: {one_line(e)}",
+            )
             await error_response(internal_error(), self.shape)(scope, receive, counted)
 
 
@@ -74,13 +80,16 @@ async def http_error(request: Request, exc: Exception) -> Response:
     if status == 404:
         e = ApiError(404, f"no such endpoint: {request.url.path}", code="not_found")
     elif status == 405:
-        e = ApiError(405, f"{request.method} is not allowed on {request.url.path}",
-                     code="method_not_allowed")
+        e = ApiError(
+            405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed"
+        )
     elif isinstance(exc, HTTPException):
         e = ApiError(status, one_line(exc.detail), code=None)
     else:
-        log(request, f"500 {request.method} {request.url.path}: "
-                     f"{type(exc).__name__}: {one_line(exc)}")
+        log(
+            request,
+            f"500 {request.method} {request.url.path}: {type(exc).__name__}: {one_line(exc)}",
+        )
         e = internal_error()
     if status != 500:
         log(request, f"{e.status} {request.method} {request.url.path}: {e.message}")

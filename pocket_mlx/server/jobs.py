@@ -57,8 +57,9 @@ async def read_json(request: Request) -> dict:
     try:
         data = json.loads(body)
     except UnicodeDecodeError as e:
-        raise ApiError(400, f"the body is not UTF-8 (byte {e.start})",
-                       code="invalid_json") from None
+        raise ApiError(
+            400, f"the body is not UTF-8 (byte {e.start})", code="invalid_json"
+        ) from None
     except ValueError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
@@ -77,8 +78,12 @@ def check_model(request: Request, name: str | None) -> None:
     if name is None or name in names(request):
         return
     served = ", ".join(repr(n) for n in names(request))
-    raise ApiError(404, f"the model {name!r} does not exist here; this server serves "
-                        f"{served} (GET /v1/models)", param="model", code="model_not_found")
+    raise ApiError(
+        404,
+        f"the model {name!r} does not exist here; this server serves {served} (GET /v1/models)",
+        param="model",
+        code="model_not_found",
+    )
 
 
 async def admit(request: Request, req: GenRequest) -> Job:
@@ -88,9 +93,13 @@ async def admit(request: Request, req: GenRequest) -> Job:
     try:
         return engine(request).submit(ids, req, asyncio.get_running_loop())
     except Busy as b:
-        raise ApiError(429, "the server is busy: every slot and queue place is taken; "
-                            "retry later", type="rate_limit_error", code="rate_limit_exceeded",
-                       headers={"Retry-After": str(b.retry_after)}) from None
+        raise ApiError(
+            429,
+            "the server is busy: every slot and queue place is taken; retry later",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(b.retry_after)},
+        ) from None
 
 
 def where(request: Request, req: GenRequest) -> str:
@@ -103,8 +112,11 @@ def omitted(request: Request, req: GenRequest) -> dict[str, str]:
     if not req.tools_omitted:
         return {}
     tools = ", ".join(t["function"]["name"] for t in req.tools or [])
-    log(request, f"{where(request, req)}: this model's chat template renders no tools; "
-                 f"answered without the {len(req.tools or [])} tool(s) sent ({one_line(tools)})")
+    log(
+        request,
+        f"{where(request, req)}: this model's chat template renders no tools; "
+        f"answered without the {len(req.tools or [])} tool(s) sent ({one_line(tools)})",
+    )
     return {TOOLS_OMITTED: str(len(req.tools or []))}
 
 
@@ -114,11 +126,15 @@ def log_calls(request: Request, split: CallSplitter | None, where: str) -> None:
     if split is None:
         return
     for why in split.failed:
-        log(request, f"{where}: a tool call could not be parsed ({one_line(why)}); "
-                     "returned as text")
+        log(
+            request, f"{where}: a tool call could not be parsed ({one_line(why)}); returned as text"
+        )
     if split.dropped:
-        log(request, f"{where}: {split.dropped} tool call(s) past the first dropped "
-                     "(parallel_tool_calls is false)")
+        log(
+            request,
+            f"{where}: {split.dropped} tool call(s) past the first dropped "
+            "(parallel_tool_calls is false)",
+        )
 
 
 def split_all(split: CallSplitter | None, text: str) -> tuple[str, list[ToolCall]]:
@@ -129,8 +145,9 @@ def split_all(split: CallSplitter | None, text: str) -> tuple[str, list[ToolCall
     return "".join(p for p in parts if isinstance(p, str)), split.calls
 
 
-async def answer(request: Request, req: GenRequest, id_prefix: str, full: Full,
-                 stream: Stream) -> Response:
+async def answer(
+    request: Request, req: GenRequest, id_prefix: str, full: Full, stream: Stream
+) -> Response:
     """A parsed generation request answered: the job admitted, then its events as a stream
     (`stream`) or the whole reply as one object (`full`); 499 when the client left first.
     `id_prefix`: how the API's tool-call ids start."""

@@ -27,8 +27,12 @@ async def count_tokens(request: Request) -> Response:
     tokenizer make it (max_tokens is not part of this request)."""
     body = await read_json(request)
     if "max_tokens" in body:
-        raise ApiError(400, "max_tokens: Extra inputs are not permitted",
-                       param="max_tokens", code="unknown_parameter")
+        raise ApiError(
+            400,
+            "max_tokens: Extra inputs are not permitted",
+            param="max_tokens",
+            code="unknown_parameter",
+        )
     req = anthropic.parse_messages({**body, "max_tokens": 1})
     check_model(request, req.model)
     ids = await run_in_threadpool(engine(request).encode, req)
@@ -41,9 +45,13 @@ async def messages(request: Request) -> Response:
     msg = anthropic.Message(engine(request).model_id)
 
     def full(text: str, calls: list[ToolCall], ev: Done) -> dict:
-        return msg.full(text, ev.finish_reason, ev.stop_string,
-                        msg.usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens),
-                        calls)
+        return msg.full(
+            text,
+            ev.finish_reason,
+            ev.stop_string,
+            msg.usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens),
+            calls,
+        )
 
     def stream(job: Job, split: CallSplitter | None) -> AsyncIterator[str]:
         return message_events(request, req, msg, job, split)
@@ -53,12 +61,16 @@ async def messages(request: Request) -> Response:
 
 def content(blocks: anthropic.Blocks, parts: list[str | ToolCall]) -> list[str]:
     """Text and whole tool calls as content-block events."""
-    return [event(name, obj) for p in parts
-            for name, obj in (blocks.text(p) if isinstance(p, str) else blocks.call(p))]
+    return [
+        event(name, obj)
+        for p in parts
+        for name, obj in (blocks.text(p) if isinstance(p, str) else blocks.call(p))
+    ]
 
 
-async def message_events(request: Request, req: GenRequest, msg: anthropic.Message, job: Job,
-                         split: CallSplitter | None) -> AsyncIterator[str]:
+async def message_events(
+    request: Request, req: GenRequest, msg: anthropic.Message, job: Job, split: CallSplitter | None
+) -> AsyncIterator[str]:
     """Anthropic's events: message_start, ping, each content block's start, deltas and stop
     (text_delta for text, one input_json_delta per tool_use), message_delta (stop reason,
     output tokens), message_stop."""
@@ -80,6 +92,7 @@ async def message_events(request: Request, req: GenRequest, msg: anthropic.Messa
             for name, obj in blocks.close():
                 yield event(name, obj)
             called = split is not None and bool(split.calls)
-            for name, obj in msg.end(ev.finish_reason, ev.stop_string,
-                                     {"output_tokens": ev.completion_tokens}, called):
+            for name, obj in msg.end(
+                ev.finish_reason, ev.stop_string, {"output_tokens": ev.completion_tokens}, called
+            ):
                 yield event(name, obj)

@@ -44,20 +44,29 @@ async def metrics(request: Request) -> Response:
     e = engine(request)
     load = e.load()
     stats = getattr(e.prompt_cache, "stats", None)
-    return PlainTextResponse(request.app.state.metrics.render(load["active"], load["queued"],
-                                                              stats() if stats else None),
-                             media_type="text/plain; version=0.0.4; charset=utf-8")
+    return PlainTextResponse(
+        request.app.state.metrics.render(
+            load["active"], load["queued"], stats() if stats else None
+        ),
+        media_type="text/plain; version=0.0.4; charset=utf-8",
+    )
 
 
 def model_card(request: Request, name: str) -> dict:
     e = engine(request)
-    return {"id": name, "object": "model", "created": e.created, "owned_by": "pocket-mlx",
-            "context_length": e.context}
+    return {
+        "id": name,
+        "object": "model",
+        "created": e.created,
+        "owned_by": "pocket-mlx",
+        "context_length": e.context,
+    }
 
 
 async def models(request: Request) -> Response:
-    return JSONResponse({"object": "list",
-                         "data": [model_card(request, n) for n in names(request)]})
+    return JSONResponse(
+        {"object": "list", "data": [model_card(request, n) for n in names(request)]}
+    )
 
 
 async def model(request: Request) -> Response:
@@ -80,8 +89,12 @@ async def generate(request: Request, parse: Callable[[dict], GenRequest]) -> Res
     reply = Reply(req.kind, engine(request).model_id)
 
     def full(text: str, calls: list[ToolCall], ev: Done) -> dict:
-        return reply.full(text, finish_reason(ev.finish_reason, bool(calls)),
-                          usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens), calls)
+        return reply.full(
+            text,
+            finish_reason(ev.finish_reason, bool(calls)),
+            usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens),
+            calls,
+        )
 
     def stream(job: Job, split: CallSplitter | None) -> AsyncIterator[str]:
         return chunks(request, req, reply, job, split)
@@ -89,8 +102,7 @@ async def generate(request: Request, parse: Callable[[dict], GenRequest]) -> Res
     return await answer(request, req, "call_", full, stream)
 
 
-def pieces(reply: Reply, split: CallSplitter, parts: list[str | ToolCall],
-           inc: bool) -> list[str]:
+def pieces(reply: Reply, split: CallSplitter, parts: list[str | ToolCall], inc: bool) -> list[str]:
     """Text and whole tool calls (each with its index among the reply's calls) as chunks."""
     out = []
     for p in parts:
@@ -102,8 +114,9 @@ def pieces(reply: Reply, split: CallSplitter, parts: list[str | ToolCall],
     return out
 
 
-async def chunks(request: Request, req: GenRequest, reply: Reply, job: Job,
-                 split: CallSplitter | None) -> AsyncIterator[str]:
+async def chunks(
+    request: Request, req: GenRequest, reply: Reply, job: Job, split: CallSplitter | None
+) -> AsyncIterator[str]:
     """OpenAI's chunks; `data: [DONE]` ends them. With tools, text that may start a call is
     held back until it is known, and each call goes out whole once parsed."""
     inc = req.include_usage
@@ -124,9 +137,11 @@ async def chunks(request: Request, req: GenRequest, reply: Reply, job: Job,
                     yield chunk
                 log_calls(request, split, where(request, req))
             called = split is not None and bool(split.calls)
-            yield data(reply.chunk(None, finish_reason(ev.finish_reason, called),
-                                   with_usage=inc))
+            yield data(reply.chunk(None, finish_reason(ev.finish_reason, called), with_usage=inc))
             if inc:
-                yield data(reply.usage_chunk(usage(ev.prompt_tokens, ev.completion_tokens,
-                                                   ev.cached_tokens)))
+                yield data(
+                    reply.usage_chunk(
+                        usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
+                    )
+                )
             yield "data: [DONE]\n\n"

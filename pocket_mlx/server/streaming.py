@@ -23,9 +23,11 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its cl
 
 
 def done_line(where: str, ev: Done, t0: float) -> str:
-    return (f"200 {where}: {ev.prompt_tokens} prompt tokens ({ev.cached_tokens} cached), "
-            f"{ev.completion_tokens} completion tokens, {ev.finish_reason}, "
-            f"{time.perf_counter() - t0:.2f} s")
+    return (
+        f"200 {where}: {ev.prompt_tokens} prompt tokens ({ev.cached_tokens} cached), "
+        f"{ev.completion_tokens} completion tokens, {ev.finish_reason}, "
+        f"{time.perf_counter() - t0:.2f} s"
+    )
 
 
 async def collect(request: Request, job: Job, where: str) -> tuple[str, Done] | None:
@@ -60,8 +62,9 @@ async def collect(request: Request, job: Job, where: str) -> tuple[str, Done] | 
             job.cancel()
 
 
-async def events(request: Request, job: Job, where: str
-                 ) -> AsyncIterator[Started | Piece | Done | Failed]:
+async def events(
+    request: Request, job: Job, where: str
+) -> AsyncIterator[Started | Piece | Done | Failed]:
     """The job's events up to its end, for a stream. When the client disconnects, Starlette
     cancels the response's iteration at its `await`: `finally` then cancels the job, which
     stops within one token."""
@@ -87,9 +90,11 @@ async def events(request: Request, job: Job, where: str
 
 def sse(stream: AsyncIterator[str], extra: dict[str, str] | None = None) -> StreamingResponse:
     """Server-sent events, unbuffered by proxies (X-Accel-Buffering) and caches."""
-    return StreamingResponse(stream, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                      **(extra or {})})
+    return StreamingResponse(
+        stream,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(extra or {})},
+    )
 
 
 def data(obj: dict) -> str:
