@@ -13,15 +13,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from pocket_mlx.server.engine import Done, Failed, Job, Piece
-from pocket_mlx.server.jobs import (
-    answer,
-    check_model,
-    engine,
-    log_calls,
-    names,
-    read_json,
-    where,
-)
 from pocket_mlx.server.openai import (
     Reply,
     finish_reason,
@@ -29,6 +20,15 @@ from pocket_mlx.server.openai import (
     parse_completion,
     tool_call_json,
     usage,
+)
+from pocket_mlx.server.replies import (
+    answer,
+    check_model,
+    engine,
+    log_calls,
+    names,
+    read_json,
+    where,
 )
 from pocket_mlx.server.requests import GenRequest
 from pocket_mlx.server.streaming import data, events
