@@ -15,9 +15,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pocket_mlx.server.engine import Busy, Done, Engine, Job
+from pocket_mlx.server.engine import Busy, Done, Job
 from pocket_mlx.server.requests import ApiError, GenRequest
-from pocket_mlx.server.state import log, one_line, settings
+from pocket_mlx.server.state import engine, log, one_line, settings
 from pocket_mlx.server.streaming import collect, sse
 from pocket_mlx.server.tools import CallSplitter, ToolCall, splitter_for
 
@@ -27,10 +27,6 @@ TOOLS_OMITTED = "X-Pocket-Tools-Omitted"  # header: how many tools the prompt le
 Full = Callable[[str, list[ToolCall], Done], dict]
 # The reply as the API's events: (job, tool-call splitter or None) -> SSE text.
 Stream = Callable[[Job, CallSplitter | None], AsyncIterator[str]]
-
-
-def engine(request: Request) -> Engine:
-    return request.app.state.engine
 
 
 async def read_json(request: Request) -> dict:

@@ -16,8 +16,9 @@ from starlette.responses import JSONResponse, Response
 
 from pocket_mlx.server import anthropic
 from pocket_mlx.server.engine import Done, Failed, Job, Piece, Started
-from pocket_mlx.server.replies import answer, check_model, engine, log_calls, read_json, where
+from pocket_mlx.server.replies import answer, check_model, log_calls, read_json, where
 from pocket_mlx.server.requests import ApiError, GenRequest
+from pocket_mlx.server.state import engine
 from pocket_mlx.server.streaming import event, events
 from pocket_mlx.server.tools import CallSplitter, ToolCall
 

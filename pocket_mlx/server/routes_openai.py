@@ -24,13 +24,13 @@ from pocket_mlx.server.openai import (
 from pocket_mlx.server.replies import (
     answer,
     check_model,
-    engine,
     log_calls,
     names,
     read_json,
     where,
 )
 from pocket_mlx.server.requests import GenRequest
+from pocket_mlx.server.state import engine
 from pocket_mlx.server.streaming import data, events
 from pocket_mlx.server.tools import CallSplitter, ToolCall
 

@@ -10,8 +10,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.requests import HTTPConnection
+
+if TYPE_CHECKING:  # the engine module loads MLX; this one is read by every handler
+    from pocket_mlx.server.engine import Engine
 
 
 def one_line(text: object) -> str:
@@ -32,6 +36,10 @@ class Settings:
     max_body: int
     aliases: tuple[str, ...]
     log: Callable[[str], object]
+
+
+def engine(conn: HTTPConnection) -> Engine:
+    return conn.app.state.engine
 
 
 def settings(conn: HTTPConnection) -> Settings:
