@@ -73,7 +73,7 @@ from pocket_mlx.engine.snapshot_points import chunk_size, snapshot_points
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models.batched import DecodeBatch
 from pocket_mlx.server.metrics import Metrics
-from pocket_mlx.server.requests import ApiError, GenRequest
+from pocket_mlx.server.openai import ApiError, GenRequest
 from pocket_mlx.server.tools import message_boundaries, render_chat
 from pocket_mlx.system.host import total_ram_bytes
 from pocket_mlx.system.memory import wired_limit
