@@ -149,6 +149,7 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.state = "queued"  # queued | running | done | dropped (guarded by engine._lock)
+        self.id = 0  # numbered by `submit`, for the log's prefill progress lines
 
     def emit(self, event: Started | Piece | Done | Failed) -> None:
         """From the engine thread: hand `event` to the request's coroutine."""
@@ -196,6 +197,8 @@ class _Seq:
         self.fed_now = False  # `unread` was fed to the step just queued
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
+        self.prefilled = 0  # prompt tokens fed so far (past the cached prefix)
+        self.prefill_s = 0.0  # engine time in this prompt's chunks
         self.t_prev = 0.0
         # Positions past the cached prefix where prefill stops a chunk and stores a snapshot.
         self.points = deque(snapshot_points(len(ids), job.request.boundaries, n_cached))
@@ -245,6 +248,7 @@ class Engine:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._admitted = 0  # running + queued
+        self._submitted = 0  # jobs ever queued (their ids)
         self._running = 0
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -374,6 +378,8 @@ class Engine:
                     self._release(job, self._failure(e))
             if stopping and not prefilling and not decoding:
                 return
+            self.metrics.prefill_pending(len(prefilling),
+                                         sum(int(s.rest.size) for s in prefilling))
 
             # 2. Prefill: cancelled ones leave; the oldest runs one chunk, or its first token.
             for s in [s for s in prefilling if s.job.cancelled.is_set()]:
@@ -397,6 +403,8 @@ class Engine:
                 if ready:
                     prefilling.popleft()
                     decoding.append(s)
+                self.metrics.prefill_pending(len(prefilling),
+                                             sum(int(s.rest.size) for s in prefilling))
 
             # 3. One decode step for every sequence that needs another token (pipelined: from
             # the tokens sampled last step, not yet read).
@@ -451,6 +459,10 @@ class Engine:
         s = _Seq(job, cache, n_cached, sampling, req.max_tokens or self.default_max_tokens,
                  self.context - len(ids), self.tokenizer)
         job.emit(Started(len(ids), n_cached))
+        if len(ids) - n_cached > self.prefill_step:
+            self.log(f"pocket-mlx serve: prefill req {job.id}: {len(ids) - n_cached} of "
+                     f"{len(ids)} prompt tokens to prefill ({n_cached} cached), in chunks of "
+                     f"up to {self.prefill_step}")
         return s
 
     def _reused(self, n_prompt: int, n_cached: int) -> None:
@@ -470,9 +482,11 @@ class Engine:
             pos = len(s.ids) - s.rest.size
             n = chunk_size(pos, s.rest.size - 1, self.prefill_step,
                            s.points[0][0] if s.points else None)
+            t = time.perf_counter()
             self.model(s.rest[:n][None], cache=s.cache)
             mx.eval([a for c in s.cache for a in _cache_arrays(c)])
             s.rest = s.rest[n:]
+            self._progress(s, n, time.perf_counter() - t)
             if s.points and s.points[0][0] == pos + n:
                 _, kind = s.points.popleft()
                 try:
@@ -481,10 +495,30 @@ class Engine:
                     self.log(f"pocket-mlx serve: prompt cache: not stored: "
                              f"{type(e).__name__}: {' '.join(str(e).split())}")
             return False
+        t = time.perf_counter()
         logits = self.model(s.rest[None], cache=s.cache)[:, -1, :]
         s.unread = s.sample(logits)
         mx.eval(s.unread)
+        self._progress(s, int(s.rest.size), time.perf_counter() - t)
         return True
+
+    def _progress(self, s: _Seq, n: int, seconds: float) -> None:
+        """Account for `n` more prompt tokens of `s` fed in `seconds`: /metrics' counters, and
+        for a prompt longer than one chunk a log line per chunk (done/total, rate, ETA), so a
+        prefill of minutes on a CPU shows it is moving. The rate is the prompt's own wall
+        rate, interleaved decode steps included: the ETA a client will see."""
+        s.prefilled += n
+        s.prefill_s += seconds
+        todo = len(s.ids) - s.n_cached
+        self.metrics.prefill_chunk(n, seconds)
+        if todo <= self.prefill_step:
+            return
+        wall = time.perf_counter() - s.t0
+        rate = s.prefilled / wall if wall > 0 else 0.0
+        left = todo - s.prefilled
+        eta = f", ETA {_duration(left / rate)}" if left and rate else ", done"
+        self.log(f"pocket-mlx serve: prefill req {s.job.id}: {s.n_cached + s.prefilled}/"
+                 f"{len(s.ids)} tokens, chunk {n} in {seconds:.2f} s, {rate:.1f} tok/s{eta}")
 
     def _take(self, s: _Seq, token: int) -> str | None:
         """Account for `s`'s next sampled token (emit its text); the finish reason when this
@@ -634,6 +668,8 @@ class Engine:
                 raise Busy(max(1, round(self._avg_s * (waiting + 1) / self.max_concurrency)))
             self._admitted += 1
             job = Job(self, ids, request, loop)
+            self._submitted += 1
+            job.id = self._submitted
             self._jobs.put(job)
         return job
 
@@ -689,6 +725,11 @@ class Engine:
                          f"{' '.join(str(e).split())}")
         return Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached,
                     stats.stop_string)
+
+
+def _duration(seconds: float) -> str:
+    """A log line's ETA: seconds below two minutes, else minutes."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def _utf8(text: str, where: str) -> str:
