@@ -19,7 +19,7 @@ from conftest import ASSET, ROOT
 from mlx.utils import tree_flatten
 
 from pocket_mlx import kernels
-from pocket_mlx.analysis.accounting import weight_stats
+from pocket_mlx.models.accounting import weight_stats
 from pocket_mlx.engine import loader
 from pocket_mlx.engine.generation import generate, stream_generate
 from pocket_mlx.engine.loader import (

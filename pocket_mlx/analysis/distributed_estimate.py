@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from pocket_mlx.analysis.accounting import module_costs
+from pocket_mlx.models.accounting import module_costs
 from pocket_mlx.errors import PocketError
 
 

@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from pocket_mlx import kernels
 from pocket_mlx.analysis import distributed_estimate as dist_est
-from pocket_mlx.analysis.accounting import module_costs, weight_stats
+from pocket_mlx.models.accounting import module_costs, weight_stats
 from pocket_mlx.config import (
     checkpoint_dtype,
     disk_bytes,

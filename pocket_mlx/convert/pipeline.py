@@ -19,8 +19,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from pocket_mlx import __version__
-from pocket_mlx.analysis.accounting import weight_stats
+from pocket_mlx.version import __version__
+from pocket_mlx.models.accounting import weight_stats
 from pocket_mlx.config import (
     disk_bytes,
     module_quantization,

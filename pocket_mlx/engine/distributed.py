@@ -63,7 +63,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from pocket_mlx.analysis.accounting import module_costs
+from pocket_mlx.models.accounting import module_costs
 from pocket_mlx.engine import devices
 from pocket_mlx.engine.generation import Response, SamplingParams, stream_generate
 from pocket_mlx.errors import PocketError
