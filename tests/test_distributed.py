@@ -181,8 +181,8 @@ def test_info_ranks_estimate_from_the_models_bytes():
     """`info --ranks N --link L`: per-rank memory and bytes per token follow the model's own
     accounting (pipeline 1/N; experts: dense + 1/N of the routed experts), the collectives
     are one per MoE layer plus the token, and a slower link gives a slower estimate."""
-    from pocket_mlx.models.accounting import module_costs
     from pocket_mlx.analysis.info import describe, open_source
+    from pocket_mlx.models.accounting import module_costs
 
     d = describe("synthetic:tiny", ranks=2, link="thunderbolt5", bandwidth_gbps=100.0)
     e = d["distributed"]

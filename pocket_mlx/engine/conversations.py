@@ -17,7 +17,6 @@ import json
 import math
 import os
 import secrets
-import sys
 import tempfile
 import time
 from collections.abc import Callable

@@ -14,7 +14,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from pocket_mlx.models.accounting import WeightStats, weight_stats
 from pocket_mlx.config import (
     quantization,
     read_config,
@@ -27,6 +26,7 @@ from pocket_mlx.engine.hub import fetch, parse_repo_id
 from pocket_mlx.engine.tokenizer import load_tokenizer
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import apply_quantization, build_model
+from pocket_mlx.models.accounting import WeightStats, weight_stats
 from pocket_mlx.paths import default_model_path
 
 
@@ -248,7 +248,7 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
     `cast_model`). `fuse` (inference only) runs projections that read the same input as one
     matmul (`Model.fuse_projections`); the parameters are then no longer the checkpoint's, so
     converting, calibrating and saving load without it. `shard` (a distributed run, see
-    engine/distributed.py) cuts the still-lazy model down to this rank's share before anything
+    engine/distributed/) cuts the still-lazy model down to this rank's share before anything
     is evaluated, so the rest of the checkpoint is never read. A rank folder of per-rank shards
     (engine/rank_shards.py) holds only that rank's tensors: they are fitted to the skeleton
     (`rank_shards.complete`) and the model remembers the rank's entry (`rank_shard`) for
