@@ -27,8 +27,9 @@ the CPU the extension's `moe_block` is itself `moe_combine(moe_block_parts(...))
 bit-identical to one process by construction; the MLX-ops path (prefill, GPU, no extension)
 reuses the model's own `combine_experts`, and sends other ranks' slots to an all-zero expert so
 the experts held here see exactly the rows they see in one process (models/parallel.py). The
-cost: (k + 1) x D floats per MoE block instead of D (72 KiB instead of 8 KiB for the 35B shape with k = 8 in float32), still far under the links'
-bandwidth; the per-collective latency dominates (see `analysis/distributed_estimate.py`).
+cost: (k + 1) x D floats per MoE block instead of D (72 KiB instead of 8 KiB for the 35B shape
+with k = 8 in float32), still far under the links' bandwidth; the per-collective latency
+dominates (see `analysis/distributed_estimate.py`).
 
 Dense parts are replicated by design: sharding a dense projection needs one more collective per
 projection (~3-4 per layer), and at batch 1 a collective's latency over Thunderbolt or Ethernet

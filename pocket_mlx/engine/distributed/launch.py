@@ -51,11 +51,12 @@ def use_hostfile(path: str, rank: int) -> str | None:
             ring = [[f"{h['ips'][0]}:{RING_PORT + i}"] for i, h in enumerate(hosts)]
     if ring is None:
         raise DistributedError(f"--hostfile {path}: expected a list of 2 or more hosts, either "
-                          '[["10.10.0.1:32323"], ["10.10.0.2:32323"]] (the ring\'s own) or '
-                          '[{"ssh": "mini1.local", "ips": ["10.10.0.1"]}, ...] (mlx.launch\'s)')
+                               '[["10.10.0.1:32323"], ["10.10.0.2:32323"]] (the ring\'s own) or '
+                               '[{"ssh": "mini1.local", "ips": ["10.10.0.1"]}, ...] '
+                               "(mlx.launch's)")
     if not 0 <= rank < len(ring):
         raise DistributedError(f"--rank {rank}: the hostfile has {len(ring)} hosts, so 0 to "
-                          f"{len(ring) - 1}")
+                               f"{len(ring) - 1}")
     temp = None
     if ring is hosts:
         target = os.path.abspath(path)
@@ -87,9 +88,9 @@ def init(mode: str, timeout: float = DEFAULT_TIMEOUT_S) -> Group:
     if timeout <= 0:
         raise DistributedError(f"--distributed-timeout must be > 0 seconds, got {timeout}")
     if not any(os.environ.get(k) for k in _LAUNCH_ENV):
-        raise DistributedError("--distributed runs under mlx.launch, e.g. `mlx.launch -n 2 --backend "
-                          "ring -- $(which python) -m pocket_mlx generate --distributed "
-                          f"{mode} ...` (see docs/DISTRIBUTED.md)")
+        raise DistributedError("--distributed runs under mlx.launch, e.g. `mlx.launch -n 2 "
+                               "--backend ring -- $(which python) -m pocket_mlx generate "
+                               f"--distributed {mode} ...` (see docs/DISTRIBUTED.md)")
     rank = int(os.environ.get("MLX_RANK", "0") or 0)
     dog = Watchdog(rank)
     dog.arm(timeout, f"the other ranks did not connect within {timeout:g} s (--distributed-"
@@ -103,6 +104,6 @@ def init(mode: str, timeout: float = DEFAULT_TIMEOUT_S) -> Group:
     g = Group(mode, group, timeout, dog, group.rank(), group.size())
     dog.rank = g.rank
     if g.size < 2:
-        raise DistributedError("--distributed needs at least 2 ranks (mlx.launch -n 2 or a hostfile "
-                          "with 2 hosts)")
+        raise DistributedError("--distributed needs at least 2 ranks (mlx.launch -n 2 or a "
+                               "hostfile with 2 hosts)")
     return g

@@ -47,8 +47,9 @@ def setup_pipeline(model, g: Group) -> None:
     if rank is not None:  # per-rank shards: the ranges they were written for (rank_shards.py)
         ranges = [tuple(r) for r in rank["layers_all"]]
         if len(ranges) != g.size or ranges[-1][0] != 0 or ranges[0][1] != len(layers):
-            raise DistributedError(f"rank {g.rank}: the shards' layer ranges {ranges} do not fit "
-                              f"{g.size} ranks and {len(layers)} layers; write them again")
+            raise DistributedError(f"rank {g.rank}: the shards' layer ranges {ranges} do not "
+                                   f"fit {g.size} ranks and {len(layers)} layers; write them "
+                                   "again")
     else:
         shares = [row[0] for row in g.gather_floats([float(_ram_bytes())])]
         ranges = pipeline_ranges([_nbytes(la) for la in layers], head, tail, shares)
@@ -61,13 +62,13 @@ def setup_experts(model, g: Group) -> None:
     per-rank shard holds that block), then have the model keep it."""
     E = model.args.num_experts
     if E < g.size:
-        raise DistributedError(f"experts mode over {g.size} ranks needs at least {g.size} experts per "
-                          f"layer; the model has {E}")
+        raise DistributedError(f"experts mode over {g.size} ranks needs at least {g.size} "
+                               f"experts per layer; the model has {E}")
     lo, hi = split_evenly(E, g.size, g.rank)
     rank = getattr(model, "rank_shard", None)  # per-rank shards: only [lo, hi) were loaded
     if rank is not None and list(rank["experts"]) != [lo, hi]:
-        raise DistributedError(f"rank {g.rank}: its shard holds experts {rank['experts']}, this run "
-                          f"gives it [{lo}, {hi}); write the shards again")
+        raise DistributedError(f"rank {g.rank}: its shard holds experts {rank['experts']}, "
+                               f"this run gives it [{lo}, {hi}); write the shards again")
     model.shard_experts(g.group, loaded=rank is not None)
     g.info = {"experts": [list(split_evenly(E, g.size, r)) for r in range(g.size)],
               "shared_expert": "layer i on rank i mod ranks"}
