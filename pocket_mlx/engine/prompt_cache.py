@@ -86,6 +86,19 @@ def _handle(a: mx.array | None) -> mx.array | None:
     return None if a is None else a.reshape(a.shape)
 
 
+def snapshot_bytes(cache: list) -> int:
+    """What `capture(cache, detach=True)` will hold: the KV positions up to each layer's
+    offset and the linear layers' states (known before the copy is made)."""
+    n = 0
+    for c in cache:
+        if layer_kind(c) == "linear":
+            n += sum(a.nbytes for a in (c.conv_state, c.state) if a is not None)
+        elif c.keys is not None and c.offset:
+            b, h, _, d = c.keys.shape
+            n += c.offset * b * h * (d * c.keys.itemsize + c.values.shape[3] * c.values.itemsize)
+    return n
+
+
 def capture(cache: list, *, detach: bool = False) -> list[LayerState]:
     """The state of a live cache. Without `detach`: a rewind point for `restore` into the same
     cache (the chat's regenerate; KV layers by offset, linear layers by reference: the model
@@ -315,6 +328,11 @@ class PromptCache:
             if (e := self._entries.get(key)) is not None and e.states is not None:
                 self._touch(e)
                 return False
+        # Room first (colder entries spilled), then the copy: the store's RAM stays within the
+        # larger of its budget and one snapshot, the figure `serve`'s memory planner counts
+        # (system/wired.py `serve_ram_bytes`), rather than the budget plus a snapshot.
+        with self._lock:
+            self._evict_until(self.ram_budget - snapshot_bytes(cache))
         states = capture(cache, detach=True)  # outside the lock: it computes
         with self._lock:
             if (e := self._entries.get(key)) is not None:
@@ -399,9 +417,15 @@ class PromptCache:
         """Hold `states` in RAM for `e`, then spill the coldest over the budget."""
         e.states, e.nbytes = states, sum(s.nbytes for s in states)
         self.ram_used += e.nbytes
-        while self.ram_used > self.ram_budget:
-            victim = min((x for x in self._entries.values() if x.states is not None),
-                         key=_victim_key)
+        self._evict_until(self.ram_budget)
+
+    def _evict_until(self, limit: int) -> None:
+        """Spill (or drop) the coldest entries held in RAM until they take at most `limit`."""
+        while self.ram_used > max(limit, 0):
+            held = [x for x in self._entries.values() if x.states is not None]
+            if not held:
+                return
+            victim = min(held, key=_victim_key)
             if victim.path is None and self._write(victim):
                 self.spills += 1
             self.ram_used -= victim.nbytes

@@ -332,7 +332,9 @@ class Engine:
             return own, "the model's window"
         config = read_config(path)
         act = policy_dtype(self.device) or checkpoint_dtype(config)
-        n = planned_context(config, own, weight_bytes, total_ram_bytes(), dtype_bytes(act))
+        budget = (self._store_args[0] << 20) if self._store_args else 0
+        n = planned_context(config, own, weight_bytes, total_ram_bytes(), dtype_bytes(act),
+                            budget)
         if n == own:
             return own, "the model's window"
         return n, f"what fits in RAM beside the weights; the model's own is {own}"
