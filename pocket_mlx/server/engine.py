@@ -366,6 +366,7 @@ class Engine:
                 if store is not None:
                     self.prompt_cache = store
             use_device(self.model, self.device)
+            release_free_memory()  # what loading freed (unfused projections, file buffers)
         except BaseException as e:  # noqa: BLE001 - handed to start(), which raises it
             self._load_error = e
             self._ready.set()
@@ -528,7 +529,6 @@ class Engine:
             self.model(s.rest[:n][None], cache=s.cache)
             mx.eval([a for c in s.cache for a in _cache_arrays(c)])
             s.rest = s.rest[n:]
-            self._progress(s, n, time.perf_counter() - t)
             if s.points and s.points[0][0] == pos + n:
                 _, kind = s.points.popleft()
                 try:
@@ -537,6 +537,9 @@ class Engine:
                     self.log(f"pocket-mlx serve: prompt cache: not stored: "
                              f"{type(e).__name__}: {' '.join(str(e).split())}")
             release_free_memory()  # the chunk's scratch, not kept mapped (system/memory.py)
+            # The chunk's time as the other streams wait for it: its snapshot (a copy, maybe
+            # a spill to disk) included.
+            self._progress(s, n, time.perf_counter() - t)
             return False
         t = time.perf_counter()
         logits = self.model(s.rest[None], cache=s.cache)[:, -1, :]
