@@ -53,6 +53,7 @@ from pocket_mlx.server.tools import CallSplitter, ToolCall, splitter_for
 DEFAULT_MAX_BODY = 8 * 2**20  # bytes; a 2,000-token prompt is ~10 kB of JSON
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 TOOLS_OMITTED = "X-Pocket-Tools-Omitted"  # header: how many tools the prompt left out
+FIELDS_IGNORED = "X-Pocket-Fields-Ignored"  # header: request fields left out (not honoured)
 
 
 def one_line(text: str) -> str:
@@ -300,14 +301,21 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: str | None =
                 "dropped (parallel_tool_calls is false)")
 
     def omitted(request: Request, req: GenRequest) -> dict[str, str]:
-        """The reply's extra headers: the tools left out of the prompt (the template renders
-        none, tool_choice was auto), also logged, so the client can tell why none was called."""
+        """The reply's extra headers, each also logged: request fields left out (features this
+        server or model lacks), and the tools left out of the prompt (the template renders
+        none, tool_choice was auto), so the client can tell why none was called."""
+        out = {}
+        if req.ignored:  # fields for features this server or model lacks (server/openai.py)
+            fields = ",".join(ascii(f)[1:-1].replace(",", "%2C") for f in req.ignored)
+            log(f"pocket-mlx serve: {where(request, req)}: fields this server does not honour "
+                f"were ignored: {one_line(fields)}")
+            out[FIELDS_IGNORED] = fields
         if not req.tools_omitted:
-            return {}
+            return out
         names = ", ".join(t["function"]["name"] for t in req.tools or [])
         log(f"pocket-mlx serve: {where(request, req)}: this model's chat template renders no "
             f"tools; answered without the {len(req.tools or [])} tool(s) sent ({one_line(names)})")
-        return {TOOLS_OMITTED: str(len(req.tools or []))}
+        return {**out, TOOLS_OMITTED: str(len(req.tools or []))}
 
     async def openai_endpoint(request: Request, parse: Callable[[dict], GenRequest]) -> Response:
         req = parse(await read_json(request))

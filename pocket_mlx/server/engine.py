@@ -76,8 +76,8 @@ from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.openai import ApiError, GenRequest
 from pocket_mlx.server.tools import message_boundaries, render_chat
 from pocket_mlx.system.host import total_ram_bytes
-from pocket_mlx.system.memory import wired_limit
-from pocket_mlx.system.wired import planned_context
+from pocket_mlx.system.memory import release_free_memory, wired_limit
+from pocket_mlx.system.wired import planned_context, serve_ram_bytes
 
 
 class PromptCache(Protocol):
@@ -198,7 +198,6 @@ class _Seq:
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
         self.prefilled = 0  # prompt tokens fed so far (past the cached prefix)
-        self.prefill_s = 0.0  # engine time in this prompt's chunks
         self.t_prev = 0.0
         # Positions past the cached prefix where prefill stops a chunk and stores a snapshot.
         self.points = deque(snapshot_points(len(ids), job.request.boundaries, n_cached))
@@ -302,10 +301,21 @@ class Engine:
             return own, "the model's window"
         config = read_config(path)
         act = policy_dtype(self.device) or checkpoint_dtype(config)
-        n = planned_context(config, own, weight_bytes, total_ram_bytes(), dtype_bytes(act))
+        budget = (self._store_args[0] << 20) if self._store_args else 0
+        n = planned_context(config, own, weight_bytes, total_ram_bytes(), dtype_bytes(act),
+                            budget)
         if n == own:
             return own, "the model's window"
         return n, f"what fits in RAM beside the weights; the model's own is {own}"
+
+    def _planned_ram(self, path: Path, weight_bytes: int) -> int:
+        """What the memory planner says this server holds with one sequence at a full window
+        (system/wired.py `serve_ram_bytes`: the weights as loaded, the cache, the prompt
+        cache's share), for /metrics: compared with the measured peak by bench_serve.py."""
+        config = read_config(path)
+        act = policy_dtype(self.device) or checkpoint_dtype(config)
+        budget = (self._store_args[0] << 20) if self._store_args else 0
+        return serve_ram_bytes(config, self.context, weight_bytes, dtype_bytes(act), budget)
 
     def _main(self) -> None:
         try:
@@ -319,12 +329,14 @@ class Engine:
             self.device = self.model.device
             weights = model_weight_stats(self.model)
             self.context, self.context_source = self._window(path, weights.bytes_total)
+            self.metrics.planned_ram_bytes = self._planned_ram(path, weights.bytes_total)
             self.metrics.bytes_per_token = weights.bytes_per_token
             if self._store_args:
                 store = open_store(self.model, *self._store_args)  # (empty: len() is 0)
                 if store is not None:
                     self.prompt_cache = store
             use_device(self.model, self.device)
+            release_free_memory()  # what loading freed (unfused projections, file buffers)
         except BaseException as e:  # noqa: BLE001 - handed to start(), which raises it
             self._load_error = e
             self._ready.set()
@@ -486,7 +498,6 @@ class Engine:
             self.model(s.rest[:n][None], cache=s.cache)
             mx.eval([a for c in s.cache for a in _cache_arrays(c)])
             s.rest = s.rest[n:]
-            self._progress(s, n, time.perf_counter() - t)
             if s.points and s.points[0][0] == pos + n:
                 _, kind = s.points.popleft()
                 try:
@@ -494,6 +505,10 @@ class Engine:
                 except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation
                     self.log(f"pocket-mlx serve: prompt cache: not stored: "
                              f"{type(e).__name__}: {' '.join(str(e).split())}")
+            release_free_memory()  # the chunk's scratch, not kept mapped (system/memory.py)
+            # The chunk's time as the other streams wait for it: its snapshot (a copy, maybe
+            # a spill to disk) included.
+            self._progress(s, n, time.perf_counter() - t)
             return False
         t = time.perf_counter()
         logits = self.model(s.rest[None], cache=s.cache)[:, -1, :]
@@ -508,7 +523,6 @@ class Engine:
         prefill of minutes on a CPU shows it is moving. The rate is the prompt's own wall
         rate, interleaved decode steps included: the ETA a client will see."""
         s.prefilled += n
-        s.prefill_s += seconds
         todo = len(s.ids) - s.n_cached
         self.metrics.prefill_chunk(n, seconds)
         if todo <= self.prefill_step:
