@@ -1,6 +1,7 @@
 """`pocket-mlx chat`: the Textual app.
 
-All MLX work (loading, generating, the KV cache) happens on one long-lived engine worker thread:
+All MLX work (loading, generating, the KV cache) happens on one long-lived engine worker thread
+(tui/jobs.py `ChatEngine`, started here from a Textual thread worker):
 MLX streams belong to the thread that made them, so the model and its cache stay with one thread.
 The UI sends it jobs through a queue and hears back only through messages (`events`).
 
@@ -10,15 +11,12 @@ before the first token) is undone: the saved conversation never keeps a prompt a
 
 from __future__ import annotations
 
-import queue
 import sys
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
 
 from rich.segment import Segments
 from rich.traceback import Traceback
@@ -29,16 +27,14 @@ from textual.containers import Horizontal
 from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer
-from textual.worker import Worker, get_current_worker
+from textual.worker import get_current_worker
 
 from pocket_mlx import kernels
 from pocket_mlx.engine.conversations import Conversation, ConversationStore, new_id
 from pocket_mlx.engine.devices import describe, gpu_available
 from pocket_mlx.engine.generation import GenerationStats
-from pocket_mlx.engine.loader import load
 from pocket_mlx.engine.params import PROMPT_CACHE_MB
-from pocket_mlx.engine.prompt_cache import PromptCache, open_store
-from pocket_mlx.engine.session import ChatSession, ContextOverflow, Settings
+from pocket_mlx.engine.session import Settings
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system.memory import wired_limit_status
 from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, finish_notice
@@ -52,66 +48,18 @@ from pocket_mlx.tui.events import (
     ReplyDone,
 )
 from pocket_mlx.tui.header import ModelHeader
-from pocket_mlx.tui.model_info import ModelInfo, model_info
+from pocket_mlx.tui.jobs import ChatEngine, Job, LiveReply, Turn
+from pocket_mlx.tui.model_info import ModelInfo
 from pocket_mlx.tui.prompt import PromptInput
 from pocket_mlx.tui.screens import HelpScreen, OpenScreen, SettingsScreen
 from pocket_mlx.tui.stats_panel import REFRESH_S, StatsPanel
 
-CHUNK_S = 0.2  # the engine publishes reply text and a stats copy at most this often (5 Hz)
 TICK_S = REFRESH_S  # 0.25 s, the UI's one timer: the stats panel redraws every tick (4 Hz, as the spec asks)
 TEXT_EVERY = 2  # ...and reply text is appended every 2nd tick (2 Hz): each Markdown append
 # re-parses the last block and re-lays out the screen (once: see conversation.SteadySize), the
 # UI's costliest step. Everything the UI does during a reply happens in one tick, in one batch
 # (`_tick`), so it costs one compositor pass, not one per source.
 GIL_SWITCH_S = 0.001  # see on_mount
-
-
-class LiveReply:
-    """What the engine thread hands the UI while a reply is being written, without messages.
-
-    The engine `put`s text and a stats copy (at most every CHUNK_S); the UI `take`s them on its
-    tick. No message per chunk means no wake-up of the UI's event loop between ticks."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._text: list[str] = []
-        self._stats: GenerationStats | None = None
-        self._context = 0
-
-    def put(self, text: str, stats: GenerationStats, context: int) -> None:
-        with self._lock:
-            if text:
-                self._text.append(text)
-            self._stats, self._context = stats, context
-
-    def latest(self) -> tuple[GenerationStats | None, int]:
-        with self._lock:
-            return self._stats, self._context
-
-    def take_text(self) -> str:
-        with self._lock:
-            text, self._text = "".join(self._text), []
-            return text
-
-    def reset(self) -> None:
-        with self._lock:
-            self._text, self._stats, self._context = [], None, 0
-
-
-class Job(NamedTuple):
-    messages: list[dict]
-    settings: Settings
-    device: str
-    kind: str = "reply"  # "reply" | "measure" (count the tokens of conversation `conv_id`)
-    conv_id: str = ""
-
-
-class Turn(NamedTuple):
-    """The turn being answered, to undo it if no reply comes."""
-
-    kind: str  # "send" | "regenerate"
-    message: dict  # the user message
-    previous: dict | None = None  # regenerate: the reply it replaces
 
 
 class ChatApp(App[None]):
@@ -159,13 +107,15 @@ class ChatApp(App[None]):
         self.busy = False
         self.last_stats: GenerationStats | None = None  # of the last finished reply
         self.replies_done = 0  # replies ended (finished, stopped or failed): tests wait on it
-        self._jobs: queue.Queue[Job] = queue.Queue()
         self._stop = threading.Event()
         self._reply: AssistantMessage | None = None
         self._live = LiveReply()
+        # The model's side, run by `engine` on a Textual thread worker.
+        self._model = ChatEngine(self.post_message, self._live, self._stop,
+                                 model=path or model, device=device, model_name=self.model_name,
+                                 prompt_cache_mb=prompt_cache_mb, distributed=distributed)
         self._ticks = 0
         self._reply_settings = self.settings
-        self._engine: Worker | None = None
         self._turn: Turn | None = None
         self._made: set[str] = set()  # ids of the conversations this app created
         self.conversation = conversation or self._new_conversation()
@@ -214,7 +164,7 @@ class ChatApp(App[None]):
         await self._show_conversation()
         self._report_warnings(self.conversation)
         self.set_interval(TICK_S, self._tick)
-        self._engine = self.engine()
+        self.engine()
         self._measure()  # served once the model is loaded
 
     def _fatal_error(self) -> None:
@@ -235,95 +185,12 @@ class ChatApp(App[None]):
     # ---- the engine thread -----------------------------------------------------------------
     @work(thread=True, exclusive=True, group="engine", name="engine", exit_on_error=True)
     def engine(self) -> None:
-        """Load the model, then serve generation jobs until the app closes."""
+        """Load the model, then serve generation jobs until the app closes (tui/jobs.py)."""
         worker = get_current_worker()
         try:
-            self._engine_loop(worker)
+            self._model.run(lambda: worker.is_cancelled)
         finally:
             self.engine_done.set()
-
-    def _engine_loop(self, worker: Worker) -> None:
-        dist = self.distributed
-        try:
-            model, tokenizer = load(self.model_path or self.model_ref, device=self.device,
-                                    fuse=True, shard=dist.shard if dist else None)
-            if dist is not None:
-                dist.ready(model)
-            info = model_info(model, self.model_name)
-        except PocketError as e:
-            self.post_message(ModelFailed(str(e)))
-            return
-        except Exception as e:  # noqa: BLE001 - any load failure is reported, not a traceback
-            self.post_message(ModelFailed(f"{type(e).__name__}: {e}"))
-            return
-        if dist is not None:  # no prompt cache: each reply starts fresh on every rank
-            session = ChatSession(model, tokenizer, lockstep=dist)
-        else:
-            session = ChatSession(model, tokenizer, prompt_cache=self._prompt_cache(model))
-        self.post_message(ModelReady(info))
-        while not worker.is_cancelled:
-            try:
-                job = self._jobs.get(timeout=dist.until_beat() if dist else 0.1)
-            except queue.Empty:
-                if dist is not None:
-                    try:
-                        dist.idle(model, exit_on_lost=False)
-                    except PocketError as e:  # a rank is gone: the chat cannot go on
-                        self.post_message(ModelFailed(str(e)))
-                        return
-                continue
-            self._run_job(session, job, worker)
-        if dist is not None:
-            try:
-                dist.finish(model)  # the other ranks exit
-            except PocketError:
-                pass
-
-    def _prompt_cache(self, model) -> PromptCache | None:
-        try:
-            # Written through: the app leaves without running teardown code (cli/chat.py).
-            return open_store(model, self.prompt_cache_mb, write_through=True)
-        except (OSError, PocketError) as e:  # a read-only data folder: chat without it
-            self.post_message(EngineNotice(f"prompt cache off: {e}"))
-            return None
-
-    def _run_job(self, session: ChatSession, job: Job, worker: Worker) -> None:
-        if job.kind == "measure":
-            try:
-                tokens = session.context_tokens(job.messages, job.settings)
-            except Exception as e:  # noqa: BLE001 - a template error shows at the next turn
-                self.post_message(EngineNotice(f"could not count the conversation's tokens: {e}"))
-                return
-            self.post_message(ContextMeasured(job.conv_id, tokens))
-            return
-        pending, last, used, last_post = "", None, 0, 0.0
-
-        def should_stop() -> bool:
-            return self._stop.is_set() or worker.is_cancelled
-
-        def progress(done: int, total: int, context: int) -> None:
-            self.post_message(PrefillProgress(done, total, context))
-
-        try:
-            for r, used in session.generate(
-                job.messages, job.settings, job.device, progress=progress,
-                should_stop=should_stop, warn=lambda m: self.post_message(EngineNotice(m)),
-                trimmed=lambda n, out: self.post_message(ContextTrimmed(n, out)),
-            ):
-                last = r
-                pending += r.text
-                now = time.perf_counter()
-                if now - last_post >= CHUNK_S and r.stats.phase != "done":
-                    self._live.put(pending, replace(r.stats), used)
-                    pending, last_post = "", now
-            stats = replace(last.stats) if last is not None else None
-            self.post_message(ReplyDone(pending, stats, used))
-        except ContextOverflow as e:
-            self.post_message(ReplyDone(pending, None, used, error=str(e), refused=True))
-        except PocketError as e:
-            self.post_message(ReplyDone(pending, None, used, error=str(e)))
-        except Exception as e:  # noqa: BLE001 - keep the app alive, show what broke
-            self.post_message(ReplyDone(pending, None, used, error=f"{type(e).__name__}: {e}"))
 
     # ---- engine messages -------------------------------------------------------------------
     def on_model_ready(self, msg: ModelReady) -> None:
@@ -487,7 +354,7 @@ class ChatApp(App[None]):
         context (after resume, open or an undone turn), for the panel."""
         conv = self.conversation
         if conv.messages:
-            self._jobs.put(Job(conv.chat_messages(), replace(self.settings), self.device,
+            self._model.put(Job(conv.chat_messages(), replace(self.settings), self.device,
                                kind="measure", conv_id=conv.id))
         else:
             self.stats_panel.set_context(0)
@@ -548,7 +415,7 @@ class ChatApp(App[None]):
         panel = self.stats_panel
         panel.device_label = describe(self.device)
         panel.set_phase("prefill")
-        self._jobs.put(Job(self.conversation.chat_messages(), self._reply_settings, self.device))
+        self._model.put(Job(self.conversation.chat_messages(), self._reply_settings, self.device))
 
     def _idle_or_warn(self) -> bool:
         if not self.ready:

@@ -8,18 +8,9 @@ queue and reads the job's events (text pieces, then the end) from an asyncio que
 
 Continuous batching: up to `max_concurrency` jobs hold a slot; beyond them up to `max_queue`
 wait in order, and beyond that `submit` raises `Busy` (HTTP 429 with Retry-After). Each turn of
-the loop (1) admits waiting jobs into free slots, (2) runs one prefill chunk of the oldest job
-still prefilling (so a long prompt delays the others by a chunk per step, never by its whole
-prefill), then its first token alone, exactly as `generate` does, and (3) runs ONE decode step
-for every sequence past its first token: one forward of [B, 1] tokens (models/batched.py), in
-which every weight matrix is read once for all B. Sequences join after their first token and
-leave when they finish, between steps. Each keeps its own sampling parameters, repetition
-history and random key (`seed`), so its tokens are those it would get alone: greedy outputs
-equal sequential runs bit for bit (tests/test_batched.py, tests/test_server_batch.py).
-
-Decoding is pipelined as in `generation.generate_step`: the next step is queued from the
-still-lazy sampled tokens before they are read, so building a step's graph in Python overlaps
-the previous step's compute.
+the loop admits waiting jobs into free slots, then runs one step of engine/batch.py's
+`BatchDecoder` (a prefill chunk of the oldest prompt, one decode step of all the others) and
+hands its events to their jobs. The thread itself is engine/worker.py's `ModelWorker`.
 
 Cancelling: a job's `cancel()` (the client went away) is checked after every prefill chunk and
 every token it receives, so a generation stops within one step and frees its slot; a job still
@@ -40,12 +31,9 @@ prompt cache then (each reply starts from a fresh cache on every rank).
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -56,22 +44,16 @@ import mlx.core as mx
 
 from pocket_mlx import kernels
 from pocket_mlx.config import checkpoint_dtype, dtype_bytes, read_config
+from pocket_mlx.engine import batch as batch_events
 from pocket_mlx.engine import devices
+from pocket_mlx.engine.batch import BatchDecoder
 from pocket_mlx.engine.devices import policy_dtype
-from pocket_mlx.engine.generation import (
-    SamplingParams,
-    _cache_arrays,
-    _StopText,
-    context_limit,
-    make_logits_processors,
-)
+from pocket_mlx.engine.generation import SamplingParams, context_limit
 from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_path, use_device
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
 from pocket_mlx.engine.prompt_cache import open_store
-from pocket_mlx.engine.sampling import KeyedSampler, greedy
-from pocket_mlx.engine.snapshot_points import chunk_size, snapshot_points
+from pocket_mlx.engine.worker import EMPTY, ModelWorker
 from pocket_mlx.errors import PocketError
-from pocket_mlx.models.batched import DecodeBatch
 from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.openai import ApiError, GenRequest
 from pocket_mlx.server.tools import message_boundaries, render_chat
@@ -164,50 +146,6 @@ class Job:
 
 
 
-class _Seq:
-    """A running job on the engine thread: its cache, sampling state and reply so far."""
-
-    def __init__(self, job: Job, cache: list, n_cached: int, sampling: SamplingParams,
-                 max_tokens: int | None, room: int, tokenizer) -> None:
-        ids = job.ids
-        self.job, self.ids, self.cache, self.n_cached = job, ids, cache, n_cached
-        self.rest = mx.array(ids[n_cached:], mx.uint32)  # prompt tokens not yet fed
-        self.fed: list[int] | None = list(ids[n_cached:])  # what the cache consumed
-        # Each sequence draws from its own key, as `generate --seed` draws from a freshly seeded
-        # global one: the same seed gives the same tokens alone or batched. Greedy draws nothing.
-        if sampling.temperature > 0:
-            seed = sampling.seed if sampling.seed is not None else \
-                int.from_bytes(os.urandom(8), "little") >> 1
-            self.sampler = KeyedSampler(seed, sampling.temperature, sampling.top_p,
-                                        sampling.min_p, sampling.top_k)
-        else:
-            self.sampler = greedy
-        self.processors = make_logits_processors(sampling)
-        self.keep = sampling.repetition_context
-        self.history = mx.array(ids[n_cached:][-self.keep:], mx.uint32)
-        self.max_tokens = max_tokens  # None: no cap but the window (agents send none)
-        self.limit = room if max_tokens is None else min(max_tokens, room)  # may be sampled
-        self.text = _StopText(tokenizer, [s for s in (job.request.stop or []) if s])
-        self.eos = set(tokenizer.eos_token_ids)
-        self.read = 0  # sampled tokens read so far (an EOS included)
-        self.n = 0  # reply tokens (no EOS)
-        self.unread: mx.array | None = None  # sampled, not yet read
-        self.next: mx.array | None = None  # sampled in the step just queued
-        self.fed_now = False  # `unread` was fed to the step just queued
-        self.t0 = time.perf_counter()
-        self.t_first: float | None = None
-        self.t_prev = 0.0
-        # Positions past the cached prefix where prefill stops a chunk and stores a snapshot.
-        self.points = deque(snapshot_points(len(ids), job.request.boundaries, n_cached))
-
-    def sample(self, logits: mx.array) -> mx.array:
-        """The next token [1] from logits [1, vocab] (lazy), as `generate_step` samples."""
-        for proc in self.processors:
-            logits = proc(self.history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return self.sampler(logprobs)
-
-
 class Engine:
     """The loaded model, the request queue and the thread that generates."""
 
@@ -242,14 +180,13 @@ class Engine:
         if distributed is not None:
             self.prompt_cache, self._store_args = NoPromptCache(), None
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._worker = ModelWorker(self._load, lockstep=distributed,
+                                   log=lambda line: self.log(f"pocket-mlx serve: {line}"))
         self._lock = threading.Lock()
         self._admitted = 0  # running + queued
         self._running = 0
-        self._ready = threading.Event()
-        self._load_error: BaseException | None = None
         self._avg_s = 5.0  # running mean of a job's time, for Retry-After
-        self._thread: threading.Thread | None = None
+        self._path: Path | None = None
         self._active: set[Job] = set()  # the jobs holding a slot
         self.model = self.tokenizer = None
         self.model_id = ""
@@ -261,28 +198,39 @@ class Engine:
     # ---- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Load the model on the engine thread and wait for it; a load error is raised here."""
-        self._thread = threading.Thread(target=self._main, name="pocket-mlx-engine", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._load_error is not None:
-            raise self._load_error
+        self._worker.start(self._serve_all, self._setup)
 
     def stop(self) -> None:
         """Finish the running jobs' current step, drop the rest, end the thread."""
         with self._lock:
-            pending = []
-            while True:
-                try:
-                    pending.append(self._jobs.get_nowait())
-                except queue.Empty:
-                    break
+            pending = self._worker.drain()
             active = list(self._active)
         for job in pending + active:
             if job is not None:
                 job.cancelled.set()
-        self._jobs.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._worker.put(None)
+        self._worker.join(timeout=30)
+
+    def _load(self) -> tuple:
+        # The loader resolves the device and creates this thread's stream on first use.
+        self._path = resolve_model_path(self.model_ref)
+        return load(str(self._path), device=self.device_name, fuse=True,
+                    shard=self.dist.shard if self.dist else None)
+
+    def _setup(self, model, tokenizer) -> int:
+        """After loading: the window, the metrics' weights, the prompt-cache store."""
+        self.model, self.tokenizer = model, tokenizer
+        self.model_id = Path(self._path).name
+        self.device = self.model.device
+        weights = model_weight_stats(self.model)
+        self.context, self.context_source = self._window(self._path, weights.bytes_total)
+        self.metrics.bytes_per_token = weights.bytes_per_token
+        if self._store_args:
+            store = open_store(self.model, *self._store_args)  # (empty: len() is 0)
+            if store is not None:
+                self.prompt_cache = store
+        use_device(self.model, self.device)
+        return weights.bytes_total
 
     def _window(self, path: Path, weight_bytes: int) -> tuple[int, str]:
         """The window served and why: --ctx-size (never past the model's own), else the
@@ -303,34 +251,12 @@ class Engine:
             return own, "the model's window"
         return n, f"what fits in RAM beside the weights; the model's own is {own}"
 
-    def _main(self) -> None:
-        try:
-            # The loader resolves the device and creates this thread's stream on first use.
-            path = resolve_model_path(self.model_ref)
-            self.model, self.tokenizer = load(str(path), device=self.device_name, fuse=True,
-                                              shard=self.dist.shard if self.dist else None)
-            if self.dist is not None:
-                self.dist.ready(self.model)
-            self.model_id = Path(path).name
-            self.device = self.model.device
-            weights = model_weight_stats(self.model)
-            self.context, self.context_source = self._window(path, weights.bytes_total)
-            self.metrics.bytes_per_token = weights.bytes_per_token
-            if self._store_args:
-                store = open_store(self.model, *self._store_args)  # (empty: len() is 0)
-                if store is not None:
-                    self.prompt_cache = store
-            use_device(self.model, self.device)
-        except BaseException as e:  # noqa: BLE001 - handed to start(), which raises it
-            self._load_error = e
-            self._ready.set()
-            return
-        self._ready.set()
+    def _serve_all(self, weight_bytes: int) -> None:
         stream = devices.stream_for(self.device)
         try:
             with ExitStack() as wired:
                 if self.device == "gpu":  # wire the model's memory while serving
-                    wired.enter_context(wired_limit(weights.bytes_total, self.device,
+                    wired.enter_context(wired_limit(weight_bytes, self.device,
                                                     streams=[stream], warn=self.log))
                 if self.dist is not None:
                     self._serve_lockstep()
@@ -342,25 +268,19 @@ class Engine:
             flush = getattr(self.prompt_cache, "flush", None)
             if flush is not None:
                 flush()
-            if self.dist is not None:
-                try:
-                    self.dist.finish(self.model)  # the other ranks end too
-                except PocketError as e:  # a rank already gone: nothing left to tell
-                    self.log(f"pocket-mlx serve: {e}")
 
     # ---- the loop ----------------------------------------------------------------------------
     def _serve(self, stream: mx.Stream) -> None:
-        prefilling: deque[_Seq] = deque()  # in arrival order; the first one prefills
-        decoding: list[_Seq] = []  # past their first token
-        batch = DecodeBatch(self.model)
+        """Admit waiting jobs into free slots (blocking only when there is nothing to do),
+        then one step of the batch (engine/batch.py), its events to their jobs."""
+        batch = BatchDecoder(self.model, self.tokenizer, stream=stream, store=self.prompt_cache,
+                             prefill_step=self.prefill_step, log=self.log)
+        jobs: dict[int, Job] = {}  # uid -> job
         stopping = False
         while True:
-            # 1. Waiting jobs take the free slots (blocking only when there is nothing to do).
-            while not stopping and len(prefilling) + len(decoding) < self.max_concurrency:
-                idle = not prefilling and not decoding
-                try:
-                    job = self._jobs.get() if idle else self._jobs.get_nowait()
-                except queue.Empty:
+            while not stopping and len(batch) < self.max_concurrency:
+                job = self._worker.get(block=not batch)
+                if job is EMPTY:
                     break
                 if job is None:
                     stopping = True
@@ -369,77 +289,21 @@ class Engine:
                     continue
                 try:
                     with mx.stream(stream):
-                        prefilling.append(self._begin(job))
+                        jobs[self._begin(batch, job)] = job
                 except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                     self._release(job, self._failure(e))
-            if stopping and not prefilling and not decoding:
+            if stopping and not batch:
                 return
+            events = batch.step()
+            if batch.prefill_s is not None:
+                self.metrics.prefill(batch.prefill_s)
+            if batch.batch_size:
+                self.metrics.step(batch.batch_size)
+            for ev in events:
+                self._on_event(jobs, ev)
 
-            # 2. Prefill: cancelled ones leave; the oldest runs one chunk, or its first token.
-            for s in [s for s in prefilling if s.job.cancelled.is_set()]:
-                prefilling.remove(s)
-                s.fed = None  # the cache is part-way: never stored
-                self._finish(s, "cancelled", batch)
-            if prefilling:
-                s = prefilling[0]
-                try:
-                    with mx.stream(stream):
-                        # The step in flight first, so the time below is the prefill's alone
-                        # (/metrics' prefill_seconds_total: decode time = the rest).
-                        mx.eval([d.unread for d in decoding])
-                        t = time.perf_counter()
-                        ready = self._prefill(s)
-                        self.metrics.prefill(time.perf_counter() - t)
-                except Exception as e:  # noqa: BLE001
-                    prefilling.popleft()
-                    self._release(s.job, self._failure(e))
-                    ready = False
-                if ready:
-                    prefilling.popleft()
-                    decoding.append(s)
-
-            # 3. One decode step for every sequence that needs another token (pipelined: from
-            # the tokens sampled last step, not yet read).
-            feed = [s for s in decoding if s.read + 1 < s.limit]
-            try:
-                with mx.stream(stream):
-                    members = batch.set_members(feed)
-                    if members:
-                        for s in members:
-                            if s.processors:
-                                s.history = mx.concatenate(
-                                    [s.history, s.unread.astype(mx.uint32)])[-s.keep:]
-                        logits = batch.step(mx.concatenate(
-                            [s.unread.astype(mx.uint32) for s in members]))
-                        for i, s in enumerate(members):
-                            s.next, s.fed_now = s.sample(logits[i:i + 1]), True
-                        mx.async_eval([s.next for s in members])
-                        self.metrics.step(len(members))
-            except Exception as e:  # noqa: BLE001 - the step failed: so do its sequences
-                failure = self._failure(e)
-                for s in decoding:
-                    self._release(s.job, failure)
-                decoding, batch = [], DecodeBatch(self.model)
-                continue
-
-            # 4. Read what the previous step sampled; finished sequences leave.
-            for s in list(decoding):
-                try:
-                    reason = self._take(s, s.unread.item())
-                    if reason is not None:
-                        decoding.remove(s)
-                        self._finish(s, reason, batch)
-                        continue
-                except Exception as e:  # noqa: BLE001
-                    decoding.remove(s)
-                    if s.fed_now:
-                        batch.release(s)
-                    self._release(s.job, self._failure(e))
-                    continue
-                s.unread, s.next, s.fed_now = s.next, None, False
-
-    def _begin(self, job: Job) -> _Seq:
-        """A slot's job made ready to prefill: its prompt-cache prefix, its sampling state."""
+    def _begin(self, batch: BatchDecoder, job: Job) -> int:
+        """A slot's job into the batch: its prompt-cache prefix, its sampling state."""
         ids, req = job.ids, job.request
         sampling = SamplingParams(**req.sampling)
         sampling.validate()
@@ -448,10 +312,33 @@ class Engine:
             cache, n_cached = self.model.make_cache(), 0
         use_device(self.model, self.device, cache)  # a restored cache in the model's dtypes
         self._reused(len(ids), n_cached)
-        s = _Seq(job, cache, n_cached, sampling, req.max_tokens or self.default_max_tokens,
-                 self.context - len(ids), self.tokenizer)
+        uid = batch.insert(ids, cache=cache, n_cached=n_cached, sampling=sampling,
+                           max_tokens=req.max_tokens or self.default_max_tokens,
+                           room=self.context - len(ids), stop=req.stop or [],
+                           boundaries=req.boundaries, cancelled=job.cancelled.is_set)
         job.emit(Started(len(ids), n_cached))
-        return s
+        return uid
+
+    def _on_event(self, jobs: dict[int, Job], ev: batch_events.Event) -> None:
+        """A batch event to its job: text, metrics, and at the end the slot and `Done`."""
+        if isinstance(ev, batch_events.Token):
+            if ev.first:
+                self.metrics.first_token(ev.seconds)
+            else:
+                self.metrics.token(ev.seconds)
+            if ev.text:
+                jobs[ev.uid].emit(Piece(ev.text))
+            return
+        job = jobs.pop(ev.uid)
+        if isinstance(ev, batch_events.Failed):
+            self._release(job, self._failure(ev.error))
+            return
+        if ev.text:
+            job.emit(Piece(ev.text))
+        self.metrics.reply(ev.prompt_tokens, ev.completion_tokens, ev.tps,
+                           ev.reason == "cancelled")
+        self._release(job, Done(ev.reason, ev.prompt_tokens, ev.completion_tokens,
+                                ev.cached_tokens, ev.stop_string), ev.seconds)
 
     def _reused(self, n_prompt: int, n_cached: int) -> None:
         """Count a prompt-cache lookup in /metrics, and log a hit with the kind of snapshot."""
@@ -460,82 +347,6 @@ class Engine:
         if n_cached:
             self.log(f"pocket-mlx serve: prompt cache: reused {n_cached} of {n_prompt} prompt "
                      f"tokens ({kind or 'unknown'} snapshot)")
-
-    def _prefill(self, s: _Seq) -> bool:
-        """One chunk of `s`'s prompt into its cache (all but the last token, as
-        `generate_step`), or, once only the last is left, that token alone: its first sampled
-        token is then queued and True returned (it joins the batch). A chunk ends at the next
-        snapshot point, where the cache is stored (no extra pass: the chunk was due anyway)."""
-        if s.rest.size > 1:
-            pos = len(s.ids) - s.rest.size
-            n = chunk_size(pos, s.rest.size - 1, self.prefill_step,
-                           s.points[0][0] if s.points else None)
-            self.model(s.rest[:n][None], cache=s.cache)
-            mx.eval([a for c in s.cache for a in _cache_arrays(c)])
-            s.rest = s.rest[n:]
-            if s.points and s.points[0][0] == pos + n:
-                _, kind = s.points.popleft()
-                try:
-                    self.prompt_cache.store(s.ids[:pos + n], s.cache, kind=kind)
-                except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation
-                    self.log(f"pocket-mlx serve: prompt cache: not stored: "
-                             f"{type(e).__name__}: {' '.join(str(e).split())}")
-            return False
-        logits = self.model(s.rest[None], cache=s.cache)[:, -1, :]
-        s.unread = s.sample(logits)
-        mx.eval(s.unread)
-        return True
-
-    def _take(self, s: _Seq, token: int) -> str | None:
-        """Account for `s`'s next sampled token (emit its text); the finish reason when this
-        token ends the reply (as `stream_generate` decides), else None."""
-        s.read += 1
-        if s.fed_now:
-            s.fed.append(token)
-        if token in s.eos:
-            return "eos"
-        now = time.perf_counter()
-        if s.t_first is None:
-            s.t_first = now
-            self.metrics.first_token(now - s.t0)
-        else:
-            self.metrics.token(now - s.t_prev)
-        s.t_prev = now
-        s.n += 1
-        piece, stopped = s.text.add(token)
-        if piece:
-            s.job.emit(Piece(piece))
-        if stopped:
-            return "stop"
-        if s.read >= s.limit:
-            capped = s.max_tokens is not None and s.n >= s.max_tokens
-            return "length" if capped else "context"
-        if s.job.cancelled.is_set():
-            return "cancelled"
-        return None
-
-    def _finish(self, s: _Seq, reason: str, batch: DecodeBatch) -> None:
-        """Close `s`: the held-back text, the metrics, its cache into the prompt cache (before
-        the client hears the end, so its next turn finds it), the slot, then `Done`."""
-        job = s.job
-        if reason != "stop" and s.fed is not None and (tail := s.text.flush()):
-            job.emit(Piece(tail))
-        tps = (s.n - 1) / (time.perf_counter() - s.t_first) if s.n > 1 else 0.0
-        self.metrics.reply(len(s.ids), s.n, tps, reason == "cancelled")
-        # fed is None only when the cache was left part-way (cancelled in prefill); a reply
-        # cancelled while decoding still leaves a cache worth keeping for a retry.
-        if s.fed is not None:
-            if s.fed_now:
-                batch.release(s)  # its linear states, this last step included
-            try:
-                self.prompt_cache.store(s.ids[:s.n_cached] + s.fed, s.cache)
-            except Exception as e:  # noqa: BLE001 - the reply is complete: a cache that
-                # could not be kept costs a later prefill, not this answer
-                self.log(f"pocket-mlx serve: prompt cache: not stored: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())}")
-        stop_string = s.text.hit if reason == "stop" else None
-        self._release(job, Done(reason, len(s.ids), s.n, s.n_cached, stop_string),
-                      time.perf_counter() - s.t0)
 
     def _failure(self, e: Exception) -> Failed:
         if isinstance(e, PocketError):
@@ -570,7 +381,7 @@ class Engine:
     def _serve_lockstep(self) -> None:
         """Under --distributed every forward is collective, so the ranks must run the same
         requests step for step: one at a time (the batched loop above stays one-process)."""
-        while (job := self._next_job()) is not None:
+        while (job := self._worker.get()) is not None:
             if not self._claim(job):
                 continue
             t0 = time.perf_counter()
@@ -580,15 +391,6 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - one request failed, the server goes on
                 final = self._failure(e)
             self._release(job, final, time.perf_counter() - t0)
-
-    def _next_job(self) -> Job | None:
-        """The next job (None: stop): wait at most to the ranks' next beat, and tell them when
-        there is nothing (see distributed.BEAT_S)."""
-        while True:
-            try:
-                return self._jobs.get(timeout=self.dist.until_beat())
-            except queue.Empty:
-                self.dist.idle(self.model)
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, request: GenRequest) -> list[int]:
@@ -634,7 +436,7 @@ class Engine:
                 raise Busy(max(1, round(self._avg_s * (waiting + 1) / self.max_concurrency)))
             self._admitted += 1
             job = Job(self, ids, request, loop)
-            self._jobs.put(job)
+            self._worker.put(job)
         return job
 
     def _drop_if_queued(self, job: Job) -> None:
