@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from rich.segment import Segments
 from rich.traceback import Traceback
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
-from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.css.query import NoMatches
 from textual.screen import Screen
@@ -37,6 +35,7 @@ from pocket_mlx.engine.params import PROMPT_CACHE_MB
 from pocket_mlx.engine.session import Settings
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system.memory import wired_limit_status
+from pocket_mlx.tui.commands import KEYS, help_keys, one_frame, system_commands
 from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, finish_notice
 from pocket_mlx.tui.events import (
     ContextMeasured,
@@ -48,7 +47,7 @@ from pocket_mlx.tui.events import (
     ReplyDone,
 )
 from pocket_mlx.tui.header import ModelHeader
-from pocket_mlx.tui.jobs import ChatEngine, Job, LiveReply, Turn
+from pocket_mlx.tui.jobs import ChatEngine, Job, LiveReply, Turn, undone_note
 from pocket_mlx.tui.model_info import ModelInfo
 from pocket_mlx.tui.prompt import PromptInput
 from pocket_mlx.tui.screens import HelpScreen, OpenScreen, SettingsScreen
@@ -65,18 +64,7 @@ GIL_SWITCH_S = 0.001  # see on_mount
 class ChatApp(App[None]):
     CSS_PATH = "chat.tcss"
     TITLE = "pocket-mlx chat"
-    BINDINGS = [
-        Binding("escape", "stop", "Stop", tooltip="stop the reply, keep what was written"),
-        Binding("ctrl+g", "toggle_device", "GPU/CPU",
-                tooltip="switch GPU <-> CPU for the next reply (no reload)"),
-        Binding("ctrl+n", "new_chat", "New", tooltip="start a new conversation"),
-        Binding("ctrl+r", "regenerate", "Regenerate", tooltip="write the last reply again"),
-        Binding("ctrl+o", "open_chat", "Open", tooltip="open a saved conversation"),
-        Binding("ctrl+s", "settings", "Settings",
-                tooltip="system prompt, temperature, top-p, max tokens"),
-        Binding("f1", "help", "Help", tooltip="this list of keys"),
-        Binding("ctrl+q", "quit", "Quit", priority=True, tooltip="quit (everything is saved)"),
-    ]
+    BINDINGS = KEYS
 
     def __init__(self, model: str | None = None, *, device: str = "cpu",
                  settings: Settings | None = None, conversation: Conversation | None = None,
@@ -224,17 +212,6 @@ class ChatApp(App[None]):
         if msg.conv_id == self.conversation.id and not self.busy:
             self.stats_panel.set_context(msg.tokens)
 
-    @contextmanager
-    def _one_frame(self) -> Iterator[None]:
-        """What is done inside (awaits included) reaches the screen in one compositor pass, with
-        at most one layout, instead of one per widget it touches."""
-        with self.batch_update():
-            yield
-        # The screens saw those repaints while the batch held them back, and ending a batch
-        # does not tell them: without this they would wait for the next repaint's prompt.
-        for screen in self.screen_stack:
-            screen.check_idle()
-
     async def _tick(self) -> None:
         """The UI's only periodic work: pull what the engine published, redraw the panel."""
         self._ticks += 1
@@ -249,7 +226,7 @@ class ChatApp(App[None]):
                 panel.set_stats(stats, context)
         # The panel's repaint and the reply's new text in one compositor pass (else the screen
         # updates once when the panel is repainted and again after the append).
-        with self._one_frame():
+        with one_frame(self):
             panel.redraw()
             if reply is not None and self._ticks % TEXT_EVERY == 0:
                 text = self._live.take_text()
@@ -258,7 +235,7 @@ class ChatApp(App[None]):
 
     async def on_reply_done(self, msg: ReplyDone) -> None:
         reply, self._reply = self._reply, None
-        with self._one_frame():  # last text, colours, notice, cursor: one layout
+        with one_frame(self):  # last text, colours, notice, cursor: one layout
             try:
                 if reply is not None:
                     await self._finish_reply(reply, msg)
@@ -281,7 +258,7 @@ class ChatApp(App[None]):
             if msg.refused:  # the text back in the prompt says the rest
                 await self.view.add_notice(f"■ not sent: {msg.error}", "error")
             else:
-                await self.view.add_notice(f"■ error: {msg.error}{self._undone(turn)}", "error")
+                await self.view.add_notice(f"■ error: {msg.error}{undone_note(turn)}", "error")
                 self.notify(msg.error or "generation failed", title="Generation failed",
                             severity="error")
             # the prompt box may have grown with the text put back: keep the notice in view
@@ -293,7 +270,7 @@ class ChatApp(App[None]):
         if reason == "cancelled" and not reply.text:
             await reply.remove()
             turn = await self._undo_turn()
-            await self.view.add_notice(f"■ stopped before the reply began{self._undone(turn)}")
+            await self.view.add_notice(f"■ stopped before the reply began{undone_note(turn)}")
             self.call_after_refresh(self.view.scroll_end, animate=False)
             return
         self._turn = None
@@ -341,14 +318,6 @@ class ChatApp(App[None]):
         self._measure()
         return turn
 
-    @staticmethod
-    def _undone(turn: Turn | None) -> str:
-        if turn is None:
-            return ""
-        if turn.kind == "send":
-            return " (not saved; back in the prompt)"
-        return " (the previous reply is kept)"
-
     def _measure(self) -> None:
         """Ask the engine how many tokens the conversation on screen takes in the model's
         context (after resume, open or an undone turn), for the panel."""
@@ -393,7 +362,7 @@ class ChatApp(App[None]):
                         severity="warning")
             return
         self.prompt.remember(msg.text)
-        with self._one_frame():  # prompt cleared, two messages mounted: one layout
+        with one_frame(self):  # prompt cleared, two messages mounted: one layout
             self.prompt.text = ""
             message = {"role": "user", "content": msg.text}
             self.conversation.messages.append(message)
@@ -512,22 +481,8 @@ class ChatApp(App[None]):
         self.notify("Settings saved." + extra, title="Settings")
 
     def action_help(self) -> None:
-        keys = [(b.key, b.tooltip or b.description) for b in self.BINDINGS
-                if isinstance(b, Binding)]
-        keys.append(("ctrl+p", "command palette (every action by name)"))
-        self.push_screen(HelpScreen(keys))
+        self.push_screen(HelpScreen(help_keys(self.BINDINGS)))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Stop generation", "Stop the reply, keep what was written",
-                            self.action_stop)
-        yield SystemCommand("Switch device", "GPU <-> CPU for the next reply",
-                            self.action_toggle_device)
-        yield SystemCommand("New conversation", "Start over", self.action_new_chat)
-        yield SystemCommand("Regenerate", "Write the last reply again", self.action_regenerate)
-        yield SystemCommand("Open conversation", "Load a saved conversation",
-                            self.action_open_chat)
-        yield SystemCommand("Settings", "System prompt, temperature, top-p, max tokens",
-                            self.action_settings)
-        yield SystemCommand("Keys", "Show every key", self.action_help)
-
+        yield from system_commands(self)

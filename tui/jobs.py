@@ -54,6 +54,15 @@ class Turn(NamedTuple):
     previous: dict | None = None  # regenerate: the reply it replaces
 
 
+def undone_note(turn: Turn | None) -> str:
+    """What became of a turn taken back, for the notice that says so."""
+    if turn is None:
+        return ""
+    if turn.kind == "send":
+        return " (not saved; back in the prompt)"
+    return " (the previous reply is kept)"
+
+
 class LiveReply:
     """What the engine thread hands the UI while a reply is being written, without messages.
 

@@ -34,11 +34,8 @@ import asyncio
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import mlx.core as mx
 
@@ -54,96 +51,22 @@ from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
 from pocket_mlx.engine.prompt_cache import open_store
 from pocket_mlx.engine.worker import EMPTY, ModelWorker
 from pocket_mlx.errors import PocketError
+from pocket_mlx.server.jobs import (  # noqa: F401 - Busy: where the HTTP side imports it
+    Busy,
+    Done,
+    Failed,
+    Job,
+    NoPromptCache,
+    Piece,
+    PromptCache,
+    Started,
+)
 from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.openai import ApiError, GenRequest
-from pocket_mlx.server.tools import message_boundaries, render_chat
+from pocket_mlx.server.prompts import encode_request
 from pocket_mlx.system.host import total_ram_bytes
 from pocket_mlx.system.memory import wired_limit
 from pocket_mlx.system.wired import planned_context
-
-
-class PromptCache(Protocol):
-    """A store of model caches keyed by token prefix, shared by all requests."""
-
-    def fetch(self, tokens: Sequence[int]) -> tuple[list | None, int]:
-        """(a cache holding the first `n` tokens of `tokens`, n) for the longest stored prefix
-        with n < len(tokens) (at least one token must be left to prefill), or (None, 0). The
-        caller owns the returned cache and will extend it."""
-        ...
-
-    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None:
-        """Keep `cache`, which holds exactly `tokens`, for later requests; `kind` says where it
-        was taken (boundary | interval | end)."""
-        ...
-
-
-class NoPromptCache:
-    """No reuse: every request prefills its whole prompt (cached_tokens is 0)."""
-
-    def fetch(self, tokens: Sequence[int]) -> tuple[list | None, int]:
-        return None, 0
-
-    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None:
-        return None
-
-
-@dataclass
-class Piece:
-    text: str
-
-
-@dataclass
-class Started:
-    """Generation began: the prompt's size and how much of it the prompt cache supplied."""
-
-    prompt_tokens: int
-    cached_tokens: int
-
-
-@dataclass
-class Done:
-    finish_reason: str | None  # the engine's: eos, stop, length, context, cancelled
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    stop_string: str | None = None  # which stop string ended it (finish_reason "stop")
-
-
-@dataclass
-class Failed:
-    error: ApiError
-
-
-class Busy(Exception):
-    """No slot and no room in the queue; `retry_after` is a guess in seconds."""
-
-    def __init__(self, retry_after: int) -> None:
-        super().__init__("busy")
-        self.retry_after = retry_after
-
-
-class Job:
-    """One request's life on the engine thread; its events arrive on `events` (asyncio)."""
-
-    def __init__(self, engine: Engine, ids: list[int], request: GenRequest,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.engine, self.ids, self.request, self.loop = engine, ids, request, loop
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.cancelled = threading.Event()
-        self.state = "queued"  # queued | running | done | dropped (guarded by engine._lock)
-
-    def emit(self, event: Started | Piece | Done | Failed) -> None:
-        """From the engine thread: hand `event` to the request's coroutine."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is closed: the server is shutting down
-            pass
-
-    def cancel(self) -> None:
-        """The client is gone: stop within one step, or leave the queue now."""
-        self.cancelled.set()
-        self.engine._drop_if_queued(self)
-
 
 
 class Engine:
@@ -394,37 +317,10 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, request: GenRequest) -> list[int]:
-        """The prompt's token ids (chat template for chat, plain text or ids for completions);
-        a prompt that leaves no room in the context is a 400. Safe off the engine thread: it
-        only reads the tokenizer."""
-        tok = self.tokenizer
-        try:
-            if request.kind == "chat":
-                for m in request.messages or []:
-                    _utf8(m["content"], "messages")
-                ids = tok.encode(render_chat(tok, request), add_special_tokens=False)
-                # Computed with the cache off too: prefill chunks end at these points, and the
-                # same chunks with and without the cache give bit-identical states (a chunk
-                # split elsewhere rounds differently, and can change a greedy reply).
-                request.boundaries = message_boundaries(tok, request, ids)
-            elif isinstance(request.prompt, str):
-                ids = tok.encode(_utf8(request.prompt, "prompt"))
-            else:
-                ids = list(request.prompt or [])
-                # Both bounds: an id past the model's embedding table would read out of it.
-                vocab = min(tok.vocab_size, int(self.model.args.vocab_size))
-                if any(t >= vocab for t in ids):
-                    raise ApiError(400, f"prompt: token ids must be below the vocabulary size "
-                                        f"{vocab}", param="prompt", code="invalid_value")
-        except PocketError as e:  # the chat template refused the conversation
-            raise ApiError(400, str(e), param="messages", code="invalid_value") from None
-        if not ids:
-            raise ApiError(400, "the prompt is empty after tokenization", code="invalid_value")
-        if len(ids) >= self.context:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is "
-                                f"{self.context} tokens, and the reply needs at least one: "
-                                "shorten the prompt", code="context_length_exceeded")
-        return ids
+        """The prompt's token ids (server/prompts.py); a 400 `ApiError` when it cannot be
+        served. Safe off the engine thread: it only reads the tokenizer."""
+        vocab = min(self.tokenizer.vocab_size, int(self.model.args.vocab_size))
+        return encode_request(self.tokenizer, request, self.context, vocab)
 
     def submit(self, ids: list[int], request: GenRequest,
                loop: asyncio.AbstractEventLoop) -> Job:
@@ -439,7 +335,8 @@ class Engine:
             self._worker.put(job)
         return job
 
-    def _drop_if_queued(self, job: Job) -> None:
+    def drop_if_queued(self, job: Job) -> None:
+        """`job`'s client left while it waited: its place in the queue is free."""
         with self._lock:
             if job.state == "queued":
                 job.state = "dropped"
@@ -492,12 +389,3 @@ class Engine:
         return Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached,
                     stats.stop_string)
 
-
-def _utf8(text: str, where: str) -> str:
-    """JSON may carry lone surrogates (\\ud800) that no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, f"{where}: the text holds a lone UTF-16 surrogate, which is not "
-                            "valid Unicode", param=where, code="invalid_value") from None
-    return text
