@@ -27,14 +27,12 @@ from textual.screen import Screen
 from textual.widgets import Footer
 from textual.worker import get_current_worker
 
-from pocket_mlx import kernels
-from pocket_mlx.engine.conversations import Conversation, ConversationStore, new_id
+from pocket_mlx.engine.conversations import Conversation, ConversationStore
 from pocket_mlx.engine.devices import describe, gpu_available
 from pocket_mlx.engine.generation import GenerationStats
 from pocket_mlx.engine.params import PROMPT_CACHE_MB
 from pocket_mlx.engine.session import Settings
 from pocket_mlx.errors import PocketError
-from pocket_mlx.system.memory import wired_limit_status
 from pocket_mlx.tui.commands import KEYS, help_keys, one_frame, system_commands
 from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, finish_notice
 from pocket_mlx.tui.events import (
@@ -50,6 +48,7 @@ from pocket_mlx.tui.header import ModelHeader
 from pocket_mlx.tui.jobs import ChatEngine, Job, LiveReply, Turn, undone_note
 from pocket_mlx.tui.model_info import ModelInfo
 from pocket_mlx.tui.prompt import PromptInput
+from pocket_mlx.tui.saved import SavedChats
 from pocket_mlx.tui.screens import HelpScreen, OpenScreen, SettingsScreen
 from pocket_mlx.tui.stats_panel import REFRESH_S, StatsPanel
 
@@ -72,15 +71,8 @@ class ChatApp(App[None]):
                  path: Path | None = None, prompt_cache_mb: int = PROMPT_CACHE_MB,
                  distributed=None) -> None:
         super().__init__()
-        # Rank 0's distributed.Lockstep under `chat --distributed` (the other ranks follow it,
-        # cli/chat.py): the engine thread loads this rank's share, sends a beat while idle and
-        # "stop" when the app closes (`engine_done` is set after that).
-        self.distributed = distributed
+        # Set once the engine thread ended (under `chat --distributed`: the others were told).
         self.engine_done = threading.Event()
-        # The replies' caches, kept in RAM and written through to the data folder: a resumed
-        # conversation (--resume, ctrl+o) continues from its last reply instead of prefilling
-        # it all again. 0 turns it off.
-        self.prompt_cache_mb = prompt_cache_mb
         self.model_ref = model  # as the user named it: saved with new conversations (--resume)
         # Its folder when the caller resolved it already (cli/chat.py): loaded as is, not
         # resolved (a hub lookup, a synthetic build) a second time.
@@ -98,21 +90,16 @@ class ChatApp(App[None]):
         self._stop = threading.Event()
         self._reply: AssistantMessage | None = None
         self._live = LiveReply()
-        # The model's side, run by `engine` on a Textual thread worker.
+        # The model's side, run by `engine` on a Textual thread worker. `prompt_cache_mb` and
+        # `distributed` (rank 0's Lockstep, the other ranks following it): see ChatEngine.
         self._model = ChatEngine(self.post_message, self._live, self._stop,
                                  model=path or model, device=device, model_name=self.model_name,
                                  prompt_cache_mb=prompt_cache_mb, distributed=distributed)
         self._ticks = 0
         self._reply_settings = self.settings
         self._turn: Turn | None = None
-        self._made: set[str] = set()  # ids of the conversations this app created
-        self.conversation = conversation or self._new_conversation()
-
-    def _new_conversation(self) -> Conversation:
-        conv = Conversation(id=new_id(), model=str(self.model_ref or ""),
-                            settings=self.settings.to_dict())
-        self._made.add(conv.id)
-        return conv
+        self.saved = SavedChats(self.store, model)
+        self.conversation = conversation or self.saved.new(self.settings)
 
     # ---- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -142,13 +129,7 @@ class ChatApp(App[None]):
         sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_S))
         self.query_one(ModelHeader).show_loading(self.model_name)
         self.prompt.disabled = True
-        panel = self.stats_panel
-        panel.device_label = describe(self.device)
-        panel.kernels = kernels.label()
-        try:
-            panel.wired = wired_limit_status()
-        except Exception:  # noqa: BLE001 - a missing sysctl must not stop the chat
-            panel.wired = None
+        self.stats_panel.show_host(self.device)
         await self._show_conversation()
         self._report_warnings(self.conversation)
         self.set_interval(TICK_S, self._tick)
@@ -283,13 +264,8 @@ class ChatApp(App[None]):
 
     # ---- conversation ----------------------------------------------------------------------
     def _save(self) -> None:
-        if not self.conversation.messages:
-            return
-        self.conversation.settings = self.settings.to_dict()
-        try:
-            self.store.save(self.conversation)
-        except (OSError, PocketError) as e:
-            self.notify(f"could not save the conversation: {e}", severity="error")
+        if error := self.saved.save(self.conversation, self.settings):
+            self.notify(error, severity="error")
 
     async def _undo_turn(self) -> Turn | None:
         """Take back the turn that got no reply: the prompt leaves the conversation (and the
@@ -308,13 +284,9 @@ class ChatApp(App[None]):
         elif turn.kind == "regenerate" and turn.previous is not None:
             msgs.append(turn.previous)
             await self._show_message(turn.previous)
-        if msgs:
-            self._save()
-        elif self.conversation.id in self._made:
-            try:  # its only message was taken back: no empty conversation left behind
-                self.store.remove(self.conversation.id)
-            except (OSError, PocketError) as e:
-                self.notify(f"could not remove the empty conversation: {e}", severity="error")
+        self._save()
+        if error := self.saved.forget_if_empty(self.conversation):
+            self.notify(error, severity="error")
         self._measure()
         return turn
 
@@ -415,7 +387,7 @@ class ChatApp(App[None]):
     async def action_new_chat(self) -> None:
         if not self._idle_or_warn():
             return
-        self.conversation = self._new_conversation()
+        self.conversation = self.saved.new(self.settings)
         await self.view.clear()
         self.stats_panel.set_phase("idle")
         self.stats_panel.set_context(0)
@@ -454,11 +426,9 @@ class ChatApp(App[None]):
             self.notify(str(e), severity="error")
             return
         self.conversation = conv
-        try:
-            settings = Settings.from_dict(conv.settings)
-            settings.validate()
+        if (settings := self.saved.settings_of(conv)) is not None:
             self.settings = settings
-        except (ValueError, TypeError, PocketError):
+        else:
             self.notify("The saved settings are invalid; keeping the current ones.",
                         severity="warning")
         await self._show_conversation()

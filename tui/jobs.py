@@ -105,9 +105,13 @@ class ChatEngine:
                  model_name: str, prompt_cache_mb: int, distributed=None) -> None:
         self.post, self.live, self.stop = post, live, stop
         self.model_ref, self.device, self.model_name = model, device, model_name
+        # The replies' caches, kept in RAM and written through to the data folder: a resumed
+        # conversation (--resume, ctrl+o) continues from its last reply instead of prefilling
+        # it all again. 0 turns it off.
         self.prompt_cache_mb = prompt_cache_mb
-        # Rank 0's distributed.Lockstep under `chat --distributed`: this rank's share is loaded,
-        # a beat goes out while idle, "stop" when the app closes.
+        # Rank 0's distributed.Lockstep under `chat --distributed` (the other ranks follow it,
+        # cli/chat.py): this rank's share is loaded, a beat goes out while idle, "stop" when
+        # the app closes.
         self.distributed = distributed
         self.worker = ModelWorker(self._load, lockstep=distributed, poll_s=POLL_S,
                                   exit_on_lost=False)
