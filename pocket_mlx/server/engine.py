@@ -51,7 +51,7 @@ from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
 from pocket_mlx.engine.prompt_cache import open_store
 from pocket_mlx.engine.worker import EMPTY, ModelWorker
 from pocket_mlx.errors import PocketError
-from pocket_mlx.server.jobs import (  # noqa: F401 - Busy: where the HTTP side imports it
+from pocket_mlx.server.jobs import (
     Busy,
     Done,
     Failed,
