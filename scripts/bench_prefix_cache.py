@@ -13,11 +13,18 @@ the warm server (it starts from the system prompt's snapshot), then the same req
 server with the prompt cache off: the two replies must be identical (issue 30: reuse never
 changes output).
 
+With `--session-identity N`: the same check in process, through the chat's `ChatSession` (the
+same snapshot points and store), comparing token ids rather than text (a random-weight model's
+tokens past the bundled tokenizer's vocabulary decode to nothing, so equal text proves little
+there): one session with the store serves a first conversation, then a new one behind the same
+system prompt (it starts from the boundary snapshot); a session without the store serves the new
+one cold.
+
 Then, in process, the cost of one snapshot against the prefill it saves (the basis of
 SNAPSHOT_INTERVAL): prefill `--interval` tokens, then time `PromptCache.store` of that cache.
 
     python scripts/bench_prefix_cache.py [--model MODEL] [--rules 45] [--interval 1024]
-        [--identity N] [--no-cost]
+        [--identity N] [--session-identity N] [--no-cost]
 """
 
 from __future__ import annotations
@@ -148,6 +155,40 @@ def identity_request(system: str, n: int) -> dict:
             "max_tokens": n, "temperature": 0}
 
 
+def session_identity(args) -> None:
+    from pocket_mlx.engine.loader import load
+    from pocket_mlx.engine.prompt_cache import PromptCache
+    from pocket_mlx.engine.session import ChatSession, Settings
+
+    model, tok = load(args.model or str(ROOT / "assets" / "pocket-tiny"), device=args.device)[:2]
+    settings = Settings(system=system_prompt(args.rules, ""), temperature=0.0,
+                        max_tokens=args.session_identity)
+
+    def reply(session, text):
+        t0, ttft, ids = time.perf_counter(), None, []
+        for r, _ in session.generate([{"role": "user", "content": text}], settings, args.device):
+            if r.token is not None:
+                ttft = ttft or time.perf_counter() - t0
+                ids.append(r.token)
+        return ids, ttft
+
+    store = PromptCache(model, 4 << 30)
+    warm_session = ChatSession(model, tok, store)
+    _, ttft_first = reply(warm_session, "Tell me a joke.")
+    warm, ttft_warm = reply(warm_session, "Name three colours, please.")
+    reused, kind = store.stats()["tokens_served"], store.last_kind
+    cold, ttft_cold = reply(ChatSession(model, tok), "Name three colours, please.")
+    print(f"session identity: first conversation TTFT {ttft_first:.2f} s; new conversation "
+          f"behind the same system prompt: warm {ttft_warm:.2f} s (reused {reused} tokens, "
+          f"{kind} snapshot) vs cold without the store {ttft_cold:.2f} s "
+          f"({ttft_cold / ttft_warm:.1f}x); snapshots held {store.ram_used / 2**20:.0f} MiB")
+    print(f"  warm token ids: {warm}\n  cold token ids: {cold}")
+    print(f"greedy token ids identical with and without the store: "
+          f"{'yes' if warm == cold else 'NO'}")
+    if warm != cold:
+        raise SystemExit(1)
+
+
 def _get(port: int, path: str) -> str:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("GET", path)
@@ -188,7 +229,13 @@ def main() -> None:
                          "cache-off server's (a second server start)")
     ap.add_argument("--no-cost", action="store_true", help="skip the in-process snapshot cost "
                     "(it loads the model a second time)")
+    ap.add_argument("--session-identity", type=int, default=0, metavar="N",
+                    help="only the in-process chat-session check with N greedy tokens (token "
+                         "ids compared; no server)")
     args = ap.parse_args()
+    if args.session_identity:
+        session_identity(args)
+        return
     http_part(args)
     if not args.no_cost:
         snapshot_cost(args)

@@ -22,6 +22,17 @@
     model's text rarely has; with one token the cached prefix is the 1st turn's prompt.
 (c) the same 2nd turn after a restart of the server with the same --prompt-cache-dir (the disk
     tier), after one short unrelated warm-up request.
+(l) long prompt (`--parts l`, issue 28): a stream decodes (short prompt, long reply); once it
+    has --lead-pieces pieces, a second request sends a ~--long-tokens prompt. Recorded: the
+    decoding stream's gaps between chunks while the long prompt prefills (median, longest) and
+    before it (median alone), the long prompt's TTFT, its chunks' prefill times (from the
+    server log's progress lines), /metrics' prefill counters, the server's peak RSS
+    (/proc/PID/status VmHWM, and VmRSS sampled every 0.25 s) and the planner's figure for the
+    window (`pocket-mlx info --context W`: weights + KV + linear state). Checks: longest gap <
+    3 x the median gap alone + the longest chunk's prefill time; peak RSS within 10% of the
+    planner's figure. The server runs with --ctx-size W (the long prompt + 1024, rounded up to
+    256) and --max-concurrency 2; its prompt cache at its default RAM budget. Writes
+    docs/bench-serve-long-<model>.json with --out.
 
 The text comes from assets/text/en.val.txt, counted with the bundled tokenizer (assets/
 pocket-tiny), which the synthetic models share. POCKET_MLX_HOME and the prompt cache folder are
@@ -29,6 +40,8 @@ temporary and removed at the end. Each server gets one unmeasured warm-up reques
 
     python scripts/bench_serve.py [--model synthetic:pocket-35b-e128 | tiny] [--device cpu]
         [--prompt-tokens 2000] [--max-tokens 64] [--json] [--port 8090]
+    python scripts/bench_serve.py --parts l [--long-tokens 16384] [--prefill-step 512]
+        [--out docs/bench-serve-long-pocket-35b-e128.json]
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ import http.client
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -98,11 +112,11 @@ class Server:
     """A `python -m pocket_mlx serve` child; stops with SIGTERM (writes RAM entries to disk)."""
 
     def __init__(self, model: str, device: str, port: int, cache_dir: Path, home: Path,
-                 log: Path, max_concurrency: int = 4) -> None:
+                 log: Path, max_concurrency: int = 4, extra: tuple[str, ...] = ()) -> None:
         self.port, self.log = port, log
         cmd = [sys.executable, "-m", "pocket_mlx", "serve", "--port", str(port),
                "--device", device, "--prompt-cache-dir", str(cache_dir),
-               "--max-concurrency", str(max_concurrency)]
+               "--max-concurrency", str(max_concurrency), *extra]
         if model:
             cmd += ["--model", model]
         env = {**os.environ, "POCKET_MLX_HOME": str(home),
@@ -337,6 +351,239 @@ def warm_up(server: Server, texts: Texts) -> Stream:
     return chat(server, [{"role": "user", "content": texts.take(SHORT_PROMPT_TOKENS)}], 16)
 
 
+# ---- (l) a long prompt beside a decoding stream ----------------------------------------------
+
+class RssSampler(threading.Thread):
+    """The server's resident memory: VmRSS every `every_s`, its maximum, and VmHWM (the
+    kernel's own peak, load time included) when asked."""
+
+    def __init__(self, pid: int, every_s: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every_s = pid, every_s
+        self.max_rss = 0
+        self.stop_event = threading.Event()
+
+    def status(self) -> dict[str, int]:
+        """VmRSS and VmHWM in bytes ({} when /proc is not there)."""
+        out = {}
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(value.split()[0]) * 1024
+        except OSError:
+            pass
+        return out
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            self.max_rss = max(self.max_rss, self.status().get("VmRSS", 0))
+            time.sleep(self.every_s)
+
+
+@dataclass
+class Timed:
+    """A streaming request's chunk arrival times (perf_counter), usage and end."""
+
+    sent: float = 0.0
+    times: list[float] = field(default_factory=list)  # chunks with content
+    first: float | None = None  # first chunk with content or a finish reason
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def timed_stream(server: Server, messages: list[dict], max_tokens: int, out: Timed,
+                 stop: threading.Event | None = None, started: threading.Event | None = None,
+                 lead: int = 0) -> None:
+    """Stream one chat reply (temperature 0) into `out`; `started` is set after `lead` content
+    chunks; the stream is closed (the server cancels it) once `stop` is set."""
+    out.sent = time.perf_counter()
+    try:
+        chunks = server.client.chat.completions.create(
+            model=server.model_id, messages=messages, max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        for c in chunks:
+            now = time.perf_counter()
+            if c.choices:
+                ch = c.choices[0]
+                if ch.delta.content:
+                    out.times.append(now)
+                if (ch.delta.content or ch.finish_reason) and out.first is None:
+                    out.first = now
+                if ch.finish_reason:
+                    out.finish_reason = ch.finish_reason
+            if c.usage:
+                out.prompt_tokens = c.usage.prompt_tokens
+                out.completion_tokens = c.usage.completion_tokens
+            if started is not None and len(out.times) >= lead:
+                started.set()
+            if stop is not None and stop.is_set():
+                chunks.close()
+                out.finish_reason = out.finish_reason or "closed by the client"
+                break
+    except Exception as e:  # noqa: BLE001 - reported in the result
+        out.error = f"{type(e).__name__}: {e}"
+    finally:
+        if started is not None:
+            started.set()
+
+
+CHUNK_LINE = re.compile(r"prefill req (\d+): (\d+)/(\d+) tokens, chunk (\d+) in ([0-9.]+) s")
+
+
+def chunk_times(log: Path, req: int) -> list[tuple[int, float]]:
+    """(tokens, seconds) of each prefill chunk of request `req`, from the server's log."""
+    out = []
+    for m in CHUNK_LINE.finditer(log.read_text(errors="replace")):
+        if int(m.group(1)) == req:
+            out.append((int(m.group(4)), float(m.group(5))))
+    return out
+
+
+def planner_bytes(model: str, context: int) -> dict:
+    """`pocket-mlx info --context` for the window: what the planner says it needs."""
+    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "info", "--model", model,
+                        "--context", str(context), "--json"], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if r.returncode != 0:
+        raise SystemExit(f"bench_serve: pocket-mlx info failed: {r.stderr.strip()}")
+    d = json.loads(r.stdout)
+    return {k: d[k] for k in ("ram_needed_bytes", "weights_bytes", "kv_cache_bytes",
+                              "linear_state_bytes", "context", "serve_context")}
+
+
+def gaps(times: list[float], lo: float, hi: float) -> list[float]:
+    """Gaps between consecutive chunks, for those arriving in (lo, hi]."""
+    return [b - a for a, b in zip(times, times[1:]) if lo < b <= hi]
+
+
+def long_prompt(model: str, args: argparse.Namespace, tmp: Path, texts: Texts, say) -> dict:
+    """(l): see the module's docstring."""
+    home, cache_dir, log = tmp / "home", tmp / "prompt-cache", tmp / "serve.log"
+    overhead = texts.prompt_len([{"role": "user", "content": ""}])
+    long_msgs = [{"role": "user", "content": texts.take(args.long_tokens - overhead)}]
+    n_long = texts.prompt_len(long_msgs)
+    window = -(-(n_long + 1024) // 256) * 256
+    short = [{"role": "user", "content": "Continue this text: " + texts.take(SHORT_PROMPT_TOKENS)}]
+    r: dict = {"long_prompt_tokens_target": args.long_tokens, "long_prompt_tokens": n_long,
+               "ctx_size": window, "prefill_step": args.prefill_step, "max_concurrency": 2}
+    r["planner"] = planner_bytes(model, window)
+    say(f"(l) long prompt {n_long} tokens, window {window}; planner "
+        f"{r['planner']['ram_needed_bytes'] / 2**30:.2f} GiB; starting the server")
+    server = Server(model, args.device, args.port, cache_dir, home, log, 2,
+                    ("--ctx-size", str(window), "--prefill-step", str(args.prefill_step)))
+    sampler = RssSampler(server.proc.pid)
+    sampler.start()
+    try:
+        r["server_start_s"] = server.start_s
+        r["warm_up"] = summary(warm_up(server, texts))
+        r["rss_after_warm_up_bytes"] = sampler.status().get("VmRSS")
+        m0 = server_metrics(server)
+        a, b = Timed(), Timed()
+        started, stop = threading.Event(), threading.Event()
+        ta = threading.Thread(target=timed_stream, args=(server, short, window - 64, a, stop,
+                                                         started, args.lead_pieces))
+        ta.start()
+        started.wait()
+        if a.error:
+            raise SystemExit(f"bench_serve: the decoding stream failed: {a.error}")
+        say(f"    stream A decoding ({len(a.times)} pieces); sending the long prompt")
+        tb = threading.Thread(target=timed_stream, args=(server, long_msgs, 4, b))
+        tb.start()
+        progress_at = time.perf_counter()
+        while tb.is_alive():
+            tb.join(timeout=5)
+            if time.perf_counter() - progress_at >= 60:
+                progress_at = time.perf_counter()
+                m = server_metrics(server)
+                say(f"    prefilled {m['prompt_tokens_prefilled_total']:.0f} tokens, pending "
+                    f"{m['prefill_tokens_pending']:.0f}; stream A {len(a.times)} pieces; RSS "
+                    f"{sampler.max_rss / 2**30:.2f} GiB max")
+        # A few more of A's tokens after B's first, then A is closed (the server cancels it).
+        n_after = len(a.times)
+        while ta.is_alive() and len(a.times) < n_after + 4:
+            time.sleep(0.05)
+        stop.set()
+        ta.join()
+        if b.error or b.first is None:
+            raise SystemExit(f"bench_serve: the long prompt failed: {b.error}")
+        m1 = server_metrics(server)
+        st = sampler.status()
+    finally:
+        sampler.stop_event.set()
+        server.stop()
+    req = 3  # the warm-up is request 1, A 2, B 3
+    chunks = chunk_times(log, req)
+    during = gaps(a.times, b.sent, b.first)
+    alone = gaps(a.times, 0, b.sent)
+    chunk_max = max((c[1] for c in chunks), default=0.0)
+    med_alone = statistics.median(alone) if alone else None
+    peak = max(st.get("VmHWM", 0), sampler.max_rss)
+    planner = r["planner"]["ram_needed_bytes"]
+    r.update({
+        "long_ttft_s": b.first - b.sent,
+        "long_prompt_tokens_served": b.prompt_tokens,
+        "stream_a_pieces_during_prefill": len(during),
+        "stream_a_gap_median_alone_s": med_alone,
+        "stream_a_gap_median_during_s": statistics.median(during) if during else None,
+        "stream_a_gap_longest_during_s": max(during) if during else None,
+        "stream_a_completion_tokens": a.completion_tokens,
+        "stream_a_pieces": len(a.times),
+        "chunks": len(chunks),
+        "chunk_s_median": statistics.median(c[1] for c in chunks) if chunks else None,
+        "chunk_s_longest": chunk_max,
+        "chunk_tokens": [c[0] for c in chunks],
+        "chunk_s": [c[1] for c in chunks],
+        "metrics_prefilled_tokens": m1["prompt_tokens_prefilled_total"]
+        - m0["prompt_tokens_prefilled_total"],
+        "metrics_prefill_chunks": m1["prefill_chunk_seconds_count"]
+        - m0["prefill_chunk_seconds_count"],
+        "peak_rss_bytes": peak,
+        "vm_hwm_bytes": st.get("VmHWM"),
+        "max_sampled_rss_bytes": sampler.max_rss,
+        "peak_vs_planner": peak / planner,
+    })
+    r["check_gap"] = bool(during and med_alone is not None
+                          and max(during) < 3 * med_alone + chunk_max)
+    r["check_rss_within_10pct"] = abs(peak / planner - 1) <= 0.10
+    r["log_tail"] = log.read_text(errors="replace").splitlines()[-8:]
+    return r
+
+
+def report_long(r: dict) -> None:
+    """(l)'s table."""
+    m, lp = r["machine"], r["long"]
+    gib = 2**30
+    print(f"model {r['model']} on {r['device']}; CPU: {m['cpu']}; flags: "
+          f"{' '.join(m['flags'])}; {m['cores']} cores; load average start "
+          f"{r['loadavg_start']}, end {r['loadavg_end']}")
+    rows = [
+        ("long prompt", f"{lp['long_prompt_tokens_served']} tokens (window --ctx-size "
+                        f"{lp['ctx_size']}, --prefill-step {lp['prefill_step']})"),
+        ("long prompt TTFT", f"{lp['long_ttft_s']:.1f} s"),
+        ("prefill chunks", f"{lp['chunks']}: median {lp['chunk_s_median']:.2f} s, longest "
+                           f"{lp['chunk_s_longest']:.2f} s"),
+        ("/metrics", f"prefilled {lp['metrics_prefilled_tokens']:.0f} tokens in "
+                     f"{lp['metrics_prefill_chunks']:.0f} chunks"),
+        ("stream A gaps", f"median alone {1e3 * lp['stream_a_gap_median_alone_s']:.1f} ms; "
+                          f"during the prefill: {lp['stream_a_pieces_during_prefill']} pieces, "
+                          f"median {1e3 * (lp['stream_a_gap_median_during_s'] or 0):.1f} ms, "
+                          f"longest {1e3 * (lp['stream_a_gap_longest_during_s'] or 0):.1f} ms"),
+        ("gap check", f"longest < 3 x median alone + longest chunk: {lp['check_gap']}"),
+        ("peak RSS", f"{lp['peak_rss_bytes'] / gib:.2f} GiB (VmHWM "
+                     f"{(lp['vm_hwm_bytes'] or 0) / gib:.2f}, sampled max "
+                     f"{lp['max_sampled_rss_bytes'] / gib:.2f}; after warm-up "
+                     f"{(lp['rss_after_warm_up_bytes'] or 0) / gib:.2f})"),
+        ("planner", f"{lp['planner']['ram_needed_bytes'] / gib:.2f} GiB at "
+                    f"{lp['planner']['context']} tokens; peak / planner "
+                    f"{lp['peak_vs_planner']:.3f}; within 10%: {lp['check_rss_within_10pct']}"),
+    ]
+    for k, v in rows:
+        print(f"  {k:<18} {v}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="synthetic:pocket-35b-e128",
@@ -353,10 +600,20 @@ def main() -> int:
                     help="rounds of (a) (1, 2 and 4 streams each); medians are reported")
     ap.add_argument("--parts", default="abc",
                     help="'a' alone skips (b) and (c) (they need two cold --prompt-tokens "
-                         "prefills); (b) and (c) always run together")
+                         "prefills); (b) and (c) always run together; 'l' alone: the long-prompt "
+                         "run (l)")
     ap.add_argument("--max-concurrency", type=int, default=4,
                     help="the server's --max-concurrency (1: one request at a time, the "
                          "others queued: the unbatched peer)")
+    ap.add_argument("--long-tokens", type=int, default=16384,
+                    help="(l): the long prompt's length, chat template included")
+    ap.add_argument("--prefill-step", type=int, default=512,
+                    help="(l): the server's --prefill-step")
+    ap.add_argument("--lead-pieces", type=int, default=16,
+                    help="(l): pieces the decoding stream has before the long prompt is sent")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="(l): also write the result as JSON there (e.g. docs/bench-serve-long-"
+                         "pocket-35b-e128.json)")
     ap.add_argument("--port", type=int, default=8090)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--keep", action="store_true",
@@ -375,6 +632,24 @@ def main() -> int:
                     "max_concurrency": args.max_concurrency,
                     "loadavg_start": loadavg(), "max_tokens": args.max_tokens,
                     "reply_tokens": args.reply_tokens, "prompt_tokens_target": args.prompt_tokens}
+    if args.parts == "l":
+        try:
+            result["long"] = long_prompt(model, args, tmp, texts, say)
+        finally:
+            result["loadavg_end"] = loadavg()
+            if args.keep:
+                say(f"kept {tmp}")
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+        if args.out is not None:
+            part = args.out.with_name(args.out.name + ".part")
+            part.write_text(json.dumps(result, indent=2) + "\n")
+            part.replace(args.out)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            report_long(result)
+        return 0
     # (b)'s texts first: the two long ones, the same token count.
     overhead = texts.prompt_len([{"role": "user", "content": ""}])
     n_long = args.prompt_tokens - overhead

@@ -9,7 +9,7 @@ import pytest
 
 from pocket_mlx import kernels
 from pocket_mlx.engine import devices
-from pocket_mlx.engine.batch import BatchDecoder, Finished, Token
+from pocket_mlx.engine.batch import BatchDecoder, Finished, Prefilled, Token
 from pocket_mlx.engine.generation import SamplingParams, generate
 from pocket_mlx.engine.loader import default_model_path, load
 from pocket_mlx.engine.prompt_cache import SNAPSHOT_INTERVAL
@@ -43,15 +43,23 @@ def insert(dec: BatchDecoder, ids: list[int], max_tokens: int) -> int:
                       max_tokens=max_tokens, room=10_000)
 
 
-def drain(dec: BatchDecoder, texts: dict[int, str], done: dict[int, Finished]) -> None:
+def drain(dec: BatchDecoder, texts: dict[int, str], done: dict[int, Finished],
+          prefilled: list[Prefilled] | None = None) -> None:
     while len(dec):
-        for ev in dec.step():
-            assert not hasattr(ev, "error"), ev
-            if isinstance(ev, Token):
-                texts[ev.uid] += ev.text
-            else:
-                texts[ev.uid] += ev.text
-                done[ev.uid] = ev
+        step(dec, texts, done, prefilled)
+
+
+def step(dec: BatchDecoder, texts: dict[int, str], done: dict[int, Finished],
+         prefilled: list[Prefilled] | None = None) -> None:
+    for ev in dec.step():
+        assert isinstance(ev, (Prefilled, Token, Finished)), ev
+        if isinstance(ev, Prefilled):
+            if prefilled is not None:
+                prefilled.append(ev)
+            continue
+        texts[ev.uid] += ev.text
+        if isinstance(ev, Finished):
+            done[ev.uid] = ev
 
 
 def test_inserted_together_equal_generate_alone(tiny, exact_kernels):
@@ -80,10 +88,8 @@ def test_removed_sequence_is_cancelled_the_others_go_on(tiny, exact_kernels):
     ua, ub = insert(dec, a, 12), insert(dec, b, 12)
     texts, done = {ua: "", ub: ""}, {}
     while len(dec.decoding) < 2:  # both past their first token
-        for ev in dec.step():
-            texts[ev.uid] += ev.text
-    for ev in dec.step():
-        texts[ev.uid] += ev.text
+        step(dec, texts, done)
+    step(dec, texts, done)
     (gone,) = dec.remove([ua])
     assert gone.reason == "cancelled" and gone.uid == ua and len(dec) == 1
     tokens, kind = store.calls[-1]
@@ -99,6 +105,10 @@ def test_prefill_stores_snapshots_at_their_points(tiny):
     dec = decoder(tiny, store)
     ids = (tok.encode(" ".join(["the quick brown fox"] * 400)))[:SNAPSHOT_INTERVAL + 40]
     insert(dec, ids, 1)
-    drain(dec, {0: ""}, {})
+    prefilled: list[Prefilled] = []
+    drain(dec, {0: ""}, {}, prefilled)
     kinds = [(len(t), k) for t, k in store.calls]
     assert kinds[0] == (SNAPSHOT_INTERVAL, "interval") and kinds[-1][1] == "end"
+    # Every prompt token was fed once, in chunks that end at the snapshot point.
+    assert sum(p.tokens for p in prefilled) == len(ids) == prefilled[-1].done
+    assert SNAPSHOT_INTERVAL in [p.done for p in prefilled]

@@ -507,3 +507,8 @@ def test_chat_reuses_a_system_prompt_across_new_conversations(tiny, exact_kernel
     assert second.plan_kind == "stored" and store.last_kind == "boundary"
     assert store.stats()["tokens_by_kind"]["boundary"] == system_only > 300
     assert warm == reply(ChatSession(model, tok), "What is two and two?")
+    # The TUI's way: one session, a new conversation after another (ctrl+n), not a new session.
+    same = ChatSession(model, tok, PromptCache(model, 1 << 30))
+    reply(same, "Tell me a joke.")
+    assert reply(same, "What is two and two?") == warm
+    assert same.plan_kind == "stored" and same.prompt_cache.last_kind == "boundary"

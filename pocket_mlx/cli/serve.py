@@ -17,7 +17,11 @@ from pathlib import Path
 
 from pocket_mlx.cli import args as argtypes
 from pocket_mlx.cli.args import add_distributed_args, add_model_args
-from pocket_mlx.engine.params import PROMPT_CACHE_MB, SERVE_MAX_CONCURRENCY
+from pocket_mlx.engine.params import (
+    DEFAULT_PREFILL_STEP,
+    PROMPT_CACHE_MB,
+    SERVE_MAX_CONCURRENCY,
+)
 from pocket_mlx.errors import PocketError
 
 LAUNCHD_LABEL = "com.pocket-mlx.serve"
@@ -52,6 +56,10 @@ def register(sub) -> argparse.ArgumentParser:
                         "model's own: a smaller one needs less RAM (default: the model's "
                         "window, capped by what the memory planner says fits in RAM beside "
                         "the weights, as `pocket-mlx info` shows)")
+    p.add_argument("--prefill-step", type=_positive, default=DEFAULT_PREFILL_STEP, metavar="N",
+                   help="prompt tokens per prefill chunk; other streams get a decode step "
+                        "between chunks, so a long prompt delays them by one chunk at a time "
+                        "(as llama.cpp's --ubatch-size; default: %(default)s)")
     p.add_argument("--alias", action="append", type=_alias, default=[], metavar="NAME",
                    help="another model name this server answers to (repeatable; as llama.cpp's "
                         "flag): requests and /v1/models accept it beside the model's own name "
@@ -216,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(args.model, args.device, max_concurrency=args.max_concurrency,
                     max_queue=args.max_queue, default_max_tokens=args.max_tokens,
                     prompt_cache_mb=args.prompt_cache_mb, prompt_cache_dir=args.prompt_cache_dir,
-                    distributed=lockstep, ctx_size=args.ctx_size)
+                    distributed=lockstep, ctx_size=args.ctx_size,
+                    prefill_step=args.prefill_step)
     try:
         engine.start()
     except PocketError as e:

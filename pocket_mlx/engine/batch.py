@@ -2,7 +2,7 @@
 
 The shape is mlx-lm's `BatchGenerator`: `insert` a prompt (with its cache, sampling and
 stops) and get a uid back, call `step()` to advance every sequence and get per-sequence
-events (`Token`, `Finished`, `Failed`), `remove` uids to end them early. The caller (the
+events (`Prefilled`, `Token`, `Finished`, `Failed`), `remove` uids to end them early. The caller (the
 server's worker, server/engine.py) keeps admission, queueing and what the events mean to a
 client; nothing here knows HTTP.
 
@@ -49,6 +49,21 @@ class SnapshotStore(Protocol):
 
 
 @dataclass
+class Prefilled:
+    """A prefill chunk (or the prompt's last token, fed alone) of `tokens` took `seconds`;
+    `done` of the prompt's `total` tokens are in the cache now (`cached` of them came from the
+    prompt cache), `wall_s` after the sequence was inserted."""
+
+    uid: int
+    tokens: int
+    seconds: float
+    done: int
+    total: int
+    cached: int
+    wall_s: float
+
+
+@dataclass
 class Token:
     """A reply token was read (EOS excepted): its text safe to show (may be empty, held back
     for a stop string) and the seconds since the sequence was inserted (the first token) or
@@ -83,7 +98,7 @@ class Failed:
     error: Exception
 
 
-Event = Token | Finished | Failed
+Event = Prefilled | Token | Finished | Failed
 
 
 class _Seq:
@@ -115,6 +130,8 @@ class _Seq:
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
         self.t_prev = 0.0
+        self.prefilled = 0  # prompt tokens fed so far (past the cached prefix)
+        self.prefill_s = 0.0  # engine time in this prompt's chunks
         # Positions past the cached prefix where prefill stops a chunk and stores a snapshot.
         self.points = deque(snapshot_points(len(ids), boundaries, n_cached))
 
@@ -140,6 +157,10 @@ class BatchDecoder:
 
     def __len__(self) -> int:
         return len(self.prefilling) + len(self.decoding)
+
+    def pending(self) -> tuple[int, int]:
+        """(prompts still prefilling, their tokens left to prefill)."""
+        return len(self.prefilling), sum(int(s.rest.size) for s in self.prefilling)
 
     def insert(self, ids: list[int], *, cache: list, n_cached: int, sampling: SamplingParams,
                max_tokens: int | None, room: int, stop: Sequence[str] = (),
@@ -195,7 +216,7 @@ class BatchDecoder:
                 # (/metrics' prefill_seconds_total: decode time = the rest).
                 mx.eval([d.unread for d in self.decoding])
                 t = time.perf_counter()
-                ready = self._prefill(s)
+                ready = self._prefill(s, events)
                 self.prefill_s = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
             self.prefilling.popleft()
@@ -205,7 +226,7 @@ class BatchDecoder:
             self.prefilling.popleft()
             self.decoding.append(s)
 
-    def _prefill(self, s: _Seq) -> bool:
+    def _prefill(self, s: _Seq, events: list[Event]) -> bool:
         """One chunk of `s`'s prompt into its cache (all but the last token, as
         `generate_step`), or, once only the last is left, that token alone: its first sampled
         token is then queued and True returned (it joins the batch). A chunk ends at the next
@@ -214,17 +235,28 @@ class BatchDecoder:
             pos = len(s.ids) - s.rest.size
             n = chunk_size(pos, s.rest.size - 1, self.prefill_step,
                            s.points[0][0] if s.points else None)
+            t = time.perf_counter()
             self.model(s.rest[:n][None], cache=s.cache)
             mx.eval([a for c in s.cache for a in cache_arrays(c)])
             s.rest = s.rest[n:]
+            events.append(self._prefilled(s, n, time.perf_counter() - t))
             if s.points and s.points[0][0] == pos + n:
                 _, kind = s.points.popleft()
                 self._store(s.ids[:pos + n], s.cache, kind)  # a snapshot is an optimisation
             return False
+        t = time.perf_counter()
         logits = self.model(s.rest[None], cache=s.cache)[:, -1, :]
         s.unread = s.sample(logits)
         mx.eval(s.unread)
+        events.append(self._prefilled(s, int(s.rest.size), time.perf_counter() - t))
         return True
+
+    @staticmethod
+    def _prefilled(s: _Seq, n: int, seconds: float) -> Prefilled:
+        s.prefilled += n
+        s.prefill_s += seconds
+        return Prefilled(s.uid, n, seconds, s.n_cached + s.prefilled, len(s.ids), s.n_cached,
+                         time.perf_counter() - s.t0)
 
     def _decode_all(self, events: list[Event]) -> None:
         """One decode step for every sequence that needs another token (pipelined: from the

@@ -194,7 +194,9 @@ class ChatSession:
         """Pick the cache state to continue from; sets `self.cache` accordingly."""
 
         def is_prefix(held: list[int]) -> bool:
-            return len(held) < len(ids) and ids[: len(held)] == held
+            # Not an empty one: a new conversation in this session must look in the store (a
+            # system prompt another conversation used) rather than rewind to an empty cache.
+            return 0 < len(held) < len(ids) and ids[: len(held)] == held
 
         if self.cache is not None and is_prefix(self.cache_tokens):
             self._snap = (list(self.cache_tokens), capture(self.cache))

@@ -107,6 +107,7 @@ class Engine:
                                    log=lambda line: self.log(f"pocket-mlx serve: {line}"))
         self._lock = threading.Lock()
         self._admitted = 0  # running + queued
+        self._submitted = 0  # jobs ever queued (their ids)
         self._running = 0
         self._avg_s = 5.0  # running mean of a job's time, for Retry-After
         self._path: Path | None = None
@@ -217,7 +218,9 @@ class Engine:
                     self._release(job, self._failure(e))
             if stopping and not batch:
                 return
+            self.metrics.prefill_pending(*batch.pending())
             events = batch.step()
+            self.metrics.prefill_pending(*batch.pending())
             if batch.prefill_s is not None:
                 self.metrics.prefill(batch.prefill_s)
             if batch.batch_size:
@@ -240,10 +243,17 @@ class Engine:
                            room=self.context - len(ids), stop=req.stop or [],
                            boundaries=req.boundaries, cancelled=job.cancelled.is_set)
         job.emit(Started(len(ids), n_cached))
+        if len(ids) - n_cached > self.prefill_step:
+            self.log(f"pocket-mlx serve: prefill req {job.id}: {len(ids) - n_cached} of "
+                     f"{len(ids)} prompt tokens to prefill ({n_cached} cached), in chunks of "
+                     f"up to {self.prefill_step}")
         return uid
 
     def _on_event(self, jobs: dict[int, Job], ev: batch_events.Event) -> None:
         """A batch event to its job: text, metrics, and at the end the slot and `Done`."""
+        if isinstance(ev, batch_events.Prefilled):
+            self._progress(jobs[ev.uid], ev)
+            return
         if isinstance(ev, batch_events.Token):
             if ev.first:
                 self.metrics.first_token(ev.seconds)
@@ -262,6 +272,22 @@ class Engine:
                            ev.reason == "cancelled")
         self._release(job, Done(ev.reason, ev.prompt_tokens, ev.completion_tokens,
                                 ev.cached_tokens, ev.stop_string), ev.seconds)
+
+    def _progress(self, job: Job, ev: batch_events.Prefilled) -> None:
+        """/metrics' prefill counters, and for a prompt longer than one chunk a log line per
+        chunk (done/total, rate, ETA), so a prefill of minutes on a CPU shows it is moving.
+        The rate is the prompt's own wall rate, interleaved decode steps included: the ETA a
+        client will see."""
+        self.metrics.prefill_chunk(ev.tokens, ev.seconds)
+        todo = ev.total - ev.cached
+        if todo <= self.prefill_step:
+            return
+        prefilled = ev.done - ev.cached
+        rate = prefilled / ev.wall_s if ev.wall_s > 0 else 0.0
+        left = todo - prefilled
+        eta = f", ETA {_duration(left / rate)}" if left and rate else ", done"
+        self.log(f"pocket-mlx serve: prefill req {job.id}: {ev.done}/{ev.total} tokens, chunk "
+                 f"{ev.tokens} in {ev.seconds:.2f} s, {rate:.1f} tok/s{eta}")
 
     def _reused(self, n_prompt: int, n_cached: int) -> None:
         """Count a prompt-cache lookup in /metrics, and log a hit with the kind of snapshot."""
@@ -332,6 +358,8 @@ class Engine:
                 raise Busy(max(1, round(self._avg_s * (waiting + 1) / self.max_concurrency)))
             self._admitted += 1
             job = Job(self, ids, request, loop)
+            self._submitted += 1
+            job.id = self._submitted
             self._worker.put(job)
         return job
 
@@ -389,3 +417,7 @@ class Engine:
         return Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached,
                     stats.stop_string)
 
+
+def _duration(seconds: float) -> str:
+    """A log line's ETA: seconds below two minutes, else minutes."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"

@@ -85,6 +85,7 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.state = "queued"  # queued | running | done | dropped (guarded by engine._lock)
+        self.id = 0  # numbered by `submit`, for the log's prefill progress lines
 
     def emit(self, event: Started | Piece | Done | Failed) -> None:
         """From the engine thread: hand `event` to the request's coroutine."""

@@ -13,6 +13,9 @@ from bisect import bisect_left
 # Seconds. TTFT spans a tiny model on a GPU (ms) to a 4k-token prompt on a CPU (minutes).
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# Seconds per prefill chunk (512 tokens by default): ms on a GPU to ~30 s for the 35B shape on a
+# 2-core CPU.
+CHUNK_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 
 
 class Histogram:
@@ -48,6 +51,10 @@ class Metrics:
         self.decode_rows = 0  # sequences those steps advanced, summed
         self.batch_size = 0  # sequences in the last step
         self.prefill_s = 0.0  # engine time in prefill (chunks and first tokens)
+        self.prefilled = 0  # prompt tokens run through the model (not from the prompt cache)
+        self.prefill_chunk_s = Histogram(CHUNK_BUCKETS)
+        self.prefilling = 0  # requests holding a slot, still prefilling (gauge)
+        self.pending = 0  # their prompt tokens not yet prefilled (gauge)
         self.bytes_per_token = bytes_per_token
 
     def request(self, endpoint: str, status: int) -> None:
@@ -76,6 +83,17 @@ class Metrics:
     def prefill(self, seconds: float) -> None:
         with self._lock:
             self.prefill_s += seconds
+
+    def prefill_chunk(self, tokens: int, seconds: float) -> None:
+        """One prefill chunk (or a prompt's last token, fed alone) of `tokens` took `seconds`."""
+        with self._lock:
+            self.prefilled += tokens
+            self.prefill_chunk_s.observe(seconds)
+
+    def prefill_pending(self, requests: int, tokens: int) -> None:
+        """Now: `requests` prompts still prefilling, `tokens` of them left to prefill."""
+        with self._lock:
+            self.prefilling, self.pending = requests, tokens
 
     def step(self, batch_size: int) -> None:
         """One decode step advanced `batch_size` sequences together."""
@@ -153,6 +171,16 @@ class Metrics:
             metric("prefill_seconds_total", "counter", "Time the engine spent prefilling "
                    "prompts (up to each one's first token); the rest of its busy time decodes.",
                    [("", round(self.prefill_s, 6))])
+            metric("prompt_tokens_prefilled_total", "counter", "Prompt tokens run through "
+                   "the model (those the prompt cache supplied excluded); counted per chunk, so "
+                   "a long prompt's progress shows while it prefills.", [("", self.prefilled)])
+            metric("prefill_tokens_pending", "gauge", "Prompt tokens of the requests holding a "
+                   "slot not yet prefilled.", [("", self.pending)])
+            metric("prefill_requests", "gauge", "Requests holding a slot, still prefilling.",
+                   [("", self.prefilling)])
+            histogram("prefill_chunk_seconds", "Time of one prefill chunk (up to the prefill "
+                      "step's tokens; a prompt's last token is one of its own).",
+                      self.prefill_chunk_s)
         metric("active_requests", "gauge", "Requests generating now.", [("", active)])
         metric("queued_requests", "gauge", "Requests waiting for a slot.", [("", queued)])
         if cache:
