@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -340,8 +340,45 @@ class BatchDecoder:
                         time.perf_counter() - s.t0)
 
     def _store(self, tokens: list[int], cache: list, kind: str) -> None:
-        try:
-            self.store.store(tokens, cache, kind=kind)
-        except Exception as e:  # noqa: BLE001 - keeping a cache is an optimisation
-            self.log(f"pocket-mlx serve: prompt cache: not stored: {type(e).__name__}: "
-                     f"{' '.join(str(e).split())}")
+        store_cache(self.store, tokens, cache, kind, self.log)
+
+
+def store_cache(store: SnapshotStore, tokens: list[int], cache: list, kind: str,
+                log: Callable[[str], object]) -> None:
+    """`store.store(...)`, a failure logged: keeping a cache is an optimisation, a reply that
+    is complete does not fail for it (it costs a later prefill)."""
+    try:
+        store.store(tokens, cache, kind=kind)
+    except Exception as e:  # noqa: BLE001
+        log(f"pocket-mlx serve: prompt cache: not stored: {type(e).__name__}: "
+            f"{' '.join(str(e).split())}")
+
+
+def decode_lockstep(lockstep, model, tokenizer, ids: list[int], *, uid: int, cache: list,
+                    n_cached: int, sampling: SamplingParams, max_tokens: int,
+                    stop: Sequence[str] | None, device: str, cancelled: Callable[[], bool],
+                    store: SnapshotStore,
+                    log: Callable[[str], object]) -> Iterator[Token | Finished]:
+    """One sequence generated on every rank at once (`serve --distributed`, where every
+    forward is collective, so the ranks run one request at a time): `Lockstep.stream_generate`'s
+    responses as this module's events, so the server handles both paths alike."""
+    t0 = time.perf_counter()
+    last, t_token, tail = None, None, ""
+    for r in lockstep.stream_generate(model, tokenizer, ids[n_cached:], cache=cache,
+                                      max_tokens=max_tokens, sampling=sampling, stop=stop,
+                                      device=device, should_stop=cancelled, warn=log):
+        last = r
+        if r.token is None:  # the text held back, at the end
+            tail += r.text
+            continue
+        now = time.perf_counter()
+        first = t_token is None
+        yield Token(uid, r.text, r.stats.ttft_s if first else now - t_token, first)
+        t_token = now
+    stats = last.stats
+    # fed_tokens is None only when the cache was left part-way (cancelled in prefill); a
+    # reply cancelled while decoding still leaves a cache worth keeping for a retry.
+    if last.fed_tokens is not None:
+        store_cache(store, ids[:n_cached] + last.fed_tokens, cache, "end", log)
+    yield Finished(uid, stats.finish_reason, tail, len(ids), stats.generation_tokens, n_cached,
+                   stats.stop_string, stats.generation_tps, time.perf_counter() - t0)

@@ -43,7 +43,7 @@ from pocket_mlx import kernels
 from pocket_mlx.config import checkpoint_dtype, dtype_bytes, read_config
 from pocket_mlx.engine import batch as batch_events
 from pocket_mlx.engine import devices
-from pocket_mlx.engine.batch import BatchDecoder
+from pocket_mlx.engine.batch import BatchDecoder, decode_lockstep
 from pocket_mlx.engine.devices import policy_dtype
 from pocket_mlx.engine.generation import SamplingParams, context_limit
 from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_path, use_device
@@ -233,11 +233,8 @@ class Engine:
         ids, req = job.ids, job.request
         sampling = SamplingParams(**req.sampling)
         sampling.validate()
-        cache, n_cached = self.prompt_cache.fetch(ids)
-        if cache is None or not 0 <= n_cached < len(ids):
-            cache, n_cached = self.model.make_cache(), 0
+        cache, n_cached = self._fetch(ids)
         use_device(self.model, self.device, cache)  # a restored cache in the model's dtypes
-        self._reused(len(ids), n_cached)
         uid = batch.insert(ids, cache=cache, n_cached=n_cached, sampling=sampling,
                            max_tokens=req.max_tokens or self.default_max_tokens,
                            room=self.context - len(ids), stop=req.stop or [],
@@ -272,6 +269,15 @@ class Engine:
                            ev.reason == "cancelled")
         self._release(job, Done(ev.reason, ev.prompt_tokens, ev.completion_tokens,
                                 ev.cached_tokens, ev.stop_string), ev.seconds)
+
+    def _fetch(self, ids: list[int]) -> tuple[list, int]:
+        """The prompt cache's longest prefix of `ids` (else a fresh cache), counted in /metrics
+        and logged when it hits."""
+        cache, n_cached = self.prompt_cache.fetch(ids)
+        if cache is None or not 0 <= n_cached < len(ids):
+            cache, n_cached = self.model.make_cache(), 0
+        self._reused(len(ids), n_cached)
+        return cache, n_cached
 
     def _progress(self, job: Job, ev: batch_events.Prefilled) -> None:
         """/metrics' prefill counters, and for a prompt longer than one chunk a log line per
@@ -333,13 +339,22 @@ class Engine:
         while (job := self._worker.get()) is not None:
             if not self._claim(job):
                 continue
-            t0 = time.perf_counter()
-            final: Done | Failed
+            jobs, t0 = {0: job}, time.perf_counter()
             try:
-                final = self._run_lockstep(job)
+                ids, req = job.ids, job.request
+                cache, n_cached = self._fetch(ids)
+                job.emit(Started(len(ids), n_cached))
+                for ev in decode_lockstep(
+                        self.dist, self.model, self.tokenizer, ids, uid=0, cache=cache,
+                        n_cached=n_cached, sampling=SamplingParams(**req.sampling),
+                        max_tokens=(req.max_tokens or self.default_max_tokens
+                                    or max(1, self.context - len(ids))),
+                        stop=req.stop, device=self.device, cancelled=job.cancelled.is_set,
+                        store=self.prompt_cache, log=self.log):
+                    self._on_event(jobs, ev)
             except Exception as e:  # noqa: BLE001 - one request failed, the server goes on
-                final = self._failure(e)
-            self._release(job, final, time.perf_counter() - t0)
+                if jobs:  # (not yet released)
+                    self._release(job, self._failure(e), time.perf_counter() - t0)
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, request: GenRequest) -> list[int]:
@@ -375,47 +390,6 @@ class Engine:
         with self._lock:
             return {"active": self._running, "queued": self._admitted - self._running,
                     "max_concurrency": self.max_concurrency, "max_queue": self.max_queue}
-
-    def _run_lockstep(self, job: Job) -> Done:
-        """Generate `job`'s reply, emitting its pieces; returns the closing event."""
-        ids, req = job.ids, job.request
-        cache, n_cached = self.prompt_cache.fetch(ids)
-        if cache is None or not 0 <= n_cached < len(ids):
-            cache, n_cached = self.model.make_cache(), 0
-        self._reused(len(ids), n_cached)
-        job.emit(Started(len(ids), n_cached))
-        sampling = SamplingParams(**req.sampling)
-        last, t_token = None, None
-        for r in self.dist.stream_generate(
-                self.model, self.tokenizer, ids[n_cached:], cache=cache,
-                max_tokens=(req.max_tokens or self.default_max_tokens
-                            or max(1, self.context - len(ids))), sampling=sampling,
-                stop=req.stop, device=self.device, should_stop=job.cancelled.is_set,
-                warn=self.log):
-            if r.token is not None:
-                now = time.perf_counter()
-                if t_token is None:
-                    self.metrics.first_token(r.stats.ttft_s)
-                else:
-                    self.metrics.token(now - t_token)
-                t_token = now
-            if r.text:
-                job.emit(Piece(r.text))
-            last = r
-        stats = last.stats
-        self.metrics.reply(len(ids), stats.generation_tokens, stats.generation_tps,
-                           stats.finish_reason == "cancelled")
-        # fed_tokens is None only when the cache was left part-way (cancelled in prefill); a
-        # reply cancelled while decoding still leaves a cache worth keeping for a retry.
-        if last.fed_tokens is not None:
-            try:
-                self.prompt_cache.store(ids[:n_cached] + last.fed_tokens, cache)
-            except Exception as e:  # noqa: BLE001 - the reply is complete: a cache that
-                # could not be kept costs a later prefill, not this answer
-                self.log(f"pocket-mlx serve: prompt cache: not stored: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())}")
-        return Done(stats.finish_reason, len(ids), stats.generation_tokens, n_cached,
-                    stats.stop_string)
 
 
 def _duration(seconds: float) -> str:
