@@ -18,14 +18,14 @@ waiting is dropped from the queue at once.
 
 Prompt cache: engine/prompt_cache.py's store (built once the model is loaded, from
 `prompt_cache_mb` / `prompt_cache_dir`), or any object with its `fetch` / `store` (the
-`PromptCache` protocol below; tests plug in their own). `fetch` gives the longest cached
+`PromptCache` protocol in server/jobs.py; tests plug in their own). `fetch` gives the longest cached
 prefix of a prompt, `store` keeps the cache after a reply; `cached_tokens` in the usage is
 what `fetch` returned. `NoPromptCache` when it is off.
 
 Distributed (`serve --distributed`, engine/distributed.py): `distributed` is rank 0's
 `Lockstep`; loading takes this rank's share, each reply runs on every rank at once (from this
-thread, which owns the generation stream), and stopping tells the other ranks to end. No
-prompt cache then (each reply starts from a fresh cache on every rank).
+thread, which owns the generation stream: engine/batch.py's `decode_lockstep`, whose events
+are handled as the batch's), and stopping tells the other ranks to end. No prompt cache then (each reply starts from a fresh cache on every rank).
 """
 
 from __future__ import annotations
