@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from pocket_mlx.engine import schemes
+from pocket_mlx.version import __version__
 
 __all__ = ["load", "generate", "stream_generate", "generate_step", "__version__"]
 
@@ -18,3 +19,15 @@ def __getattr__(name: str):
 
         return getattr(_gen, name)
     raise AttributeError(name)
+
+
+def _synthetic(ref: str):
+    # Lazy: the synthetic writer (numpy, the recipes) is only needed for synthetic:NAME.
+    from pocket_mlx.convert import synthetic
+
+    return synthetic.resolve(ref)
+
+
+# Registered here, above both: the loader (engine/) resolves `synthetic:` references without
+# importing convert/, which imports the loader (see engine/schemes.py).
+schemes.register("synthetic:", _synthetic)

@@ -18,8 +18,8 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 
 from pocket_mlx.analysis import bench
-from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.convert import synthetic
+from pocket_mlx.models.accounting import weight_stats
 
 ROOT = Path(__file__).resolve().parent.parent
 

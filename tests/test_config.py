@@ -218,8 +218,8 @@ def test_weights_bytes_counts_tensors_not_headers(tmp_path):
 
 
 def test_weights_bytes_of_the_bundled_model_is_its_size_in_memory():
-    from pocket_mlx.analysis.accounting import weight_stats
     from pocket_mlx.engine.loader import load_model
+    from pocket_mlx.models.accounting import weight_stats
 
     stats = weight_stats(load_model(BUNDLED, lazy=True))
     assert C.weights_bytes(BUNDLED) == stats.bytes_total

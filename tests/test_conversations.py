@@ -12,10 +12,10 @@ from pocket_mlx.engine.conversations import (
     Conversation,
     ConversationStore,
     CorruptConversation,
-    data_dir,
     new_id,
 )
 from pocket_mlx.errors import PocketError
+from pocket_mlx.paths import data_dir
 
 
 @pytest.fixture

@@ -129,6 +129,42 @@ def test_pipeline_ranges_follow_bytes_and_shares():
         distributed.pipeline_ranges([1, 1], 0, 0, [1, 1, 1])
 
 
+@pytest.mark.parametrize("surgery, extension", [("pipeline", True), ("experts", True),
+                                                ("experts", False)])
+def test_model_surgery_over_one_rank_gives_the_same_logits(surgery, extension, monkeypatch):
+    """`Model.pipeline` / `Model.shard_experts` over MLX's group of one (no launcher): the
+    forward then takes the distributed path (this rank's layers, or its experts plus the zero
+    expert, all_sum, combine; with the CPU extension and with MLX's ops) and its prefill and
+    decode logits equal the untouched model's bit for bit."""
+    import mlx.core as mx
+
+    from pocket_mlx import kernels
+
+    for k in ("MLX_RANK", "MLX_HOSTFILE"):
+        monkeypatch.delenv(k, raising=False)
+    group = mx.distributed.init()
+    assert group.size() == 1
+
+    def cut(m) -> None:
+        if surgery == "pipeline":
+            m.pipeline(group, [(0, m.args.num_hidden_layers)])
+        else:
+            m.shard_experts(group)
+
+    ref, _ = load(None, device="cpu", fuse=True)
+    model, _ = load(None, device="cpu", fuse=True, shard=cut)
+    assert (model.language_model.pipe is not None) == (surgery == "pipeline")
+    assert all((layer.mlp.ep is not None) == (surgery == "experts") for layer in model.layers)
+    kernels.set_enabled(extension)
+    try:
+        caches = ref.make_cache(), model.make_cache()
+        for x in (mx.array([[1, 50, 300, 7, 99, 1000]]), mx.array([[42]])):
+            want, got = ref(x, caches[0]), model(x, caches[1])
+            assert mx.array_equal(want, got), (surgery, x.shape)
+    finally:
+        kernels.set_enabled(True)
+
+
 def _rank(rank: int, hostfile: Path, cmd: list[str]) -> subprocess.Popen:
     env = dict(_env(), MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -181,8 +217,8 @@ def test_info_ranks_estimate_from_the_models_bytes():
     """`info --ranks N --link L`: per-rank memory and bytes per token follow the model's own
     accounting (pipeline 1/N; experts: dense + 1/N of the routed experts), the collectives
     are one per MoE layer plus the token, and a slower link gives a slower estimate."""
-    from pocket_mlx.analysis.accounting import module_costs
     from pocket_mlx.analysis.info import describe, open_source
+    from pocket_mlx.models.accounting import module_costs
 
     d = describe("synthetic:tiny", ranks=2, link="thunderbolt5", bandwidth_gbps=100.0)
     e = d["distributed"]

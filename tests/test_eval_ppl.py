@@ -12,7 +12,7 @@ import numpy as np
 from conftest import ROOT, hf_weights, tiny_config, write_checkpoint
 
 from pocket_mlx.analysis.perplexity import perplexity
-from pocket_mlx.convert.calibrate import read_documents, token_stream, windows
+from pocket_mlx.corpus import read_documents, token_stream, windows
 from pocket_mlx.engine.loader import load_model
 from pocket_mlx.engine.tokenizer import load_tokenizer
 

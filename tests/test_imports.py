@@ -3,13 +3,16 @@
 Why: an import cycle works or breaks depending on which module a program happens to import
 first (`memory -> wired -> platform -> memory` once did). (a) imports each module first, in an
 interpreter where no other pocket_mlx module is loaded yet; (b) reads every import statement,
-module-level and inside functions alike, and asserts the graph they make has no cycle.
+module-level and inside functions alike, and asserts the graph they make has no cycle; (c) the
+subpackages form layers, the README's order: no import from a layer to one above it (a cycle
+between packages, `convert -> engine -> convert`, is a cycle of modules waiting to happen).
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -143,3 +146,66 @@ def test_find_cycle_reports_the_cycle():
 def test_no_module_is_named_like_the_standard_library():
     clashes = sorted(m for m in module_files() if m.rpartition(".")[2] in sys.stdlib_module_names)
     assert not clashes, f"named like standard-library modules: {clashes}"
+
+
+# ---- layers ------------------------------------------------------------------------------------
+# Bottom to top, as the README writes them. "base": the package's top-level modules (errors,
+# units, paths, config, ...: the standard library and each other only); "api": the package
+# itself (pocket_mlx/__init__.py: load, generate, and the `synthetic:` scheme it registers).
+# Every other layer is the subpackage of that name; the compiled extension sits with kernels/.
+LAYERS = ["base", "system", "kernels", "models", "engine", "convert", "analysis", "server", "tui",
+          "api", "cli"]
+README = ROOT / "README.md"
+
+
+def layer_of(module: str) -> str:
+    """The layer of a pocket_mlx module (see LAYERS)."""
+    if module == PACKAGE:
+        return "api"
+    first = module.split(".")[1]
+    if first == "__main__":
+        return "cli"
+    if module in EXTENSIONS:
+        return "kernels"
+    if module.count(".") == 1 and first not in LAYERS:  # a top-level module, not a package
+        return "base"
+    return first
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[str]) -> list[str]:
+    """Every import of `graph` from a layer to one above it, as 'a -> b (layer < layer)'."""
+    rank = {name: i for i, name in enumerate(layers)}
+    out = []
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            la, lb = layer_of(a), layer_of(b)
+            if rank[la] < rank[lb]:
+                out.append(f"{a} -> {b} ({la} is below {lb})")
+    return out
+
+
+def test_every_module_has_a_layer():
+    unknown = sorted({m: layer_of(m) for m in import_graph()}.items())
+    assert not [m for m, la in unknown if la not in LAYERS], (
+        f"modules outside the layers (add the package to LAYERS and the README): {unknown}")
+
+
+def test_imports_flow_one_way_through_the_layers():
+    bad = upward_imports(import_graph(), LAYERS)
+    assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(bad)
+
+
+def test_upward_imports_are_found_and_named():
+    graph = {f"{PACKAGE}.engine.loader": {f"{PACKAGE}.convert.synthetic", f"{PACKAGE}.errors"},
+             f"{PACKAGE}.convert.synthetic": {f"{PACKAGE}.engine.loader"}, PACKAGE: set()}
+    assert upward_imports(graph, LAYERS) == [
+        f"{PACKAGE}.engine.loader -> {PACKAGE}.convert.synthetic (engine is below convert)"]
+    assert [layer_of(m) for m in (PACKAGE, f"{PACKAGE}.config", f"{PACKAGE}.tui.app",
+                                  f"{PACKAGE}._qkernels", f"{PACKAGE}.__main__")] == [
+        "api", "base", "tui", "kernels", "cli"]
+
+
+def test_readme_writes_the_layers_this_test_checks():
+    found = re.findall(r"Layers, bottom to top: `([^`]+)`", README.read_text(encoding="utf-8"))
+    assert len(found) == 1, "README: one line `Layers, bottom to top: `a -> b -> ...``"
+    assert found[0].split(" -> ") == LAYERS

@@ -360,7 +360,7 @@ def test_one_bit_experts_moe_block(tiny_ckpt):
 
     from pocket_mlx.engine.loader import load
     from pocket_mlx.kernels import ops
-    from pocket_mlx.models.qwen3_5_moe import _combine_experts
+    from pocket_mlx.models.layers import combine_experts
 
     model, _ = load(tiny_ckpt, device="cpu", dtype="float32")
     block = model.layers[1].mlp
@@ -388,8 +388,8 @@ def test_one_bit_experts_moe_block(tiny_ckpt):
         assert err <= tol, f"1-bit MoE block, {mode}: relative error {err:.3g}"
         if mode == "fast":
             inds, scores = ops.moe_route(block.gate(x), block.top_k, block.norm_topk_prob)
-            sep = _combine_experts(block.switch_mlp(x, inds), scores, block.shared_expert_gate(x),
-                                   block.shared_expert(x))
+            sep = combine_experts(block.switch_mlp(x, inds), scores, block.shared_expert_gate(x),
+                                  block.shared_expert(x))
             err = np.abs(np.array(out) - np.array(sep)).max() / np.abs(np.array(sep)).max()
             assert err <= 1e-3, f"1-bit MoE block, fast vs separate fast matmuls: {err:.3g}"
     kernels.set_mode("exact")

@@ -22,9 +22,10 @@ from pocket_mlx.engine import session as session_module
 from pocket_mlx.engine.conversations import ConversationStore
 from pocket_mlx.engine.devices import gpu_available
 from pocket_mlx.engine.generation import GenerationStats, Response
-from pocket_mlx.engine.loader import default_model_path, load
+from pocket_mlx.engine.loader import load
 from pocket_mlx.engine.session import ChatSession, ContextOverflow, Settings
 from pocket_mlx.engine.tokenizer import load_tokenizer
+from pocket_mlx.paths import default_model_path
 from pocket_mlx.tui import app as app_module
 from pocket_mlx.tui.app import ChatApp
 from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, Notice, UserMessage
@@ -157,7 +158,6 @@ def test_chat_command_gives_the_app_the_folder_it_resolved(tmp_path, monkeypatch
 
 
 def test_second_turn_prefills_only_new_tokens():
-    from pocket_mlx.engine.loader import default_model_path
     from pocket_mlx.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_path())

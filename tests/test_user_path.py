@@ -19,7 +19,6 @@ from conftest import ASSET, ROOT
 from mlx.utils import tree_flatten
 
 from pocket_mlx import kernels
-from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.engine import loader
 from pocket_mlx.engine.generation import generate, stream_generate
 from pocket_mlx.engine.loader import (
@@ -33,6 +32,7 @@ from pocket_mlx.engine.loader import (
 )
 from pocket_mlx.engine.session import ChatSession, Settings
 from pocket_mlx.errors import PocketError
+from pocket_mlx.models.accounting import weight_stats
 
 
 def cli(*args, env=None, timeout=300):

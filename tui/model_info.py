@@ -1,7 +1,7 @@
 """What the header says about a model: name, parameters, recipe, size. No Textual here.
 
 The facts come from their one home each: parameters and bytes per token from
-`analysis.accounting`, the recipe's label (with the experts kept by pruning, from pocket.json)
+`models.accounting`, the recipe's label (with the experts kept by pruning, from pocket.json)
 and the size as stored from `pocket_mlx.config`; `pocket-mlx info` and `bench` use the same.
 """
 

@@ -3,7 +3,7 @@
 `pocket-mlx info --ranks N --link thunderbolt5|10gbe|1gbe` (and scripts/bench_distributed.py's
 projection) use this. The model: batch-1 decode is bound by reading weights, so a rank's compute
 time per token is its bytes read per token / its memory bandwidth; to that come the collectives
-of engine/distributed.py, each costing the link's latency per ring step plus its bytes over the
+of engine/distributed/, each costing the link's latency per ring step plus its bytes over the
 link's bandwidth. It is a ceiling-style estimate (no kernel overheads, no overlap), to compare
 layouts and links, not a promise.
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from pocket_mlx.analysis.accounting import module_costs
 from pocket_mlx.errors import PocketError
+from pocket_mlx.models.accounting import module_costs
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def estimate(s: Split, ranks: int, lk: Link, bandwidth_gbps: float,
     bw = bandwidth_gbps * 1e9 * efficiency
     one = s.per_token / bw
     # experts: dense replicated, routed experts split, the shared expert on one rank per layer.
-    # (+ the all-zero expert each rank adds, engine/distributed.setup_experts)
+    # (+ the all-zero expert each rank adds, models/parallel.py)
     ex_mem = s.total - s.experts + s.experts / ranks + s.experts / s.num_experts
     ex_read = s.per_token - s.experts_per_token * (1 - 1 / ranks) \
         - s.shared_per_token * (1 - 1 / ranks)

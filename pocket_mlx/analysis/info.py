@@ -16,7 +16,6 @@ import mlx.nn as nn
 
 from pocket_mlx import kernels
 from pocket_mlx.analysis import distributed_estimate as dist_est
-from pocket_mlx.analysis.accounting import module_costs, weight_stats
 from pocket_mlx.config import (
     checkpoint_dtype,
     disk_bytes,
@@ -31,6 +30,7 @@ from pocket_mlx.convert.recipes import family as recipe_family
 from pocket_mlx.engine.devices import policy_dtype, resolve_device
 from pocket_mlx.engine.loader import load_model, resolve_model_path
 from pocket_mlx.errors import PocketError
+from pocket_mlx.models.accounting import module_costs, weight_stats
 from pocket_mlx.system import chips
 from pocket_mlx.system.host import get_platform
 from pocket_mlx.system.wired import default_reserve_bytes, kv_cache_bytes, planned_context

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from pocket_mlx.convert.calibrate import SEPARATOR, read_documents, token_stream, windows
+from pocket_mlx.corpus import SEPARATOR, read_documents, token_stream, windows
 from pocket_mlx.errors import PocketError
 
 

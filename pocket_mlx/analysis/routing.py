@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from pocket_mlx.config import read_pocket_json
-from pocket_mlx.convert.calibrate import windows
+from pocket_mlx.corpus import windows
 from pocket_mlx.errors import PocketError
 
 

@@ -35,7 +35,7 @@ def run(args) -> int:
 
     from pocket_mlx.analysis.perplexity import file_perplexity
     from pocket_mlx.analysis.routing import routing_consistency
-    from pocket_mlx.convert.calibrate import read_documents, token_stream
+    from pocket_mlx.corpus import read_documents, token_stream
     from pocket_mlx.engine.devices import resolve_device, stream_for
     from pocket_mlx.engine.generation import context_limit
     from pocket_mlx.engine.loader import load, resolve_model_path

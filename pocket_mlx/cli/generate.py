@@ -24,7 +24,7 @@ def sampling_from_args(args):
 
 def load_for(args, shard=None):
     """(device, model, tokenizer) as `generate` runs them: the device's dtype policy, fused
-    projections (`shard`: this rank's share of a distributed run, see engine/distributed.py).
+    projections (`shard`: this rank's share of a distributed run, see engine/distributed/).
     tests/test_user_path.py compares its decode graph with bench's."""
     from pocket_mlx.engine.devices import resolve_device
     from pocket_mlx.engine.loader import load

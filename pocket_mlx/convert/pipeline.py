@@ -19,8 +19,6 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from pocket_mlx import __version__
-from pocket_mlx.analysis.accounting import weight_stats
 from pocket_mlx.config import (
     disk_bytes,
     module_quantization,
@@ -66,8 +64,10 @@ from pocket_mlx.engine.loader import (
 from pocket_mlx.engine.tokenizer import check_tokenizer_files, load_tokenizer
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
+from pocket_mlx.models.accounting import weight_stats
 from pocket_mlx.progress import progress as progress_bar
 from pocket_mlx.units import size
+from pocket_mlx.version import __version__
 
 _LAYER = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
 

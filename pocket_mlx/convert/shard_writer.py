@@ -13,7 +13,6 @@ import mlx.core as mx
 
 from pocket_mlx.config import read_config
 from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, save_weights
-from pocket_mlx.engine.distributed import pipeline_ranges, split_evenly
 from pocket_mlx.engine.loader import load_weights
 from pocket_mlx.engine.rank_shards import (
     FORMAT,
@@ -27,6 +26,7 @@ from pocket_mlx.engine.rank_shards import (
 )
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import build_model
+from pocket_mlx.models.parallel import pipeline_ranges, split_evenly
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 

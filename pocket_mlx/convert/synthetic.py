@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +26,9 @@ from pocket_mlx.convert import recipes
 from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config, save_weights
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import apply_quantization, build_model
+from pocket_mlx.paths import BUNDLED_MODEL, cache_dir
 from pocket_mlx.progress import progress as progress_bar
 
-ASSET = Path(__file__).resolve().parents[2] / "assets" / "pocket-tiny"
 GROUP_SIZE = 64
 
 # Qwen3.5-35B-A3B text shape (transformers' Qwen3_5MoeConfig defaults).
@@ -93,6 +92,15 @@ def parse_ref(model: str | None) -> tuple[str, str] | None:
     if recipe not in RECIPES:
         raise PocketError(f"unknown recipe {recipe!r} for {text} (known: {', '.join(RECIPES)})")
     return name, recipe
+
+
+def resolve(ref: str) -> Path:
+    """The folder of `synthetic:NAME[:RECIPE]`, built into the cache the first time: the
+    loader's `synthetic:` scheme (registered in pocket_mlx/__init__.py)."""
+    name, recipe = parse_ref(ref)
+    # Always on: a multi-GB build takes minutes, and in a pipe progress.py prints plain lines
+    # (nothing at all when the folder is already built).
+    return build(name, recipe, progress=True)
 
 
 def original_experts(name: str) -> int:
@@ -186,9 +194,7 @@ def iter_tensors(model: nn.Module, quant: dict, seed: int = 0
 
 
 def cache_root() -> Path:
-    env = os.environ.get("POCKET_MLX_CACHE")
-    base = Path(env) if env else Path.home() / ".cache" / "pocket-mlx"
-    return base / "synthetic"
+    return cache_dir() / "synthetic"
 
 
 def _safe(name: str) -> str:
@@ -213,7 +219,7 @@ def build(name: str, recipe: str = DEFAULT_RECIPE, *, out: Path | None = None,
         with atomic_dir(out, force=True) as tmp:
             save_weights(tmp, iter_tensors(model, quant, seed), shard_bytes, bar.update)
             (tmp / "config.json").write_text(json.dumps(mlx_config(config, quant), indent=2))
-            copy_tokenizer(ASSET, tmp)
+            copy_tokenizer(BUNDLED_MODEL, tmp)
             (tmp / "pocket.json").write_text(json.dumps(
                 {"synthetic": name, "recipe": recipe, "seed": seed,
                  "original_num_experts": original_experts(name)}, indent=2))

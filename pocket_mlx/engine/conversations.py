@@ -17,7 +17,6 @@ import json
 import math
 import os
 import secrets
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,23 +27,9 @@ from typing import Any
 
 from pocket_mlx.engine.params import check_max_tokens, check_temperature, check_top_p, valid
 from pocket_mlx.errors import PocketError
+from pocket_mlx.paths import data_dir
 
 FORMAT_VERSION = 1
-HOME_ENV = "POCKET_MLX_HOME"
-
-
-def data_dir() -> Path:
-    """pocket-mlx's user data folder: $POCKET_MLX_HOME, else the platform's usual place."""
-    env = os.environ.get(HOME_ENV)
-    if env:
-        return Path(env).expanduser()
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Application Support" / "pocket-mlx"
-    xdg = os.environ.get("XDG_DATA_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
-    return base / "pocket-mlx"
-
-
 class CorruptConversation(PocketError):
     """A conversation file exists but cannot be read back; it is left untouched."""
 

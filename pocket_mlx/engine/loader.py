@@ -14,27 +14,20 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from pocket_mlx.analysis.accounting import WeightStats, weight_stats
 from pocket_mlx.config import (
     quantization,
     read_config,
     safetensors_header,
     weight_files,
 )
-from pocket_mlx.engine import rank_shards
+from pocket_mlx.engine import rank_shards, schemes
 from pocket_mlx.engine.devices import policy_dtype, resolve_device, stream_for
 from pocket_mlx.engine.hub import fetch, parse_repo_id
 from pocket_mlx.engine.tokenizer import load_tokenizer
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import apply_quantization, build_model
-
-
-def default_model_path() -> Path:
-    """The bundled model (assets/pocket-tiny), or $POCKET_MLX_MODEL when set."""
-    env = os.environ.get("POCKET_MLX_MODEL")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "assets" / "pocket-tiny"
+from pocket_mlx.models.accounting import WeightStats, weight_stats
+from pocket_mlx.paths import default_model_path
 
 
 def resolve_model_path(path_or_repo: str | os.PathLike | None) -> Path:
@@ -42,8 +35,8 @@ def resolve_model_path(path_or_repo: str | os.PathLike | None) -> Path:
     (once, into the cache: convert/synthetic.py); a repo id (`user/repo[@revision]`) through the
     Hugging Face cache, downloading only what is missing (see `pocket_mlx.engine.hub`). Every
     command resolves `--model` here."""
-    if str(path_or_repo or "").startswith("synthetic:"):
-        return _synthetic_path(str(path_or_repo))
+    if path_or_repo is not None and (path := schemes.resolve(str(path_or_repo))) is not None:
+        return path
     if path_or_repo is None:
         path = default_model_path()
         if not path.is_dir():
@@ -58,16 +51,6 @@ def resolve_model_path(path_or_repo: str | os.PathLike | None) -> Path:
     if (repo := parse_repo_id(text)) is None:
         raise PocketError(f"no such model folder: {text}")
     return fetch(*repo)
-
-
-def _synthetic_path(ref: str) -> Path:
-    # Lazy: the synthetic writer (numpy, the recipes) is only needed for synthetic:NAME.
-    from pocket_mlx.convert import synthetic
-
-    name, recipe = synthetic.parse_ref(ref)
-    # Always on: a multi-GB build takes minutes, and in a pipe progress.py prints plain lines
-    # (nothing at all when the folder is already built).
-    return synthetic.build(name, recipe, progress=True)
 
 
 def load_weights(path: Path) -> dict[str, mx.array]:
@@ -265,7 +248,7 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
     `cast_model`). `fuse` (inference only) runs projections that read the same input as one
     matmul (`Model.fuse_projections`); the parameters are then no longer the checkpoint's, so
     converting, calibrating and saving load without it. `shard` (a distributed run, see
-    engine/distributed.py) cuts the still-lazy model down to this rank's share before anything
+    engine/distributed/) cuts the still-lazy model down to this rank's share before anything
     is evaluated, so the rest of the checkpoint is never read. A rank folder of per-rank shards
     (engine/rank_shards.py) holds only that rank's tensors: they are fitted to the skeleton
     (`rank_shards.complete`) and the model remembers the rank's entry (`rank_shard`) for

@@ -46,9 +46,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from pocket_mlx.config import safetensors_header, weight_files
-from pocket_mlx.engine.conversations import data_dir
 from pocket_mlx.engine.params import PROMPT_CACHE_DISK_BYTES
 from pocket_mlx.errors import PocketError
+from pocket_mlx.paths import data_dir
 
 log = logging.getLogger(__name__)
 

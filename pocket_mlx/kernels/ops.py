@@ -42,7 +42,7 @@ def moe_block(x, mats: list, k: int, normalize: bool):
 
 
 def moe_block_parts(x, mats: list, k: int, normalize: bool, expert_lo: int, with_shared: bool):
-    """Expert parallelism (engine/distributed.py): `moe_block`'s parts for the experts held
+    """Expert parallelism (engine/distributed/): `moe_block`'s parts for the experts held
     here, (parts, scores), else None; `moe_combine` of the parts summed over the ranks is
     bit-identical to `moe_block` in one process."""
     k_ = _cpu_kernels()

@@ -112,6 +112,12 @@ class QuantizedSwitchLinear(nn.Module):
 
 
 @partial(mx.compile, shapeless=True)
+def combine_experts(experts, scores, shared_gate, shared):
+    """Routed experts weighted by their scores, plus the sigmoid-gated shared expert."""
+    return (experts * scores[..., None]).sum(axis=-2) + mx.sigmoid(shared_gate) * shared
+
+
+@partial(mx.compile, shapeless=True)
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return nn.silu(gate) * up
 

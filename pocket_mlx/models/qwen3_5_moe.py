@@ -31,7 +31,8 @@ from pocket_mlx.errors import PocketError
 from pocket_mlx.kernels import ops
 from pocket_mlx.models.cache import KVCache
 from pocket_mlx.models.fusion import fuse, project
-from pocket_mlx.models.layers import Embedding, Linear, RMSNorm, SwitchGLU
+from pocket_mlx.models.layers import Embedding, Linear, RMSNorm, SwitchGLU, combine_experts
+from pocket_mlx.models.parallel import ExpertParallelMixin, PipelineMixin, split_evenly
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -380,11 +381,12 @@ class MLP(nn.Module):
         return self.down_proj(nn.silu(gate) * up)
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(ExpertParallelMixin, nn.Module):
     """Softmax router, top-k routed experts, plus a shared expert behind a sigmoid gate.
 
     `observer`, when set, is called with (x, expert_indices, gate_scores, expert_outputs) so
-    calibration (expert pruning) can measure each expert's routing and contribution.
+    calibration (expert pruning) can measure each expert's routing and contribution. After
+    `shard_experts` (models/parallel.py) it computes this rank's experts only.
     """
 
     def __init__(self, args: ModelArgs):
@@ -404,6 +406,8 @@ class SparseMoeBlock(nn.Module):
     FUSED_MAX_TOKENS = 1024
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.ep is not None:
+            return self.expert_parallel_call(x)
         if self.observer is None:
             mats = self._quantized_mats()
             out = self._fused(x, mats) if mats else None
@@ -413,7 +417,7 @@ class SparseMoeBlock(nn.Module):
         experts = self.switch_mlp(x, inds)
         if self.observer is not None:
             self.observer(x, inds, scores, experts)
-        return _combine_experts(experts, scores, self.shared_expert_gate(x), self.shared_expert(x))
+        return combine_experts(experts, scores, self.shared_expert_gate(x), self.shared_expert(x))
 
     def _fused(self, x: mx.array, mats: list) -> mx.array | None:
         """The block as extension nodes, FUSED_MAX_TOKENS tokens at a time, or None."""
@@ -439,12 +443,6 @@ class SparseMoeBlock(nn.Module):
         if any("scales" not in m or m.get("biases") is None or "bias" in m for m in layers):
             return None
         return [(m["weight"], m["scales"], m["biases"], m.bits, m.group_size) for m in layers]
-
-
-@partial(mx.compile, shapeless=True)
-def _combine_experts(experts, scores, shared_gate, shared):
-    """Routed experts weighted by their scores, plus the sigmoid-gated shared expert."""
-    return (experts * scores[..., None]).sum(axis=-2) + mx.sigmoid(shared_gate) * shared
 
 
 class DecoderLayer(nn.Module):
@@ -480,7 +478,9 @@ class TextModel(nn.Module):
         return self.norm(h)
 
 
-class LanguageModel(nn.Module):
+class LanguageModel(PipelineMixin, nn.Module):
+    """After `pipeline` (models/parallel.py) its forward runs this rank's layers only."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -489,6 +489,8 @@ class LanguageModel(nn.Module):
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+        if self.pipe is not None:
+            return self.pipeline_call(inputs, cache)
         h = self.model(inputs, cache)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
@@ -533,6 +535,20 @@ class Model(nn.Module):
                 mx.eval([f.parameters() for f in fused])
             count += len(fused)
         return count
+
+    def pipeline(self, group: mx.distributed.Group, ranges: list[tuple[int, int]]) -> None:
+        """Keep only this rank's layers, `ranges[group.rank()]` (engine/distributed/ decides
+        them; see models/parallel.py): before anything is evaluated, so the rest is never read."""
+        self.language_model.pipeline(group, ranges)
+
+    def shard_experts(self, group: mx.distributed.Group, loaded: bool = False) -> None:
+        """Keep this rank's even block of every layer's routed experts (`loaded`: the weights
+        are a per-rank shard holding that block already); rank i mod N computes layer i's
+        shared expert. See models/parallel.py."""
+        rank, size = group.rank(), group.size()
+        lo, hi = split_evenly(self.args.num_experts, size, rank)
+        for i, layer in enumerate(self.layers):
+            layer.mlp.shard_experts(group, lo, hi, shared=i % size == rank, loaded=loaded)
 
     def make_cache(self) -> list:
         # models/cache.KVCache mirrors mlx-lm's (preallocating, trimmable: the chat app rewinds
