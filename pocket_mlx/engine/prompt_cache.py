@@ -275,7 +275,7 @@ class _Entry:
 
 
 #: Where a snapshot was taken: a chat-template message boundary inside a prompt, every N tokens
-#: of a long prompt, or the end of a prompt/reply (see server/engine.py's prefill).
+#: of a long prompt, or the end of a prompt/reply (see engine/batch.py's prefill).
 SNAPSHOT_KINDS = ("boundary", "interval", "end")
 #: Hits beyond this count no more in eviction: an old prefix hit often once still ages out.
 _HIT_CAP = 4
