@@ -25,6 +25,7 @@ from pocket_mlx.engine.prompt_cache import (
     capture,
     model_fingerprint,
     restore,
+    snapshot_bytes,
 )
 from pocket_mlx.engine.session import ChatSession, Settings
 
@@ -197,6 +198,27 @@ def test_ram_budget_spills_to_disk_and_restores_equal(tiny, ids, tmp_path):
     # Restored into RAM as the most recent; the budget spilled the coldest (20 tokens).
     st = store.stats()
     assert st["ram_bytes"] <= int(per * 1.5) and st["entries"] == 3
+
+
+def test_a_store_makes_room_before_it_copies(tiny, ids, tmp_path):
+    """The coldest entry is spilled before the new snapshot is copied, not after: the store's
+    RAM peaks at the larger of its budget and one snapshot (what serve's planner counts), not
+    at their sum."""
+    model, _ = tiny
+    a, b = prefilled(model, ids[:30]), prefilled(model, ids[1:31])
+    per = entry_bytes(model, ids[:30])
+    assert snapshot_bytes(a) == per
+    kv = sum(s.nbytes for s in capture(b, detach=True) if s.kind == "kv")
+    assert kv > 0
+    store = PromptCache(model, int(per * 1.2), tmp_path)  # room for one
+    store.store(ids[:30], a)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    store.store(ids[1:31], b)
+    assert store.stats()["spills"] == 1 and store.stats()["ram_bytes"] == per
+    # The new snapshot's KV copy (its linear states are the live cache's arrays) replaced the
+    # spilled one's: the peak rose by well under one copy.
+    assert mx.get_peak_memory() - base < kv / 2
 
 
 def test_disk_budget_evicts_the_oldest(tiny, ids, tmp_path):

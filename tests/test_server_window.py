@@ -137,10 +137,12 @@ def info_json(env: dict) -> dict:
 
 def test_default_window_is_capped_by_what_fits_beside_the_weights(tmp_path, monkeypatch):
     """On a host whose usable RAM (total less the 4 GiB reserve) holds the weights, the linear
-    state and 3000 tokens of KV cache (1 KiB a token in float32 for synthetic:tiny), serve
-    offers 3000 tokens, and `info` says the same."""
+    state, 3000 tokens of KV cache (1 KiB a token in float32 for synthetic:tiny) and the
+    prompt cache's 512 MiB (larger than a snapshot of that cache), serve offers 3000 tokens,
+    and `info` says the same."""
     d = info_json(ENV)
-    spare = d["weights_bytes"] + d["linear_state_bytes"] + 3000 * 1024
+    assert d["serve_prompt_cache_bytes"] == 512 * 2**20
+    spare = d["weights_bytes"] + d["linear_state_bytes"] + 3000 * 1024 + 512 * 2**20
     assert d["kv_cache_bytes"] == 4096 * 1024  # the figure the arithmetic above relies on
     fixture = ROOT / "tests" / "fixtures" / "macos" / "linux-64gb.txt"
     lines = [f"MemTotal: {(4 * 2**30 + spare) // 1024 + 1} kB" if ln.startswith("MemTotal:")

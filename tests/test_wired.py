@@ -33,12 +33,15 @@ from pocket_mlx.system.wired import (
     LAUNCHD_LABEL,
     LAUNCHD_PATH,
     GiB,
+    default_reserve_bytes,
     find_key,
+    fitting_context,
     kv_cache_bytes,
     model_footprint,
     parse_limit_arg,
     read_limit,
     recommended_limit_mb,
+    serve_ram_bytes,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -486,3 +489,18 @@ def test_cli_fake_mac_set_and_refusals():
 def test_cli_usage_error_exit_2():
     proc = cli(["--set"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("budget", [0, 512 << 20, 4 << 30])
+def test_serve_window_fits_with_the_prompt_cache(budget):
+    """The window `serve` plans is the longest whose `serve_ram_bytes` (weights, cache, and
+    the prompt cache's budget or a full-window snapshot, the larger) fits in usable RAM."""
+    config = {"model_type": "qwen3_5_moe", "text_config": QWEN35_35B_TEXT}
+    weights, ram = 6 << 30, 16 << 30
+    usable = ram - default_reserve_bytes(ram)
+    w = fitting_context(config, weights, ram, 4, budget)
+    assert w > 0
+    assert serve_ram_bytes(config, w, weights, 4, budget) <= usable
+    assert serve_ram_bytes(config, w + 1, weights, 4, budget) > usable
+    if budget:  # its share shrinks the window: never more than without it
+        assert w < fitting_context(config, weights, ram, 4)

@@ -1,6 +1,7 @@
 """`pocket-mlx chat`: the Textual app.
 
-All MLX work (loading, generating, the KV cache) happens on one long-lived engine worker thread:
+All MLX work (loading, generating, the KV cache) happens on one long-lived engine worker thread
+(tui/jobs.py `ChatEngine`, started here from a Textual thread worker):
 MLX streams belong to the thread that made them, so the model and its cache stay with one thread.
 The UI sends it jobs through a queue and hears back only through messages (`events`).
 
@@ -10,37 +11,29 @@ before the first token) is undone: the saved conversation never keeps a prompt a
 
 from __future__ import annotations
 
-import queue
 import sys
 import threading
-import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
 
 from rich.segment import Segments
 from rich.traceback import Traceback
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
-from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer
-from textual.worker import Worker, get_current_worker
+from textual.worker import get_current_worker
 
-from pocket_mlx import kernels
-from pocket_mlx.engine.conversations import Conversation, ConversationStore, new_id
+from pocket_mlx.engine.conversations import Conversation, ConversationStore
 from pocket_mlx.engine.devices import describe, gpu_available
 from pocket_mlx.engine.generation import GenerationStats
-from pocket_mlx.engine.loader import load
 from pocket_mlx.engine.params import PROMPT_CACHE_MB
-from pocket_mlx.engine.prompt_cache import PromptCache, open_store
-from pocket_mlx.engine.session import ChatSession, ContextOverflow, Settings
+from pocket_mlx.engine.session import Settings
 from pocket_mlx.errors import PocketError
-from pocket_mlx.system.memory import wired_limit_status
+from pocket_mlx.tui.commands import KEYS, help_keys, one_frame, system_commands
 from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, finish_notice
 from pocket_mlx.tui.events import (
     ContextMeasured,
@@ -52,12 +45,13 @@ from pocket_mlx.tui.events import (
     ReplyDone,
 )
 from pocket_mlx.tui.header import ModelHeader
-from pocket_mlx.tui.model_info import ModelInfo, model_info
+from pocket_mlx.tui.jobs import ChatEngine, Job, LiveReply, Turn, undone_note
+from pocket_mlx.tui.model_info import ModelInfo
 from pocket_mlx.tui.prompt import PromptInput
+from pocket_mlx.tui.saved import SavedChats
 from pocket_mlx.tui.screens import HelpScreen, OpenScreen, SettingsScreen
 from pocket_mlx.tui.stats_panel import REFRESH_S, StatsPanel
 
-CHUNK_S = 0.2  # the engine publishes reply text and a stats copy at most this often (5 Hz)
 TICK_S = REFRESH_S  # 0.25 s, the UI's one timer: the stats panel redraws every tick (4 Hz, as the spec asks)
 TEXT_EVERY = 2  # ...and reply text is appended every 2nd tick (2 Hz): each Markdown append
 # re-parses the last block and re-lays out the screen (once: see conversation.SteadySize), the
@@ -66,69 +60,10 @@ TEXT_EVERY = 2  # ...and reply text is appended every 2nd tick (2 Hz): each Mark
 GIL_SWITCH_S = 0.001  # see on_mount
 
 
-class LiveReply:
-    """What the engine thread hands the UI while a reply is being written, without messages.
-
-    The engine `put`s text and a stats copy (at most every CHUNK_S); the UI `take`s them on its
-    tick. No message per chunk means no wake-up of the UI's event loop between ticks."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._text: list[str] = []
-        self._stats: GenerationStats | None = None
-        self._context = 0
-
-    def put(self, text: str, stats: GenerationStats, context: int) -> None:
-        with self._lock:
-            if text:
-                self._text.append(text)
-            self._stats, self._context = stats, context
-
-    def latest(self) -> tuple[GenerationStats | None, int]:
-        with self._lock:
-            return self._stats, self._context
-
-    def take_text(self) -> str:
-        with self._lock:
-            text, self._text = "".join(self._text), []
-            return text
-
-    def reset(self) -> None:
-        with self._lock:
-            self._text, self._stats, self._context = [], None, 0
-
-
-class Job(NamedTuple):
-    messages: list[dict]
-    settings: Settings
-    device: str
-    kind: str = "reply"  # "reply" | "measure" (count the tokens of conversation `conv_id`)
-    conv_id: str = ""
-
-
-class Turn(NamedTuple):
-    """The turn being answered, to undo it if no reply comes."""
-
-    kind: str  # "send" | "regenerate"
-    message: dict  # the user message
-    previous: dict | None = None  # regenerate: the reply it replaces
-
-
 class ChatApp(App[None]):
     CSS_PATH = "chat.tcss"
     TITLE = "pocket-mlx chat"
-    BINDINGS = [
-        Binding("escape", "stop", "Stop", tooltip="stop the reply, keep what was written"),
-        Binding("ctrl+g", "toggle_device", "GPU/CPU",
-                tooltip="switch GPU <-> CPU for the next reply (no reload)"),
-        Binding("ctrl+n", "new_chat", "New", tooltip="start a new conversation"),
-        Binding("ctrl+r", "regenerate", "Regenerate", tooltip="write the last reply again"),
-        Binding("ctrl+o", "open_chat", "Open", tooltip="open a saved conversation"),
-        Binding("ctrl+s", "settings", "Settings",
-                tooltip="system prompt, temperature, top-p, max tokens"),
-        Binding("f1", "help", "Help", tooltip="this list of keys"),
-        Binding("ctrl+q", "quit", "Quit", priority=True, tooltip="quit (everything is saved)"),
-    ]
+    BINDINGS = KEYS
 
     def __init__(self, model: str | None = None, *, device: str = "cpu",
                  settings: Settings | None = None, conversation: Conversation | None = None,
@@ -136,15 +71,8 @@ class ChatApp(App[None]):
                  path: Path | None = None, prompt_cache_mb: int = PROMPT_CACHE_MB,
                  distributed=None) -> None:
         super().__init__()
-        # Rank 0's distributed.Lockstep under `chat --distributed` (the other ranks follow it,
-        # cli/chat.py): the engine thread loads this rank's share, sends a beat while idle and
-        # "stop" when the app closes (`engine_done` is set after that).
-        self.distributed = distributed
+        # Set once the engine thread ended (under `chat --distributed`: the others were told).
         self.engine_done = threading.Event()
-        # The replies' caches, kept in RAM and written through to the data folder: a resumed
-        # conversation (--resume, ctrl+o) continues from its last reply instead of prefilling
-        # it all again. 0 turns it off.
-        self.prompt_cache_mb = prompt_cache_mb
         self.model_ref = model  # as the user named it: saved with new conversations (--resume)
         # Its folder when the caller resolved it already (cli/chat.py): loaded as is, not
         # resolved (a hub lookup, a synthetic build) a second time.
@@ -159,22 +87,19 @@ class ChatApp(App[None]):
         self.busy = False
         self.last_stats: GenerationStats | None = None  # of the last finished reply
         self.replies_done = 0  # replies ended (finished, stopped or failed): tests wait on it
-        self._jobs: queue.Queue[Job] = queue.Queue()
         self._stop = threading.Event()
         self._reply: AssistantMessage | None = None
         self._live = LiveReply()
+        # The model's side, run by `engine` on a Textual thread worker. `prompt_cache_mb` and
+        # `distributed` (rank 0's Lockstep, the other ranks following it): see ChatEngine.
+        self._model = ChatEngine(self.post_message, self._live, self._stop,
+                                 model=path or model, device=device, model_name=self.model_name,
+                                 prompt_cache_mb=prompt_cache_mb, distributed=distributed)
         self._ticks = 0
         self._reply_settings = self.settings
-        self._engine: Worker | None = None
         self._turn: Turn | None = None
-        self._made: set[str] = set()  # ids of the conversations this app created
-        self.conversation = conversation or self._new_conversation()
-
-    def _new_conversation(self) -> Conversation:
-        conv = Conversation(id=new_id(), model=str(self.model_ref or ""),
-                            settings=self.settings.to_dict())
-        self._made.add(conv.id)
-        return conv
+        self.saved = SavedChats(self.store, model)
+        self.conversation = conversation or self.saved.new(self.settings)
 
     # ---- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -204,17 +129,11 @@ class ChatApp(App[None]):
         sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_S))
         self.query_one(ModelHeader).show_loading(self.model_name)
         self.prompt.disabled = True
-        panel = self.stats_panel
-        panel.device_label = describe(self.device)
-        panel.kernels = kernels.label()
-        try:
-            panel.wired = wired_limit_status()
-        except Exception:  # noqa: BLE001 - a missing sysctl must not stop the chat
-            panel.wired = None
+        self.stats_panel.show_host(self.device)
         await self._show_conversation()
         self._report_warnings(self.conversation)
         self.set_interval(TICK_S, self._tick)
-        self._engine = self.engine()
+        self.engine()
         self._measure()  # served once the model is loaded
 
     def _fatal_error(self) -> None:
@@ -235,95 +154,12 @@ class ChatApp(App[None]):
     # ---- the engine thread -----------------------------------------------------------------
     @work(thread=True, exclusive=True, group="engine", name="engine", exit_on_error=True)
     def engine(self) -> None:
-        """Load the model, then serve generation jobs until the app closes."""
+        """Load the model, then serve generation jobs until the app closes (tui/jobs.py)."""
         worker = get_current_worker()
         try:
-            self._engine_loop(worker)
+            self._model.run(lambda: worker.is_cancelled)
         finally:
             self.engine_done.set()
-
-    def _engine_loop(self, worker: Worker) -> None:
-        dist = self.distributed
-        try:
-            model, tokenizer = load(self.model_path or self.model_ref, device=self.device,
-                                    fuse=True, shard=dist.shard if dist else None)
-            if dist is not None:
-                dist.ready(model)
-            info = model_info(model, self.model_name)
-        except PocketError as e:
-            self.post_message(ModelFailed(str(e)))
-            return
-        except Exception as e:  # noqa: BLE001 - any load failure is reported, not a traceback
-            self.post_message(ModelFailed(f"{type(e).__name__}: {e}"))
-            return
-        if dist is not None:  # no prompt cache: each reply starts fresh on every rank
-            session = ChatSession(model, tokenizer, lockstep=dist)
-        else:
-            session = ChatSession(model, tokenizer, prompt_cache=self._prompt_cache(model))
-        self.post_message(ModelReady(info))
-        while not worker.is_cancelled:
-            try:
-                job = self._jobs.get(timeout=dist.until_beat() if dist else 0.1)
-            except queue.Empty:
-                if dist is not None:
-                    try:
-                        dist.idle(model, exit_on_lost=False)
-                    except PocketError as e:  # a rank is gone: the chat cannot go on
-                        self.post_message(ModelFailed(str(e)))
-                        return
-                continue
-            self._run_job(session, job, worker)
-        if dist is not None:
-            try:
-                dist.finish(model)  # the other ranks exit
-            except PocketError:
-                pass
-
-    def _prompt_cache(self, model) -> PromptCache | None:
-        try:
-            # Written through: the app leaves without running teardown code (cli/chat.py).
-            return open_store(model, self.prompt_cache_mb, write_through=True)
-        except (OSError, PocketError) as e:  # a read-only data folder: chat without it
-            self.post_message(EngineNotice(f"prompt cache off: {e}"))
-            return None
-
-    def _run_job(self, session: ChatSession, job: Job, worker: Worker) -> None:
-        if job.kind == "measure":
-            try:
-                tokens = session.context_tokens(job.messages, job.settings)
-            except Exception as e:  # noqa: BLE001 - a template error shows at the next turn
-                self.post_message(EngineNotice(f"could not count the conversation's tokens: {e}"))
-                return
-            self.post_message(ContextMeasured(job.conv_id, tokens))
-            return
-        pending, last, used, last_post = "", None, 0, 0.0
-
-        def should_stop() -> bool:
-            return self._stop.is_set() or worker.is_cancelled
-
-        def progress(done: int, total: int, context: int) -> None:
-            self.post_message(PrefillProgress(done, total, context))
-
-        try:
-            for r, used in session.generate(
-                job.messages, job.settings, job.device, progress=progress,
-                should_stop=should_stop, warn=lambda m: self.post_message(EngineNotice(m)),
-                trimmed=lambda n, out: self.post_message(ContextTrimmed(n, out)),
-            ):
-                last = r
-                pending += r.text
-                now = time.perf_counter()
-                if now - last_post >= CHUNK_S and r.stats.phase != "done":
-                    self._live.put(pending, replace(r.stats), used)
-                    pending, last_post = "", now
-            stats = replace(last.stats) if last is not None else None
-            self.post_message(ReplyDone(pending, stats, used))
-        except ContextOverflow as e:
-            self.post_message(ReplyDone(pending, None, used, error=str(e), refused=True))
-        except PocketError as e:
-            self.post_message(ReplyDone(pending, None, used, error=str(e)))
-        except Exception as e:  # noqa: BLE001 - keep the app alive, show what broke
-            self.post_message(ReplyDone(pending, None, used, error=f"{type(e).__name__}: {e}"))
 
     # ---- engine messages -------------------------------------------------------------------
     def on_model_ready(self, msg: ModelReady) -> None:
@@ -357,17 +193,6 @@ class ChatApp(App[None]):
         if msg.conv_id == self.conversation.id and not self.busy:
             self.stats_panel.set_context(msg.tokens)
 
-    @contextmanager
-    def _one_frame(self) -> Iterator[None]:
-        """What is done inside (awaits included) reaches the screen in one compositor pass, with
-        at most one layout, instead of one per widget it touches."""
-        with self.batch_update():
-            yield
-        # The screens saw those repaints while the batch held them back, and ending a batch
-        # does not tell them: without this they would wait for the next repaint's prompt.
-        for screen in self.screen_stack:
-            screen.check_idle()
-
     async def _tick(self) -> None:
         """The UI's only periodic work: pull what the engine published, redraw the panel."""
         self._ticks += 1
@@ -382,7 +207,7 @@ class ChatApp(App[None]):
                 panel.set_stats(stats, context)
         # The panel's repaint and the reply's new text in one compositor pass (else the screen
         # updates once when the panel is repainted and again after the append).
-        with self._one_frame():
+        with one_frame(self):
             panel.redraw()
             if reply is not None and self._ticks % TEXT_EVERY == 0:
                 text = self._live.take_text()
@@ -391,7 +216,7 @@ class ChatApp(App[None]):
 
     async def on_reply_done(self, msg: ReplyDone) -> None:
         reply, self._reply = self._reply, None
-        with self._one_frame():  # last text, colours, notice, cursor: one layout
+        with one_frame(self):  # last text, colours, notice, cursor: one layout
             try:
                 if reply is not None:
                     await self._finish_reply(reply, msg)
@@ -414,7 +239,7 @@ class ChatApp(App[None]):
             if msg.refused:  # the text back in the prompt says the rest
                 await self.view.add_notice(f"■ not sent: {msg.error}", "error")
             else:
-                await self.view.add_notice(f"■ error: {msg.error}{self._undone(turn)}", "error")
+                await self.view.add_notice(f"■ error: {msg.error}{undone_note(turn)}", "error")
                 self.notify(msg.error or "generation failed", title="Generation failed",
                             severity="error")
             # the prompt box may have grown with the text put back: keep the notice in view
@@ -426,7 +251,7 @@ class ChatApp(App[None]):
         if reason == "cancelled" and not reply.text:
             await reply.remove()
             turn = await self._undo_turn()
-            await self.view.add_notice(f"■ stopped before the reply began{self._undone(turn)}")
+            await self.view.add_notice(f"■ stopped before the reply began{undone_note(turn)}")
             self.call_after_refresh(self.view.scroll_end, animate=False)
             return
         self._turn = None
@@ -439,13 +264,8 @@ class ChatApp(App[None]):
 
     # ---- conversation ----------------------------------------------------------------------
     def _save(self) -> None:
-        if not self.conversation.messages:
-            return
-        self.conversation.settings = self.settings.to_dict()
-        try:
-            self.store.save(self.conversation)
-        except (OSError, PocketError) as e:
-            self.notify(f"could not save the conversation: {e}", severity="error")
+        if error := self.saved.save(self.conversation, self.settings):
+            self.notify(error, severity="error")
 
     async def _undo_turn(self) -> Turn | None:
         """Take back the turn that got no reply: the prompt leaves the conversation (and the
@@ -464,30 +284,18 @@ class ChatApp(App[None]):
         elif turn.kind == "regenerate" and turn.previous is not None:
             msgs.append(turn.previous)
             await self._show_message(turn.previous)
-        if msgs:
-            self._save()
-        elif self.conversation.id in self._made:
-            try:  # its only message was taken back: no empty conversation left behind
-                self.store.remove(self.conversation.id)
-            except (OSError, PocketError) as e:
-                self.notify(f"could not remove the empty conversation: {e}", severity="error")
+        self._save()
+        if error := self.saved.forget_if_empty(self.conversation):
+            self.notify(error, severity="error")
         self._measure()
         return turn
-
-    @staticmethod
-    def _undone(turn: Turn | None) -> str:
-        if turn is None:
-            return ""
-        if turn.kind == "send":
-            return " (not saved; back in the prompt)"
-        return " (the previous reply is kept)"
 
     def _measure(self) -> None:
         """Ask the engine how many tokens the conversation on screen takes in the model's
         context (after resume, open or an undone turn), for the panel."""
         conv = self.conversation
         if conv.messages:
-            self._jobs.put(Job(conv.chat_messages(), replace(self.settings), self.device,
+            self._model.put(Job(conv.chat_messages(), replace(self.settings), self.device,
                                kind="measure", conv_id=conv.id))
         else:
             self.stats_panel.set_context(0)
@@ -526,7 +334,7 @@ class ChatApp(App[None]):
                         severity="warning")
             return
         self.prompt.remember(msg.text)
-        with self._one_frame():  # prompt cleared, two messages mounted: one layout
+        with one_frame(self):  # prompt cleared, two messages mounted: one layout
             self.prompt.text = ""
             message = {"role": "user", "content": msg.text}
             self.conversation.messages.append(message)
@@ -548,7 +356,7 @@ class ChatApp(App[None]):
         panel = self.stats_panel
         panel.device_label = describe(self.device)
         panel.set_phase("prefill")
-        self._jobs.put(Job(self.conversation.chat_messages(), self._reply_settings, self.device))
+        self._model.put(Job(self.conversation.chat_messages(), self._reply_settings, self.device))
 
     def _idle_or_warn(self) -> bool:
         if not self.ready:
@@ -579,7 +387,7 @@ class ChatApp(App[None]):
     async def action_new_chat(self) -> None:
         if not self._idle_or_warn():
             return
-        self.conversation = self._new_conversation()
+        self.conversation = self.saved.new(self.settings)
         await self.view.clear()
         self.stats_panel.set_phase("idle")
         self.stats_panel.set_context(0)
@@ -618,11 +426,9 @@ class ChatApp(App[None]):
             self.notify(str(e), severity="error")
             return
         self.conversation = conv
-        try:
-            settings = Settings.from_dict(conv.settings)
-            settings.validate()
+        if (settings := self.saved.settings_of(conv)) is not None:
             self.settings = settings
-        except (ValueError, TypeError, PocketError):
+        else:
             self.notify("The saved settings are invalid; keeping the current ones.",
                         severity="warning")
         await self._show_conversation()
@@ -645,22 +451,8 @@ class ChatApp(App[None]):
         self.notify("Settings saved." + extra, title="Settings")
 
     def action_help(self) -> None:
-        keys = [(b.key, b.tooltip or b.description) for b in self.BINDINGS
-                if isinstance(b, Binding)]
-        keys.append(("ctrl+p", "command palette (every action by name)"))
-        self.push_screen(HelpScreen(keys))
+        self.push_screen(HelpScreen(help_keys(self.BINDINGS)))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Stop generation", "Stop the reply, keep what was written",
-                            self.action_stop)
-        yield SystemCommand("Switch device", "GPU <-> CPU for the next reply",
-                            self.action_toggle_device)
-        yield SystemCommand("New conversation", "Start over", self.action_new_chat)
-        yield SystemCommand("Regenerate", "Write the last reply again", self.action_regenerate)
-        yield SystemCommand("Open conversation", "Load a saved conversation",
-                            self.action_open_chat)
-        yield SystemCommand("Settings", "System prompt, temperature, top-p, max tokens",
-                            self.action_settings)
-        yield SystemCommand("Keys", "Show every key", self.action_help)
-
+        yield from system_commands(self)

@@ -25,8 +25,10 @@ from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
 
-from pocket_mlx import units
+from pocket_mlx import kernels, units
+from pocket_mlx.engine.devices import describe
 from pocket_mlx.engine.generation import GenerationStats
+from pocket_mlx.system.memory import wired_limit_status
 
 REFRESH_S = 0.25
 LABEL_W = 10  # label column of the speed and detail rows
@@ -65,6 +67,15 @@ class StatsPanel(Widget):
         self.redraw()  # then on the app's tick, every REFRESH_S
 
     # ---- inputs --------------------------------------------------------------------------
+    def show_host(self, device: str) -> None:
+        """The rows that stay for the session: the device, the kernels, the wired limit."""
+        self.device_label = describe(device)
+        self.kernels = kernels.label()
+        try:
+            self.wired = wired_limit_status()
+        except Exception:  # noqa: BLE001 - a missing sysctl must not stop the chat
+            self.wired = None
+
     def set_phase(self, phase: str) -> None:
         self.phase = phase
         if phase == "prefill":

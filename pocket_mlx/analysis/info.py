@@ -29,11 +29,17 @@ from pocket_mlx.convert import synthetic
 from pocket_mlx.convert.recipes import family as recipe_family
 from pocket_mlx.engine.devices import policy_dtype, resolve_device
 from pocket_mlx.engine.loader import load_model, resolve_model_path
+from pocket_mlx.engine.params import PROMPT_CACHE_MB
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models.accounting import module_costs, weight_stats
 from pocket_mlx.system import chips
 from pocket_mlx.system.host import get_platform
-from pocket_mlx.system.wired import default_reserve_bytes, kv_cache_bytes, planned_context
+from pocket_mlx.system.wired import (
+    default_reserve_bytes,
+    kv_cache_bytes,
+    planned_context,
+    serve_ram_bytes,
+)
 from pocket_mlx.units import GB, bandwidth, count, size
 
 FAMILIES = ("experts", "router", "attention", "linear_attention", "shared_expert", "embeddings",
@@ -193,7 +199,13 @@ def describe(model: str | None = None, context: int | None = None,
         "fits": bool(usable is not None and ram_needed <= usable),
         # The window `serve` offers without --ctx-size: the model's own, capped by what fits.
         "serve_context": planned_context(src.config, int(args.max_position_embeddings),
-                                         stats.bytes_total, total_ram, dtype_bytes(act_dtype)),
+                                         stats.bytes_total, total_ram, dtype_bytes(act_dtype),
+                                         PROMPT_CACHE_MB << 20),
+        # `serve` at `context` tokens: RAM needed plus its default prompt cache (its RAM budget
+        # or one full-window snapshot, the larger; system/wired.py `serve_ram_bytes`).
+        "serve_ram_needed_bytes": serve_ram_bytes(src.config, kv.context, stats.bytes_total,
+                                                  dtype_bytes(act_dtype), PROMPT_CACHE_MB << 20),
+        "serve_prompt_cache_bytes": PROMPT_CACHE_MB << 20,
         "bandwidth_gbps": bandwidth_gbps,
         "bandwidth_source": bw_source,
         "decode_ceiling_tps": (bandwidth_gbps * GB / stats.bytes_per_token
@@ -240,6 +252,9 @@ def format_text(d: dict) -> str:
         f"{size(d['linear_state_bytes'])}, {d['activation_dtype']} cache)",
         f"fits this host   {fit} ({size(d['ram_total_bytes'])} RAM, "
         f"{size(d['ram_usable_bytes'])} usable)",
+        f"serve needs      {size(d['serve_ram_needed_bytes'])} at {d['context']} tokens (RAM "
+        f"needed + the prompt cache: its {size(d['serve_prompt_cache_bytes'])} budget or a "
+        "full-window snapshot, the larger)",
         f"serve window     {d['serve_context']} tokens ("
         + ("the model's window" if d["serve_context"] == d["architecture"][
             "max_position_embeddings"] else "what fits in RAM beside the weights")

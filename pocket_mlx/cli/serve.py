@@ -273,19 +273,29 @@ def follow(args: argparse.Namespace, lockstep, command: str = "serve") -> int:
     alone serves HTTP, or runs the chat app, and logs)."""
     from pocket_mlx.engine.distributed import LOAD_TIMEOUT_S
     from pocket_mlx.engine.loader import load, resolve_model_path
+    from pocket_mlx.engine.worker import ModelWorker
 
     g = lockstep.g
     g.watchdog.arm(max(LOAD_TIMEOUT_S, g.timeout), "the other ranks did not finish loading "
                                                     "in time")
+
+    def setup(model, tokenizer) -> tuple:
+        # Not the worker's `lockstep`: that one is rank 0's side (beats, stop).
+        lockstep.ready(model)
+        print(f"pocket-mlx {command}: rank {g.rank} of {g.size} ({args.distributed}) follows "
+              "rank 0", file=sys.stderr, flush=True)
+        return model, tokenizer
+
+    def serve(state: tuple) -> None:
+        try:
+            lockstep.follow(*state)
+        except KeyboardInterrupt:  # Ctrl-C under mlx.launch reaches every rank: stop quietly
+            pass
+
     # As the engine loads on rank 0 (server/engine.py), so every rank builds the same model.
-    model, tokenizer = load(str(resolve_model_path(args.model)), device=args.device, fuse=True,
-                            shard=lockstep.shard)
-    lockstep.ready(model)
-    print(f"pocket-mlx {command}: rank {g.rank} of {g.size} ({args.distributed}) follows rank 0",
-          file=sys.stderr, flush=True)
-    try:
-        lockstep.follow(model, tokenizer)
-    except KeyboardInterrupt:  # Ctrl-C under mlx.launch reaches every rank: stop quietly
-        pass
+    worker = ModelWorker(lambda: load(str(resolve_model_path(args.model)), device=args.device,
+                                      fuse=True, shard=lockstep.shard))
+    if not worker.run(serve, setup):
+        raise worker.error
     print(f"pocket-mlx {command}: rank {g.rank} stopped", file=sys.stderr, flush=True)
     return 0

@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 
 from pocket_mlx.engine import devices
-from pocket_mlx.engine import sampling as _sampling
 from pocket_mlx.engine.loader import model_weight_stats, use_device
 from pocket_mlx.engine.params import (
     DEFAULT_MAX_TOKENS,
@@ -38,6 +37,7 @@ from pocket_mlx.engine.params import (
     check_top_p,
     checked,
 )
+from pocket_mlx.engine.sampling import Sampler, processors_for, sample, sampler_for
 from pocket_mlx.engine.snapshot_points import chunk_size
 from pocket_mlx.errors import PocketError
 from pocket_mlx.system.memory import wired_limit
@@ -117,15 +117,13 @@ class Response:
     fed_tokens: list[int] | None = None
 
 
-def make_sampler(p: SamplingParams) -> Callable[[mx.array], mx.array]:
-    # engine/sampling.py, not mlx-lm's: importing mlx_lm imports transformers (seconds).
-    return _sampling.make_sampler(temp=p.temperature, top_p=p.top_p, min_p=p.min_p,
-                                  top_k=p.top_k)
+def make_sampler(p: SamplingParams) -> Sampler:
+    """`sampling.sampler_for(p)`: MLX's global key, as `generate --seed` seeds it."""
+    return sampler_for(p)
 
 
 def make_logits_processors(p: SamplingParams) -> list:
-    return _sampling.make_logits_processors(repetition_penalty=p.repetition_penalty,
-                                            repetition_context_size=p.repetition_context)
+    return processors_for(p)
 
 
 def context_limit(model) -> int:
@@ -201,10 +199,7 @@ def generate_step(
 
     def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
         logits = model(tokens[None], cache=cache)[:, -1, :]
-        for proc in processors:
-            logits = proc(history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        y = sampler(logprobs)
+        y, logprobs = sample(logits, sampler, processors, history)
         return (share(y) if share is not None else y), logprobs
 
     with mx.stream(stream):
@@ -214,7 +209,7 @@ def generate_step(
         while rest.size > 1:
             n = chunk_size(done, rest.size - 1, prefill_step, points[0][0] if points else None)
             model(rest[:n][None], cache=cache)
-            mx.eval([a for c in cache for a in _cache_arrays(c)])
+            mx.eval([a for c in cache for a in cache_arrays(c)])
             rest = rest[n:]
             done += n
             if points and points[0][0] == done:
@@ -273,6 +268,42 @@ def stream_generate(
     with it, see `loader.use_device`). `warn` receives one-off warnings (the GPU memory one); default:
     stderr. `points` and `on_point` (positions in the tokens fed) are `generate_step`'s: where
     prefill ends a chunk and what to do there (store a prompt-cache snapshot)."""
+    run = _set_up(model, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling,
+                  stop=stop, device=device, system=system, raw=raw, cache=cache,
+                  prefill_step=prefill_step, warn=warn, sampling_kwargs=sampling_kwargs)
+    with run.wired:
+        mx.reset_peak_memory()
+        yield from _decode(model, run, prefill_step=prefill_step, progress=progress,
+                           should_stop=should_stop, points=points, on_point=on_point)
+        yield from _finish(run)
+
+
+@dataclass
+class _Run:
+    """One `stream_generate` call: what its set-up decided and what its loop counts."""
+
+    ids: list[int]  # the prompt's tokens
+    cache: list
+    stream: mx.Stream
+    sampling: SamplingParams
+    max_tokens: int  # the caller's cap
+    room: int  # tokens that still fit the context
+    stats: GenerationStats
+    text: StopText
+    eos: set[int]
+    wired: ExitStack  # on the GPU: the model's memory wired while generating
+    fed: list[int] = field(default_factory=list)  # tokens the cache consumed
+    n: int = 0  # tokens sampled so far, EOS not counted
+    t_decode: float | None = None  # when the first token was read
+    cancelled_prefill: bool = False  # should_stop ended the prefill
+
+
+def _set_up(model, tokenizer, prompt, *, max_tokens: int, sampling: SamplingParams | None,
+            stop: list[str] | None, device: str | None, system: str | None, raw: bool,
+            cache: list | None, prefill_step: int, warn: Callable[[str], object] | None,
+            sampling_kwargs: dict) -> _Run:
+    """Check the arguments, tokenize, put the model (and cache) on the device, seed, and
+    prepare the stats: everything before the first forward."""
     if sampling is not None and sampling_kwargs:
         raise PocketError("give sampling=SamplingParams(...) or sampling keywords, not both")
     sampling = sampling or SamplingParams.from_kwargs(sampling_kwargs)
@@ -285,18 +316,13 @@ def stream_generate(
     use_device(model, dev, cache)  # the model's dtypes, and the cache's, follow the device
     if cache is None:
         cache = model.make_cache()
-    start_pos = _cache_offset(cache)
+    start_pos = cache_offset(cache)
     limit = context_limit(model)
     if start_pos + len(ids) >= limit:
         raise PocketError(f"the prompt ({start_pos + len(ids)} tokens) does not fit the "
                           f"context of {limit} tokens")
-    stops = [s for s in (stop or []) if s]
-    eos = set(tokenizer.eos_token_ids)
-    sampler = make_sampler(sampling)
-    processors = make_logits_processors(sampling)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
-
     weights = model_weight_stats(model)
     stats = GenerationStats(prompt_tokens=len(ids), bytes_per_token=weights.bytes_per_token,
                             device=dev)
@@ -305,72 +331,86 @@ def stream_generate(
     if dev == "gpu":
         warn = warn or (lambda m: print(m, file=sys.stderr))
         wired.enter_context(wired_limit(weights.bytes_total, dev, streams=[stream], warn=warn))
-    room = limit - start_pos - len(ids)  # tokens that still fit the context
+    return _Run(ids=ids, cache=cache, stream=stream, sampling=sampling, max_tokens=max_tokens,
+                room=limit - start_pos - len(ids), stats=stats,
+                text=StopText(tokenizer, [s for s in (stop or []) if s]),
+                eos=set(tokenizer.eos_token_ids), wired=wired)
 
-    cancelled_prefill = []  # set when should_stop ends the prefill
+
+def _decode(model, run: _Run, *, prefill_step: int,
+            progress: Callable[[int, int], None] | None,
+            should_stop: Callable[[], bool] | None, points: Sequence[tuple[int, str]],
+            on_point: Callable[[int, str], object] | None) -> Iterator[Response]:
+    """Prefill and decode: a `Response` per token read, until EOS, a stop string, the cap,
+    the context or `should_stop`; sets `run.stats.finish_reason` (not on a cancelled
+    prefill: `run.cancelled_prefill` says so)."""
+    ids, stats, text = run.ids, run.stats, run.text
+    cap = min(run.max_tokens, run.room)
 
     def on_prefill(done: int) -> bool:
         stats.prefill_done = done
         if progress:
             progress(done, len(ids))
         if should_stop and should_stop():
-            cancelled_prefill.append(done)
-        return bool(cancelled_prefill)
+            run.cancelled_prefill = True
+        return run.cancelled_prefill
 
-    with wired:
-        mx.reset_peak_memory()
-        fed: list[int] = []  # tokens the cache consumed
-        text = _StopText(tokenizer, stops)
-        n = 0  # tokens sampled so far, EOS not counted
-        t_decode = None
-        t0 = time.perf_counter()
-        steps = generate_step(model, ids, cache, sampler=sampler, processors=processors,
-                              max_tokens=min(max_tokens, room), stream=stream,
-                              prefill_step=prefill_step, on_prefill=on_prefill, fed=fed,
-                              history_size=sampling.repetition_context, points=points,
-                              on_point=on_point)
-        for token, _ in steps:
-            if t_decode is None:
-                t_decode = time.perf_counter()
-                stats.ttft_s = t_decode - t0
-                stats.prompt_tps = len(ids) / stats.ttft_s
-                stats.phase = "decode"
-                if progress:
-                    progress(len(ids), len(ids))
-            if token in eos:
-                stats.finish_reason = "eos"
-                break
-            n += 1
-            piece, stopped = text.add(token)
-            stats.generation_tokens = n
-            if n > 1:
-                stats.generation_tps = (n - 1) / (time.perf_counter() - t_decode)
-            if stopped:
-                stats.finish_reason, stats.stop_string = "stop", text.hit
-                if piece:
-                    yield Response(piece, token, stats)
-                break
-            yield Response(piece, token, stats)
-            if should_stop and should_stop() and n < min(max_tokens, room):
-                stats.finish_reason = "cancelled"
-                break
-        else:
-            if cancelled_prefill:
-                stats.finish_reason, stats.phase = "cancelled", "done"
-                yield Response("", None, stats, fed_tokens=None)
-                return
-            stats.finish_reason = "length" if n >= max_tokens else "context"
-        steps.close()
-        if stats.finish_reason != "stop" and (tail := text.flush()):
-            yield Response(tail, None, stats)
-        stats.phase = "done"
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        if t_decode is not None and n > 1:
-            stats.generation_tps = (n - 1) / (time.perf_counter() - t_decode)
-        yield Response("", None, stats, fed_tokens=fed)
+    t0 = time.perf_counter()
+    steps = generate_step(model, ids, run.cache, sampler=sampler_for(run.sampling),
+                          processors=processors_for(run.sampling), max_tokens=cap,
+                          stream=run.stream, prefill_step=prefill_step, on_prefill=on_prefill,
+                          fed=run.fed, history_size=run.sampling.repetition_context,
+                          points=points, on_point=on_point)
+    for token, _ in steps:
+        if run.t_decode is None:
+            run.t_decode = time.perf_counter()
+            stats.ttft_s = run.t_decode - t0
+            stats.prompt_tps = len(ids) / stats.ttft_s
+            stats.phase = "decode"
+            if progress:
+                progress(len(ids), len(ids))
+        if token in run.eos:
+            stats.finish_reason = "eos"
+            break
+        run.n += 1
+        piece, stopped = text.add(token)
+        stats.generation_tokens = run.n
+        if run.n > 1:
+            stats.generation_tps = (run.n - 1) / (time.perf_counter() - run.t_decode)
+        if stopped:
+            stats.finish_reason, stats.stop_string = "stop", text.hit
+            if piece:
+                yield Response(piece, token, stats)
+            break
+        yield Response(piece, token, stats)
+        if should_stop and should_stop() and run.n < cap:
+            stats.finish_reason = "cancelled"
+            break
+    else:
+        if not run.cancelled_prefill:
+            stats.finish_reason = "length" if run.n >= run.max_tokens else "context"
+    steps.close()
 
 
-class _StopText:
+def _finish(run: _Run) -> Iterator[Response]:
+    """The last responses: the text held back (unless a stop string cut it), then the final
+    stats with the tokens the cache holds (None after a cancelled prefill: the cache is
+    part-way)."""
+    stats = run.stats
+    if run.cancelled_prefill:
+        stats.finish_reason, stats.phase = "cancelled", "done"
+        yield Response("", None, stats, fed_tokens=None)
+        return
+    if stats.finish_reason != "stop" and (tail := run.text.flush()):
+        yield Response(tail, None, stats)
+    stats.phase = "done"
+    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    if run.t_decode is not None and run.n > 1:
+        stats.generation_tps = (run.n - 1) / (time.perf_counter() - run.t_decode)
+    yield Response("", None, stats, fed_tokens=run.fed)
+
+
+class StopText:
     """The reply's text as tokens arrive: pieces safe to show, text that might start a stop
     string held back until it cannot (or does), and what precedes a stop string that hit."""
 
@@ -398,13 +438,15 @@ class _StopText:
         return tail
 
 
-def _cache_arrays(c) -> list[mx.array]:
+def cache_arrays(c) -> list[mx.array]:
+    """The arrays of one layer's cache (KV or linear-attention state), to evaluate them."""
     if hasattr(c, "arrays"):
         return c.arrays
     return [a for a in (getattr(c, "keys", None), getattr(c, "values", None)) if a is not None]
 
 
-def _cache_offset(cache: list) -> int:
+def cache_offset(cache: list) -> int:
+    """The tokens a model cache holds (its longest layer)."""
     return max((getattr(c, "offset", 0) for c in cache), default=0)
 
 

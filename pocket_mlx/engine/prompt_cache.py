@@ -90,6 +90,19 @@ def _handle(a: mx.array | None) -> mx.array | None:
     return None if a is None else a.reshape(a.shape)
 
 
+def snapshot_bytes(cache: list) -> int:
+    """What `capture(cache, detach=True)` will hold: the KV positions up to each layer's
+    offset and the linear layers' states (known before the copy is made)."""
+    n = 0
+    for c in cache:
+        if layer_kind(c) == "linear":
+            n += sum(a.nbytes for a in (c.conv_state, c.state) if a is not None)
+        elif c.keys is not None and c.offset:
+            b, h, _, d = c.keys.shape
+            n += c.offset * b * h * (d * c.keys.itemsize + c.values.shape[3] * c.values.itemsize)
+    return n
+
+
 def capture(cache: list, *, detach: bool = False) -> list[LayerState]:
     """The state of a live cache. Without `detach`: a rewind point for `restore` into the same
     cache (the chat's regenerate; KV layers by offset, linear layers by reference: the model
@@ -262,7 +275,7 @@ class _Entry:
 
 
 #: Where a snapshot was taken: a chat-template message boundary inside a prompt, every N tokens
-#: of a long prompt, or the end of a prompt/reply (see server/engine.py's prefill).
+#: of a long prompt, or the end of a prompt/reply (see engine/batch.py's prefill).
 SNAPSHOT_KINDS = ("boundary", "interval", "end")
 #: Hits beyond this count no more in eviction: an old prefix hit often once still ages out.
 _HIT_CAP = 4
@@ -379,6 +392,12 @@ class PromptCache:
             # Its segments as a list of their own: another thread may evict it meanwhile (the
             # arrays stay valid; `_admit` counts them again if they are no longer held).
             shareable = list(parent.segments) if parent is not None else []
+            # Room first (colder entries spilled, not the parent whose KV the snapshot will
+            # share), then the copy: the store's RAM stays within the larger of its budget and
+            # one snapshot, the figure `serve`'s memory planner counts (system/wired.py
+            # `serve_ram_bytes`), rather than the budget plus a snapshot.
+            need = snapshot_bytes(cache) - sum(g.nbytes for g in shareable)
+            self._evict_until(self.ram_budget - need, keep=parent)
         states, segments = self._capture(cache, shareable)  # outside the lock: it computes
         with self._lock:
             if (e := self._entries.get(key)) is not None:
@@ -504,9 +523,16 @@ class PromptCache:
             if not seg.refs:
                 self.ram_used += seg.nbytes
             seg.refs += 1
-        while self.ram_used > self.ram_budget:
-            victim = min((x for x in self._entries.values() if x.states is not None),
-                         key=_victim_key)
+        self._evict_until(self.ram_budget)
+
+    def _evict_until(self, limit: int, keep: _Entry | None = None) -> None:
+        """Spill (or drop) the coldest entries held in RAM, `keep` aside, until they take at
+        most `limit`."""
+        while self.ram_used > max(limit, 0):
+            held = [x for x in self._entries.values() if x.states is not None and x is not keep]
+            if not held:
+                return
+            victim = min(held, key=_victim_key)
             if victim.path is None and self._write(victim):
                 self.spills += 1
             self._release_ram(victim)

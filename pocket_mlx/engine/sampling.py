@@ -11,6 +11,7 @@ tokens: tests/test_sampling.py checks that against mlx-lm itself.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from functools import partial
 
@@ -110,6 +111,37 @@ class KeyedSampler:
         keys = mx.random.split(self.key)
         self.key = keys[0]
         return categorical_with_key(logprobs, keys[1], self.temp)
+
+
+def sampler_for(p, own_key: bool = False) -> Sampler:
+    """The one sampler of a request's `SamplingParams` (engine/generation.py) for `generate`,
+    `chat` and `serve` alike: greedy at temperature 0; else top-p/min-p/top-k then a draw,
+    from MLX's global key (`generate_step`, seeded by `mx.random.seed`) or, `own_key`, from a
+    key of its own (a sequence of the server's batch, so each keeps its own random stream:
+    `p.seed`, or a random one)."""
+    if p.temperature <= 0:
+        return greedy
+    if not own_key:
+        return make_sampler(temp=p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=p.top_k)
+    seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    return KeyedSampler(seed, p.temperature, p.top_p, p.min_p, p.top_k)
+
+
+def processors_for(p) -> list[LogitsProcessor]:
+    """The logits processors of a request's `SamplingParams` (the repetition penalty)."""
+    return make_logits_processors(repetition_penalty=p.repetition_penalty,
+                                  repetition_context_size=p.repetition_context)
+
+
+def sample(logits: mx.array, sampler: Sampler, processors: list | tuple = (),
+           history: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """(token [B], logprobs [B, vocab]) from logits [B, vocab] (lazy): the processors over
+    `history` (the tokens so far), log-softmax, then the sampler. The one sampling step of
+    `generate_step` and of the batched decode (engine/batch.py)."""
+    for proc in processors:
+        logits = proc(history, logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return sampler(logprobs), logprobs
 
 
 def make_repetition_penalty(penalty: float,

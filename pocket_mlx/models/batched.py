@@ -38,7 +38,7 @@ class DecodeBatch:
 
     A member is any object with a `cache` attribute: its model cache (`model.make_cache()`),
     already holding its prompt (its linear layers' states must be set: the first token of a
-    sequence runs alone, see server/engine.py). While it is a member, the batch owns the
+    sequence runs alone, see engine/batch.py). While it is a member, the batch owns the
     linear layers' states (the member's own entries are emptied, so no stale copy is kept);
     its KV caches stay its own and are updated in place by each step."""
 

@@ -1,8 +1,10 @@
 """Anthropic's Messages API (POST /v1/messages): request checking, response and event shapes.
 
-The same rules as server/openai.py: every field is named, one we do not honour (server tools,
-images, extended thinking, an assistant "prefill" as the last message) is a 400 in Anthropic's
-error shape, never dropped. Tool use maps onto the chat template's tools: `tools` become
+The same rules as server/openai.py: every field is named; an optional feature we lack
+(extended thinking, output_config, diagnostics, speed other than standard, unknown fields) is
+left out and named in the X-Pocket-Fields-Ignored header and the log; what would change the
+reply's meaning unseen (server tools: container, mcp_servers; images; an assistant "prefill"
+as the last message) is a 400 in Anthropic's error shape. Tool use maps onto the chat template's tools: `tools` become
 OpenAI-shaped function definitions, `tool_use` blocks an assistant message's `tool_calls`,
 `tool_result` blocks `role: "tool"` messages; the reply's calls (server/tools.py) come back as
 `tool_use` blocks with `stop_reason: "tool_use"`. Requests become the same `GenRequest` the OpenAI endpoints make, so the
@@ -35,11 +37,11 @@ FIELDS = HARMLESS | {
     "model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
     "top_p", "top_k", "tools", "tool_choice", "thinking", "container", "mcp_servers",
     "output_config", "diagnostics", "speed", "min_p", "repetition_penalty", "seed"}
-UNSUPPORTED = {"thinking": "this server has no extended-thinking mode",
-               "container": "no code-execution containers",
-               "mcp_servers": "no MCP connector",
-               "output_config": "no output formats or effort settings",
-               "diagnostics": "no cache-miss diagnostics"}
+UNSUPPORTED = {"container": "no code-execution containers",
+               "mcp_servers": "no MCP connector"}
+# Left out and said (X-Pocket-Fields-Ignored): no extended-thinking blocks, output formats,
+# effort settings or cache diagnostics here.
+IGNORED = ("thinking", "output_config", "diagnostics")
 # HTTP status -> Anthropic's error type.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -218,18 +220,19 @@ def _text_blocks(content, where: str) -> str:
 
 def parse_messages(body: dict) -> GenRequest:
     """A /v1/messages body, checked."""
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise ApiError(400, f"{unknown[0]}: Extra inputs are not permitted", param=unknown[0],
-                       code="unknown_parameter")
+    ignored = sorted(set(body) - FIELDS)  # unknown fields: left out and said
     for name, why in UNSUPPORTED.items():
         if body.get(name) not in (None, [], {}):
             raise ApiError(400, f"{name} is not supported by this server: {why}", param=name,
                            code="unsupported_parameter")
+    for name in IGNORED:
+        v = body.get(name)
+        if v is not None and not isinstance(v, dict):
+            raise ApiError(400, f"{name} must be an object", param=name, code="invalid_type")
+        if v and v != {"type": "disabled"}:
+            ignored.append(name)
     if body.get("speed") not in (None, "standard"):
-        raise ApiError(400, f"speed is not supported by this server: one speed only "
-                            f"(\"standard\"), got {body['speed']!r}", param="speed",
-                       code="unsupported_parameter")
+        ignored.append("speed")  # one speed only
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "model must be a string", param="model", code="invalid_type")
@@ -282,7 +285,8 @@ def parse_messages(body: dict) -> GenRequest:
                        code="unsupported_parameter")
     return GenRequest(kind="chat", model=model, messages=messages, max_tokens=max_tokens,
                       sampling=sampling, stop=list(stops), stream=stream, tools=tools,
-                      tool_choice=choice, tool_name=name, parallel_tool_calls=parallel)
+                      tool_choice=choice, tool_name=name, parallel_tool_calls=parallel,
+                      ignored=sorted(ignored))
 
 
 class Message:

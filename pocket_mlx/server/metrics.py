@@ -55,6 +55,8 @@ class Metrics:
         self.prefill_chunk_s = Histogram(CHUNK_BUCKETS)
         self.prefilling = 0  # requests holding a slot, still prefilling (gauge)
         self.pending = 0  # their prompt tokens not yet prefilled (gauge)
+        self.planned_ram_bytes = 0  # the memory planner's figure for this server's window
+        self.token_latency_max = 0.0  # the longest gap between two tokens of one reply
         self.bytes_per_token = bytes_per_token
 
     def request(self, endpoint: str, status: int) -> None:
@@ -79,6 +81,7 @@ class Metrics:
     def token(self, latency_s: float) -> None:
         with self._lock:
             self.token_latency.observe(latency_s)
+            self.token_latency_max = max(self.token_latency_max, latency_s)
 
     def prefill(self, seconds: float) -> None:
         with self._lock:
@@ -178,6 +181,14 @@ class Metrics:
                    "slot not yet prefilled.", [("", self.pending)])
             metric("prefill_requests", "gauge", "Requests holding a slot, still prefilling.",
                    [("", self.prefilling)])
+            metric("token_latency_max_seconds", "gauge", "The longest time between two "
+                   "tokens of one reply since the server started (a stall: another request's "
+                   "prefill chunk, a prompt-cache snapshot written to disk).",
+                   [("", round(self.token_latency_max, 6))])
+            metric("planned_ram_bytes", "gauge", "What the memory planner says the server "
+                   "holds with one sequence at a full window: weights as loaded, its cache, the "
+                   "prompt cache's budget or a full-window snapshot (the larger).",
+                   [("", self.planned_ram_bytes)])
             histogram("prefill_chunk_seconds", "Time of one prefill chunk (up to the prefill "
                       "step's tokens; a prompt's last token is one of its own).",
                       self.prefill_chunk_s)

@@ -1,12 +1,17 @@
 """The OpenAI wire format: request bodies checked into a `GenRequest` (server/requests.py), and
 the response shapes.
 
-Every field a request may carry is named here. A field we do not honour (`n` > 1, `logprobs`,
-`strict` tools, `response_format` other than text, penalties other than 0, ...) is refused with a 400
-and OpenAI's error object instead of being silently dropped: a client that relies on it learns
-at once. Unknown fields are refused too, as OpenAI itself does ("Unrecognized request
-argument"). Value ranges are engine/params.py's `check_*` functions, the same sentences the CLI
-prints. No MLX here: this module only shapes data.
+Every field a request may carry is named here, and each is honoured, accepted without effect
+(who the caller is, what OpenAI would store), or ignored and said: an optional feature this
+server or model lacks (`logprobs`, `logit_bias`, penalties other than repetition_penalty,
+`response_format` json, `reasoning_effort`, Ollama's `keep_alive`/`options`, any unknown field)
+is left out, and the reply's `X-Pocket-Fields-Ignored` header and the server's log name it
+(`GenRequest.ignored`), as llama.cpp's server and Ollama answer such requests rather than
+refusing them: web UIs (Open WebUI) send several by default. A 400 is kept for malformed
+values and for what would change a reply's meaning unseen: `n` > 1 (as llama.cpp), content the
+model cannot read (images), the deprecated functions API, audio output, `echo`, `suffix`,
+`best_of` > 1. docs/SERVE.md has the table. Value ranges are engine/params.py's `check_*`
+functions, the same sentences the CLI prints. No MLX here: this module only shapes data.
 """
 
 from __future__ import annotations
@@ -37,12 +42,12 @@ MAX_STOPS = 16
 _HARMLESS = {"user", "metadata", "store", "service_tier", "safety_identifier",
              "prompt_cache_key"}
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-             "repetition_penalty", "stop", "seed", "stream", "stream_options", "n",
-             "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
+             "repetition_penalty", "repeat_penalty", "stop", "seed", "stream", "stream_options",
+             "n", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
 CHAT_FIELDS = _HARMLESS | _SAMPLING | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-    "function_call", "parallel_tool_calls", "response_format", "audio", "modalities", "prediction", "reasoning_effort",
-    "web_search_options", "verbosity"}
+    "function_call", "parallel_tool_calls", "response_format", "audio", "modalities",
+    "prediction", "reasoning_effort", "web_search_options", "verbosity"}
 COMPLETION_FIELDS = _HARMLESS | _SAMPLING | {"prompt", "echo", "suffix", "best_of"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
@@ -94,11 +99,19 @@ def sampling_fields(body: dict) -> dict:
     return sampling
 
 
-def _check_fields(body: dict, known: set[str]) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise ApiError(400, f"unrecognized request argument: {unknown[0]}", param=unknown[0],
-                       code="unknown_parameter")
+def _unknown_fields(body: dict, known: set[str]) -> list[str]:
+    """Fields this server does not know (Ollama's keep_alive and options, another server's
+    extensions, a typo): ignored, and named in the reply's header and the log."""
+    return sorted(set(body) - known)
+
+
+def _type(body: dict, name: str, kinds: tuple, what: str) -> None:
+    """A 400 for a value of the wrong type, even in a field that is then ignored."""
+    v = body.get(name)
+    if v is not None and (not isinstance(v, kinds) or (isinstance(v, bool)
+                                                       and bool not in kinds)):
+        raise ApiError(400, f"{name} must be {what}, got {v!r}", param=name,
+                       code="invalid_type")
 
 
 def _common(body: dict, kind: str) -> GenRequest:
@@ -107,26 +120,32 @@ def _common(body: dict, kind: str) -> GenRequest:
     if model is not None and not isinstance(model, str):
         raise ApiError(400, f"model must be a string, got {model!r}", param="model",
                        code="invalid_type")
+    ignored: list[str] = []
+    _type(body, "n", (int,), "an integer")
     n = body.get("n")
     if n is not None and n != 1:
+        # Answering one choice where several were asked for would break a client that
+        # indexes them: refused, as llama.cpp's server does.
         raise _unsupported("n", "one choice per request (n = 1); send several requests")
     for name in ("presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None and v != 0:
-            raise _unsupported(name, "use repetition_penalty (an extension) instead")
+        _type(body, name, (int, float), "a number")
+        if body.get(name) not in (None, 0):
+            ignored.append(name)  # repetition_penalty (an extension) is the one honoured
+    _type(body, "logit_bias", (dict,), "an object of token id -> bias")
     if body.get("logit_bias"):
-        raise _unsupported("logit_bias", "not implemented")
+        ignored.append("logit_bias")
     stream = _bool(body, "stream")
     include_usage = False
     opts = body.get("stream_options")
     if opts is not None:
+        if not isinstance(opts, dict):
+            raise ApiError(400, 'stream_options must be an object ({"include_usage": '
+                                'true|false})', param="stream_options", code="invalid_type")
         if not stream:
-            raise ApiError(400, "stream_options is only allowed when stream is true",
-                           param="stream_options", code="invalid_value")
-        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-            raise ApiError(400, 'stream_options must be {"include_usage": true|false}',
-                           param="stream_options", code="invalid_value")
-        include_usage = _bool(opts, "include_usage")
+            ignored.append("stream_options")  # nothing to stream: no effect (OpenAI refuses)
+        else:
+            include_usage = _bool(opts, "include_usage")
+            ignored += [f"stream_options.{k}" for k in sorted(set(opts) - {"include_usage"})]
     stop = body.get("stop")
     if stop is None:
         stops = []
@@ -143,10 +162,17 @@ def _common(body: dict, kind: str) -> GenRequest:
     if any(s == "" for s in stops):
         raise ApiError(400, "stop: an empty stop string would match everywhere", param="stop",
                        code="invalid_value")
+    sampling = sampling_fields(body)
+    repeat = checked_field(body, "repeat_penalty", check_repetition_penalty)  # llama.cpp's name
+    if repeat is not None:
+        if sampling.get("repetition_penalty", repeat) != repeat:
+            raise ApiError(400, "repeat_penalty and repetition_penalty disagree: give one of "
+                                "them", param="repeat_penalty", code="invalid_value")
+        sampling["repetition_penalty"] = repeat
     return GenRequest(kind=kind, model=model,
                       max_tokens=checked_field(body, "max_tokens", check_max_tokens),
-                      sampling=sampling_fields(body), stop=stops, stream=stream,
-                      include_usage=include_usage)
+                      sampling=sampling, stop=stops, stream=stream,
+                      include_usage=include_usage, ignored=ignored)
 
 
 def _content(content, where: str) -> str:
@@ -173,25 +199,30 @@ def _content(content, where: str) -> str:
 
 def parse_chat(body: dict) -> GenRequest:
     """A /v1/chat/completions body, checked."""
-    _check_fields(body, CHAT_FIELDS)
+    unknown = _unknown_fields(body, CHAT_FIELDS)
     for name in ("functions", "function_call"):
         if body.get(name) is not None:
             raise _unsupported(name, "the deprecated functions API; send tools and tool_choice")
-    if body.get("logprobs") or body.get("top_logprobs") is not None:
-        raise _unsupported("logprobs" if body.get("logprobs") else "top_logprobs",
-                           "log-probabilities are not returned")
+    _type(body, "logprobs", (bool,), "true or false")
+    _type(body, "top_logprobs", (int,), "an integer")
+    _type(body, "response_format", (dict,), 'an object ({"type": ...})')
     fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _unsupported("response_format", "only {\"type\": \"text\"}")
-    for name in ("audio", "prediction", "web_search_options"):
-        if body.get(name) is not None:
-            raise _unsupported(name, "not implemented")
-    if body.get("modalities") not in (None, ["text"]):
+    if fmt is not None and not isinstance(fmt.get("type"), str):
+        raise ApiError(400, 'response_format must be {"type": "text" | "json_object" | '
+                            '"json_schema", ...}', param="response_format", code="invalid_value")
+    if body.get("audio") is not None:
+        raise _unsupported("audio", "no audio output (this model writes text)")
+    modalities = body.get("modalities")
+    if modalities is not None and (not isinstance(modalities, list)
+                                   or not set(modalities) <= {"text"}):
         raise _unsupported("modalities", 'text only (["text"])')
-    for name in ("reasoning_effort", "verbosity"):
-        if body.get(name) is not None:
-            raise _unsupported(name, "this model has no such setting")
     req = _common(body, "chat")
+    ignored = [name for name in ("logprobs", "top_logprobs", "prediction", "web_search_options",
+                                 "reasoning_effort", "verbosity")
+               if body.get(name) not in (None, False)]
+    if fmt is not None and fmt.get("type") != "text":
+        ignored.append("response_format")  # replies are not constrained to JSON here
+    req.ignored = sorted(set(req.ignored + ignored + unknown))
     mct = checked_field(body, "max_completion_tokens", check_max_tokens)
     if mct is not None:
         if req.max_tokens is not None and req.max_tokens != mct:
@@ -210,6 +241,9 @@ def parse_chat(body: dict) -> GenRequest:
         out.append(_chat_message(m, f"messages[{i}]"))
     req.messages = out
     req.tools, req.tool_choice, req.tool_name = chat_tools(body)
+    if any(isinstance(t, dict) and isinstance(t.get("function"), dict)
+           and t["function"].get("strict") for t in body.get("tools") or []):
+        req.ignored = sorted(set(req.ignored) | {"tools.function.strict"})
     req.parallel_tool_calls = body.get("parallel_tool_calls") is not False
     if body.get("parallel_tool_calls") not in (None, True, False):
         raise ApiError(400, "parallel_tool_calls must be true or false",
@@ -345,10 +379,11 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
             if extra:
                 raise ApiError(400, f"{where}.function: unrecognized field {extra[0]}",
                                param=f"{where}.function.{extra[0]}", code="unknown_parameter")
-            if f.get("strict"):
-                raise _unsupported(f"{where}.function.strict",
-                                   "decoding is not constrained to the schema here, so strict "
-                                   "adherence cannot be promised; leave strict out or false")
+            if f.get("strict") is not None and not isinstance(f["strict"], bool):
+                raise ApiError(400, f"{where}.function.strict must be true or false",
+                               param=f"{where}.function.strict", code="invalid_type")
+            # strict: decoding is not constrained to the schema here; the call is parsed and
+            # checked as any other (parse_chat names strict among the ignored fields).
             tools.append(function_tool(f.get("name"), f.get("description"),
                                        f.get("parameters"), f"{where}.function"))
         names = [t["function"]["name"] for t in tools]
@@ -385,9 +420,8 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
 def parse_completion(body: dict) -> GenRequest:
     """A /v1/completions body, checked. The prompt is a string, or token ids, or a list holding
     one of them (several prompts would be several choices: refused like n > 1)."""
-    _check_fields(body, COMPLETION_FIELDS)
-    if body.get("logprobs") not in (None, 0):
-        raise _unsupported("logprobs", "log-probabilities are not returned")
+    unknown = _unknown_fields(body, COMPLETION_FIELDS)
+    _type(body, "logprobs", (int,), "an integer")
     if _bool(body, "echo"):
         raise _unsupported("echo", "the prompt is not echoed")
     if body.get("suffix") is not None:
@@ -395,6 +429,8 @@ def parse_completion(body: dict) -> GenRequest:
     if body.get("best_of") not in (None, 1):
         raise _unsupported("best_of", "one candidate per request")
     req = _common(body, "completion")
+    logprobs = ["logprobs"] if body.get("logprobs") not in (None, 0) else []
+    req.ignored = sorted(set(req.ignored + logprobs + unknown))
     if "prompt" not in body or body["prompt"] is None:
         raise ApiError(400, "prompt is required", param="prompt", code="missing_required")
     prompt = body["prompt"]

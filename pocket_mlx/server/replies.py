@@ -22,6 +22,7 @@ from pocket_mlx.server.streaming import collect, sse
 from pocket_mlx.server.tools import CallSplitter, ToolCall, splitter_for
 
 TOOLS_OMITTED = "X-Pocket-Tools-Omitted"  # header: how many tools the prompt left out
+FIELDS_IGNORED = "X-Pocket-Fields-Ignored"  # header: request fields left out (not honoured)
 
 # The whole reply as the API's JSON object: (text, tool calls, closing event) -> body.
 Full = Callable[[str, list[ToolCall], Done], dict]
@@ -103,17 +104,27 @@ def where(request: Request, req: GenRequest) -> str:
 
 
 def omitted(request: Request, req: GenRequest) -> dict[str, str]:
-    """The reply's extra headers: the tools left out of the prompt (the template renders
-    none, tool_choice was auto), also logged, so the client can tell why none was called."""
+    """The reply's extra headers, each also logged: request fields left out (features this
+    server or model lacks), and the tools left out of the prompt (the template renders none,
+    tool_choice was auto), so the client can tell why none was called."""
+    out = {}
+    if req.ignored:  # fields for features this server or model lacks (server/openai.py)
+        fields = ",".join(ascii(f)[1:-1].replace(",", "%2C") for f in req.ignored)
+        log(
+            request,
+            f"{where(request, req)}: fields this server does not honour were ignored: "
+            f"{one_line(fields)}",
+        )
+        out[FIELDS_IGNORED] = fields
     if not req.tools_omitted:
-        return {}
+        return out
     tools = ", ".join(t["function"]["name"] for t in req.tools or [])
     log(
         request,
         f"{where(request, req)}: this model's chat template renders no tools; "
         f"answered without the {len(req.tools or [])} tool(s) sent ({one_line(tools)})",
     )
-    return {TOOLS_OMITTED: str(len(req.tools or []))}
+    return {**out, TOOLS_OMITTED: str(len(req.tools or []))}
 
 
 def log_calls(request: Request, split: CallSplitter | None, where: str) -> None:

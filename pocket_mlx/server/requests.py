@@ -74,3 +74,6 @@ class GenRequest:
     # Set when the prompt is encoded (server/tools.py `message_boundaries`): prompt positions
     # at the end of an earlier message, where prefill stores a reusable snapshot.
     boundaries: list[int] = field(default_factory=list)
+    # Fields left out because this server or model lacks the feature (server/openai.py's
+    # docstring): named in the reply's X-Pocket-Fields-Ignored header and the log.
+    ignored: list[str] = field(default_factory=list)

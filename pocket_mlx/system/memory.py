@@ -97,3 +97,28 @@ def wired_limit_status(platform=None) -> str | None:
     if raw == 0:
         return f"wired default ({key.name})"
     return f"wired {size(key.to_mb(raw) * MiB)} ({key.name})"
+
+
+def _libc_trim() -> Callable[[], object] | None:
+    """glibc's malloc_trim, or None (macOS, musl: nothing to call)."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: fn(0)
+
+
+_TRIM = _libc_trim()
+
+
+def release_free_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc: `malloc_trim(0)`; elsewhere nothing).
+    Why: on Linux, MLX's CPU buffers and the extension's scratch come from malloc, whose
+    per-thread arenas keep freed chunks mapped, so a long prefill's transient buffers (tens of
+    MiB per node, a chunk at a time) would stay in the server's RSS beyond what the memory
+    planner counts (live arrays). Called by `serve` after each prefill chunk; a few ms."""
+    if _TRIM is not None:
+        _TRIM()

@@ -254,20 +254,37 @@ def kv_cache_bytes(config: dict, context: int | None = None,
     return KVEstimate(ctx, full, linear, full_bytes, linear_bytes, act)
 
 
+def serve_ram_bytes(config: dict, context: int, weight_bytes: int,
+                    act_bytes: int | None = None, prompt_cache_bytes: int = 0) -> int:
+    """What `serve` holds with one sequence at a full `context`: the weights, its cache (KV and
+    linear state), and, with the prompt cache on (`prompt_cache_bytes`, its RAM budget, > 0),
+    the larger of that budget and one snapshot of a full window (a copy of that cache): the
+    store spills colder entries before it copies a snapshot (engine/prompt_cache.py), and one
+    larger than the budget is written to disk and dropped after. Measured on the 35B shape
+    (scripts/bench_serve.py --parts l, docs/SERVE.md)."""
+    kv = kv_cache_bytes(config, context, act_bytes).total
+    return weight_bytes + kv + (max(prompt_cache_bytes, kv) if prompt_cache_bytes > 0 else 0)
+
+
 def fitting_context(config: dict, weight_bytes: int, total_ram: int | None,
-                    act_bytes: int | None = None) -> int | None:
+                    act_bytes: int | None = None, prompt_cache_bytes: int = 0) -> int | None:
     """The longest window whose KV cache (one sequence's, as `info` sizes it) fits beside the
-    weights in usable RAM (total less the default reserve, the `fits` test of `info`): the
-    window `serve` offers when no --ctx-size is given, so that a full window cannot swap.
-    None when RAM is unknown or the cache does not grow with the window (no full attention);
-    0 when the weights alone leave no room."""
+    weights in usable RAM (total less the default reserve, the `fits` test of `info`), with
+    the prompt cache's share when it is on (`serve_ram_bytes`): the window `serve` offers
+    when no --ctx-size is given, so that a full window cannot swap. None when RAM is unknown
+    or the cache does not grow with the window (no full attention); 0 when the weights alone
+    leave no room."""
     if not total_ram:
         return None
     one = kv_cache_bytes(config, 1, act_bytes)
     if one.full_bytes == 0:
         return None
     room = total_ram - default_reserve_bytes(total_ram) - weight_bytes - one.linear_bytes
-    return max(0, room // one.full_bytes)
+    fit = room // one.full_bytes
+    if prompt_cache_bytes > 0:  # the budget beside the cache, and a snapshot as large as it
+        fit = min((room - prompt_cache_bytes) // one.full_bytes,
+                  (room - one.linear_bytes) // (2 * one.full_bytes))
+    return max(0, fit)
 
 
 # The planner never shrinks the window below this (or the model's own, if smaller): where the
@@ -276,10 +293,10 @@ MIN_PLANNED_CONTEXT = 2048
 
 
 def planned_context(config: dict, own: int, weight_bytes: int, total_ram: int | None,
-                    act_bytes: int | None = None) -> int:
+                    act_bytes: int | None = None, prompt_cache_bytes: int = 0) -> int:
     """The window `serve` offers without --ctx-size (and `info` reports): the model's own,
     capped by `fitting_context`, never below MIN_PLANNED_CONTEXT (or the model's own)."""
-    fit = fitting_context(config, weight_bytes, total_ram, act_bytes)
+    fit = fitting_context(config, weight_bytes, total_ram, act_bytes, prompt_cache_bytes)
     if fit is None or fit >= own:
         return own
     return max(fit, min(own, MIN_PLANNED_CONTEXT))

@@ -1,0 +1,388 @@
+"""Batched decoding of N sequences on one thread (continuous batching), for `pocket-mlx serve`.
+
+The shape is mlx-lm's `BatchGenerator`: `insert` a prompt (with its cache, sampling and
+stops) and get a uid back, call `step()` to advance every sequence and get per-sequence
+events (`Prefilled`, `Token`, `Finished`, `Failed`), `remove` uids to end them early. The caller (the
+server's worker, server/engine.py) keeps admission, queueing and what the events mean to a
+client; nothing here knows HTTP.
+
+Each `step()` (1) runs one prefill chunk of the oldest sequence still prefilling (so a long
+prompt delays the others by a chunk per step, never by its whole prefill), then its first
+token alone, exactly as `generate` does, and (2) runs ONE decode step for every sequence past
+its first token: one forward of [B, 1] tokens (models/batched.py), in which every weight
+matrix is read once for all B. Sequences join after their first token and leave when they
+finish, between steps. Each keeps its own sampling parameters, repetition history and random
+key (`seed`), so its tokens are those it would get alone: greedy outputs equal sequential runs
+bit for bit (tests/test_batched.py, tests/test_server_batch.py).
+
+Decoding is pipelined as in `generation.generate_step`: the next step is queued from the
+still-lazy sampled tokens before they are read, so building a step's graph in Python overlaps
+the previous step's compute.
+
+Prompt-cache snapshots: prefill ends a chunk at each snapshot point
+(engine/snapshot_points.py) and hands the cache to `store` there; a finished sequence's cache
+is stored too (before its `Finished` event, so the client's next turn finds it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from pocket_mlx.engine.generation import SamplingParams, StopText, cache_arrays
+from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP
+from pocket_mlx.engine.sampling import processors_for, sample, sampler_for
+from pocket_mlx.engine.snapshot_points import chunk_size, snapshot_points
+from pocket_mlx.models.batched import DecodeBatch
+from pocket_mlx.system.memory import release_free_memory
+
+
+class SnapshotStore(Protocol):
+    """Where caches go: the prompt cache's `store` (engine/prompt_cache.py)."""
+
+    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None: ...
+
+
+@dataclass
+class Prefilled:
+    """A prefill chunk (or the prompt's last token, fed alone) of `tokens` took `seconds`;
+    `done` of the prompt's `total` tokens are in the cache now (`cached` of them came from the
+    prompt cache), `wall_s` after the sequence was inserted."""
+
+    uid: int
+    tokens: int
+    seconds: float
+    done: int
+    total: int
+    cached: int
+    wall_s: float
+
+
+@dataclass
+class Token:
+    """A reply token was read (EOS excepted): its text safe to show (may be empty, held back
+    for a stop string) and the seconds since the sequence was inserted (the first token) or
+    since its previous token."""
+
+    uid: int
+    text: str
+    seconds: float
+    first: bool
+
+
+@dataclass
+class Finished:
+    """A sequence ended (and left the batch): why, the text held back till now, its counts."""
+
+    uid: int
+    reason: str  # eos | stop | length | context | cancelled
+    text: str  # the held-back tail (empty after a stop string)
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    stop_string: str | None
+    tps: float  # decode tokens per second after the first
+    seconds: float  # since it was inserted
+
+
+@dataclass
+class Failed:
+    """A sequence's step raised: it left the batch, nothing of it is stored."""
+
+    uid: int
+    error: Exception
+
+
+Event = Prefilled | Token | Finished | Failed
+
+
+class _Seq:
+    """One sequence: its cache, sampling state and reply so far."""
+
+    def __init__(self, uid: int, ids: list[int], cache: list, n_cached: int,
+                 sampling: SamplingParams, max_tokens: int | None, room: int, tokenizer,
+                 stop: Sequence[str], boundaries: Sequence[int],
+                 cancelled: Callable[[], bool]) -> None:
+        self.uid, self.ids, self.cache, self.n_cached = uid, ids, cache, n_cached
+        self.cancelled = cancelled
+        self.rest = mx.array(ids[n_cached:], mx.uint32)  # prompt tokens not yet fed
+        self.fed: list[int] | None = list(ids[n_cached:])  # what the cache consumed
+        # Each sequence draws from its own key, as `generate --seed` draws from a freshly seeded
+        # global one: the same seed gives the same tokens alone or batched. Greedy draws nothing.
+        self.sampler = sampler_for(sampling, own_key=True)
+        self.processors = processors_for(sampling)
+        self.keep = sampling.repetition_context
+        self.history = mx.array(ids[n_cached:][-self.keep:], mx.uint32)
+        self.max_tokens = max_tokens  # None: no cap but the window (agents send none)
+        self.limit = room if max_tokens is None else min(max_tokens, room)  # may be sampled
+        self.text = StopText(tokenizer, [s for s in stop if s])
+        self.eos = set(tokenizer.eos_token_ids)
+        self.read = 0  # sampled tokens read so far (an EOS included)
+        self.n = 0  # reply tokens (no EOS)
+        self.unread: mx.array | None = None  # sampled, not yet read
+        self.next: mx.array | None = None  # sampled in the step just queued
+        self.fed_now = False  # `unread` was fed to the step just queued
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_prev = 0.0
+        self.prefilled = 0  # prompt tokens fed so far (past the cached prefix)
+        self.prefill_s = 0.0  # engine time in this prompt's chunks
+        # Positions past the cached prefix where prefill stops a chunk and stores a snapshot.
+        self.points = deque(snapshot_points(len(ids), boundaries, n_cached))
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """The next token [1] from logits [1, vocab] (lazy), as `generate_step` samples."""
+        return sample(logits, self.sampler, self.processors, self.history)[0]
+
+
+class BatchDecoder:
+    """The sequences being generated together on the calling thread (the model's owner)."""
+
+    def __init__(self, model, tokenizer, *, stream: mx.Stream, store: SnapshotStore,
+                 prefill_step: int = DEFAULT_PREFILL_STEP,
+                 log: Callable[[str], object] = lambda line: None) -> None:
+        self.model, self.tokenizer, self.stream = model, tokenizer, stream
+        self.store, self.prefill_step, self.log = store, prefill_step, log
+        self.prefilling: deque[_Seq] = deque()  # in arrival order; the first one prefills
+        self.decoding: list[_Seq] = []  # past their first token
+        self.batch = DecodeBatch(model)
+        self._uids = itertools.count()
+        self.prefill_s: float | None = None  # the last step's prefill time (None: no prefill)
+        self.batch_size = 0  # sequences in the last step's decode forward
+
+    def __len__(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    def pending(self) -> tuple[int, int]:
+        """(prompts still prefilling, their tokens left to prefill)."""
+        return len(self.prefilling), sum(int(s.rest.size) for s in self.prefilling)
+
+    def insert(self, ids: list[int], *, cache: list, n_cached: int, sampling: SamplingParams,
+               max_tokens: int | None, room: int, stop: Sequence[str] = (),
+               boundaries: Sequence[int] = (),
+               cancelled: Callable[[], bool] = lambda: False) -> int:
+        """Queue a prompt whose first `n_cached` tokens `cache` already holds; returns its uid.
+        At most `max_tokens` reply tokens (None: no cap) and `room` (what the window leaves);
+        `cancelled()` is checked after every prefill chunk and every token."""
+        uid = next(self._uids)
+        self.prefilling.append(_Seq(uid, ids, cache, n_cached, sampling, max_tokens, room,
+                                    self.tokenizer, stop, boundaries, cancelled))
+        return uid
+
+    def remove(self, uids: Iterable[int]) -> list[Finished]:
+        """End these sequences now, as cancelled (a decoding one's cache is still stored)."""
+        wanted, out = set(uids), []
+        for s in [s for s in self.prefilling if s.uid in wanted]:
+            self.prefilling.remove(s)
+            s.fed = None  # the cache is part-way: never stored
+            out.append(self._finish(s, "cancelled"))
+        for s in [s for s in self.decoding if s.uid in wanted]:
+            self.decoding.remove(s)
+            # Its last queued step is not read: the cache holds it, `fed` does not say so.
+            if s.fed_now:
+                s.fed.append(s.unread.item())
+            out.append(self._finish(s, "cancelled"))
+        return out
+
+    def step(self) -> list[Event]:
+        """One prefill chunk (of the oldest prefilling sequence) and one decode step of all
+        the others; the events of the tokens read, in sequence order."""
+        events: list[Event] = []
+        self.prefill_s, self.batch_size = None, 0
+        self._prefill_one(events)
+        self._decode_all(events)
+        self._read(events)
+        return events
+
+    # ---- the parts of a step -----------------------------------------------------------------
+    def _prefill_one(self, events: list[Event]) -> None:
+        """Cancelled prefills leave; the oldest one runs one chunk, or its first token (then
+        it joins the decoding ones)."""
+        for s in [s for s in self.prefilling if s.cancelled()]:
+            self.prefilling.remove(s)
+            s.fed = None  # the cache is part-way: never stored
+            events.append(self._finish(s, "cancelled"))
+        if not self.prefilling:
+            return
+        s = self.prefilling[0]
+        try:
+            with mx.stream(self.stream):
+                # The step in flight first, so the time below is the prefill's alone
+                # (/metrics' prefill_seconds_total: decode time = the rest).
+                mx.eval([d.unread for d in self.decoding])
+                t = time.perf_counter()
+                ready = self._prefill(s, events)
+                self.prefill_s = time.perf_counter() - t
+        except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
+            self.prefilling.popleft()
+            events.append(Failed(s.uid, e))
+            return
+        if ready:
+            self.prefilling.popleft()
+            self.decoding.append(s)
+
+    def _prefill(self, s: _Seq, events: list[Event]) -> bool:
+        """One chunk of `s`'s prompt into its cache (all but the last token, as
+        `generate_step`), or, once only the last is left, that token alone: its first sampled
+        token is then queued and True returned (it joins the batch). A chunk ends at the next
+        snapshot point, where the cache is stored (no extra pass: the chunk was due anyway)."""
+        if s.rest.size > 1:
+            pos = len(s.ids) - s.rest.size
+            n = chunk_size(pos, s.rest.size - 1, self.prefill_step,
+                           s.points[0][0] if s.points else None)
+            t = time.perf_counter()
+            self.model(s.rest[:n][None], cache=s.cache)
+            mx.eval([a for c in s.cache for a in cache_arrays(c)])
+            s.rest = s.rest[n:]
+            if s.points and s.points[0][0] == pos + n:
+                _, kind = s.points.popleft()
+                self._store(s.ids[:pos + n], s.cache, kind)  # a snapshot is an optimisation
+            release_free_memory()  # the chunk's scratch, not kept mapped (system/memory.py)
+            # The chunk's time as the other streams wait for it: its snapshot (a copy, maybe
+            # a spill to disk) included.
+            events.append(self._prefilled(s, n, time.perf_counter() - t))
+            return False
+        t = time.perf_counter()
+        logits = self.model(s.rest[None], cache=s.cache)[:, -1, :]
+        s.unread = s.sample(logits)
+        mx.eval(s.unread)
+        events.append(self._prefilled(s, int(s.rest.size), time.perf_counter() - t))
+        return True
+
+    @staticmethod
+    def _prefilled(s: _Seq, n: int, seconds: float) -> Prefilled:
+        s.prefilled += n
+        s.prefill_s += seconds
+        return Prefilled(s.uid, n, seconds, s.n_cached + s.prefilled, len(s.ids), s.n_cached,
+                         time.perf_counter() - s.t0)
+
+    def _decode_all(self, events: list[Event]) -> None:
+        """One decode step for every sequence that needs another token (pipelined: from the
+        tokens sampled last step, not yet read). A failed step fails its sequences."""
+        feed = [s for s in self.decoding if s.read + 1 < s.limit]
+        try:
+            with mx.stream(self.stream):
+                members = self.batch.set_members(feed)
+                if members:
+                    for s in members:
+                        if s.processors:
+                            s.history = mx.concatenate(
+                                [s.history, s.unread.astype(mx.uint32)])[-s.keep:]
+                    logits = self.batch.step(mx.concatenate(
+                        [s.unread.astype(mx.uint32) for s in members]))
+                    for i, s in enumerate(members):
+                        s.next, s.fed_now = s.sample(logits[i:i + 1]), True
+                    mx.async_eval([s.next for s in members])
+                    self.batch_size = len(members)
+        except Exception as e:  # noqa: BLE001 - the step failed: so do its sequences
+            events.extend(Failed(s.uid, e) for s in self.decoding)
+            self.decoding, self.batch = [], DecodeBatch(self.model)
+
+    def _read(self, events: list[Event]) -> None:
+        """Read what the previous step sampled; finished sequences leave."""
+        for s in list(self.decoding):
+            try:
+                reason = self._take(s, s.unread.item(), events)
+                if reason is not None:
+                    self.decoding.remove(s)
+                    events.append(self._finish(s, reason))
+                    continue
+            except Exception as e:  # noqa: BLE001
+                self.decoding.remove(s)
+                if s.fed_now:
+                    self.batch.release(s)
+                events.append(Failed(s.uid, e))
+                continue
+            s.unread, s.next, s.fed_now = s.next, None, False
+
+    def _take(self, s: _Seq, token: int, events: list[Event]) -> str | None:
+        """Account for `s`'s next sampled token (its text as a `Token`); the finish reason when
+        this token ends the reply (as `stream_generate` decides), else None."""
+        s.read += 1
+        if s.fed_now:
+            s.fed.append(token)
+        if token in s.eos:
+            return "eos"
+        now = time.perf_counter()
+        first = s.t_first is None
+        if first:
+            s.t_first = now
+        piece, stopped = s.text.add(token)
+        events.append(Token(s.uid, piece, now - (s.t0 if first else s.t_prev), first))
+        s.t_prev = now
+        s.n += 1
+        if stopped:
+            return "stop"
+        if s.read >= s.limit:
+            capped = s.max_tokens is not None and s.n >= s.max_tokens
+            return "length" if capped else "context"
+        if s.cancelled():
+            return "cancelled"
+        return None
+
+    def _finish(self, s: _Seq, reason: str) -> Finished:
+        """Close `s`: the held-back text, its cache into the store (before the caller hears
+        the end, so a next turn finds it)."""
+        tail = s.text.flush() if reason != "stop" and s.fed is not None else ""
+        tps = (s.n - 1) / (time.perf_counter() - s.t_first) if s.n > 1 else 0.0
+        # fed is None only when the cache was left part-way (cancelled in prefill); a reply
+        # cancelled while decoding still leaves a cache worth keeping for a retry.
+        if s.fed is not None:
+            if s.fed_now:
+                self.batch.release(s)  # its linear states, this last step included
+            # The reply is complete: a cache that could not be kept costs a later prefill,
+            # not this answer.
+            self._store(s.ids[:s.n_cached] + s.fed, s.cache, "end")
+        return Finished(s.uid, reason, tail, len(s.ids), s.n, s.n_cached,
+                        s.text.hit if reason == "stop" else None, tps,
+                        time.perf_counter() - s.t0)
+
+    def _store(self, tokens: list[int], cache: list, kind: str) -> None:
+        store_cache(self.store, tokens, cache, kind, self.log)
+
+
+def store_cache(store: SnapshotStore, tokens: list[int], cache: list, kind: str,
+                log: Callable[[str], object]) -> None:
+    """`store.store(...)`, a failure logged: keeping a cache is an optimisation, a reply that
+    is complete does not fail for it (it costs a later prefill)."""
+    try:
+        store.store(tokens, cache, kind=kind)
+    except Exception as e:  # noqa: BLE001
+        log(f"pocket-mlx serve: prompt cache: not stored: {type(e).__name__}: "
+            f"{' '.join(str(e).split())}")
+
+
+def decode_lockstep(lockstep, model, tokenizer, ids: list[int], *, uid: int, cache: list,
+                    n_cached: int, sampling: SamplingParams, max_tokens: int,
+                    stop: Sequence[str] | None, device: str, cancelled: Callable[[], bool],
+                    store: SnapshotStore,
+                    log: Callable[[str], object]) -> Iterator[Token | Finished]:
+    """One sequence generated on every rank at once (`serve --distributed`, where every
+    forward is collective, so the ranks run one request at a time): `Lockstep.stream_generate`'s
+    responses as this module's events, so the server handles both paths alike."""
+    t0 = time.perf_counter()
+    last, t_token, tail = None, None, ""
+    for r in lockstep.stream_generate(model, tokenizer, ids[n_cached:], cache=cache,
+                                      max_tokens=max_tokens, sampling=sampling, stop=stop,
+                                      device=device, should_stop=cancelled, warn=log):
+        last = r
+        if r.token is None:  # the text held back, at the end
+            tail += r.text
+            continue
+        now = time.perf_counter()
+        first = t_token is None
+        yield Token(uid, r.text, r.stats.ttft_s if first else now - t_token, first)
+        t_token = now
+    stats = last.stats
+    # fed_tokens is None only when the cache was left part-way (cancelled in prefill); a
+    # reply cancelled while decoding still leaves a cache worth keeping for a retry.
+    if last.fed_tokens is not None:
+        store_cache(store, ids[:n_cached] + last.fed_tokens, cache, "end", log)
+    yield Finished(uid, stats.finish_reason, tail, len(ids), stats.generation_tokens, n_cached,
+                   stats.stop_string, stats.generation_tps, time.perf_counter() - t0)
