@@ -512,6 +512,13 @@ def test_api_key_and_cors(tmp_path):
         status, _, err = s.request("POST", "/v1/messages", msg, headers={"x-api-key": "nope"})
         assert status == 401 and err["error"]["type"] == "authentication_error"
         assert s.request("POST", "/v1/messages", msg, headers={"x-api-key": key})[0] == 200
+        # The key is checked per route: an unknown path or a wrong method answers as it would
+        # without a key, and each 401 counts under its own route in /metrics.
+        assert s.request("GET", "/no-such-path")[0] == 404
+        assert s.request("GET", CHAT)[0] == 405
+        _, _, m = s.request("GET", "/metrics", headers={"x-api-key": key})
+        for route, n in (("/v1/models", 3), ("/metrics", 1), (CHAT, 1), ("/v1/messages", 1)):
+            assert f'requests_total{{endpoint="{route}",status="401"}} {n}\n' in m["text"]
         status, h, _ = s.request("GET", "/v1/models", headers={
             "Authorization": f"Bearer {key}", "Origin": "http://localhost:3000"})
         assert status == 200 and h["access-control-allow-origin"] == "http://localhost:3000"
@@ -570,7 +577,7 @@ def test_engine_uses_a_plugged_prompt_cache():
     import asyncio
 
     from pocket_mlx.server.engine import Done, Engine, Piece, Started
-    from pocket_mlx.server.openai import GenRequest
+    from pocket_mlx.server.requests import GenRequest
 
     store = OnePrefixCache()
     engine = Engine(None, "cpu", max_queue=0, prompt_cache=store)

@@ -23,12 +23,11 @@ from pocket_mlx.engine.params import (
 )
 from pocket_mlx.server.openai import (
     MAX_STOPS,
-    ApiError,
-    GenRequest,
     checked_field,
     function_tool,
     sampling_fields,
 )
+from pocket_mlx.server.requests import ApiError, GenRequest
 
 # Accepted and without effect here: who is calling, where Anthropic would run it, and
 # `cache_control`, a hint to cache the prompt (this server's cache needs no hint).

@@ -62,8 +62,8 @@ from pocket_mlx.server.jobs import (
     Started,
 )
 from pocket_mlx.server.metrics import Metrics
-from pocket_mlx.server.openai import ApiError, GenRequest
 from pocket_mlx.server.prompts import encode_request
+from pocket_mlx.server.requests import ApiError, GenRequest
 from pocket_mlx.system.host import total_ram_bytes
 from pocket_mlx.system.memory import release_free_memory, wired_limit
 from pocket_mlx.system.wired import planned_context, serve_ram_bytes

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pocket_mlx.server.openai import ApiError, GenRequest
+from pocket_mlx.server.requests import ApiError, GenRequest
 
 
 class PromptCache(Protocol):

@@ -1,4 +1,5 @@
-"""The OpenAI wire format: request bodies checked into a `GenRequest`, and the response shapes.
+"""The OpenAI wire format: request bodies checked into a `GenRequest` (server/requests.py), and
+the response shapes.
 
 Every field a request may carry is named here, and each is honoured, accepted without effect
 (who the caller is, what OpenAI would store), or ignored and said: an optional feature this
@@ -20,8 +21,6 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from pocket_mlx.engine.params import (
     check_max_tokens,
@@ -32,6 +31,7 @@ from pocket_mlx.engine.params import (
     check_top_k,
     check_top_p,
 )
+from pocket_mlx.server.requests import ApiError, GenRequest
 
 # OpenAI's defaults when a request leaves them out (temperature 1 and top_p 1 are the documented
 # defaults of both endpoints); the reply cap is the server's --max-tokens.
@@ -57,56 +57,6 @@ TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 # Fields of an assistant message that clients echo back from a response (the openai SDK's
 # `message.model_dump()`): accepted when empty.
 _ECHOED_EMPTY = {"refusal", "audio", "function_call", "annotations", "reasoning_content"}
-
-
-class ApiError(Exception):
-    """A request the server refuses: HTTP status plus OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status, message, param, code, type)
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-@dataclass
-class GenRequest:
-    """One checked generation request, independent of the endpoint it came from."""
-
-    kind: str  # "chat" | "completion"
-    model: str | None
-    messages: list[dict] | None = None  # chat: [{"role", "content": str}]
-    prompt: str | list[int] | None = None  # completion: text (no template) or token ids
-    max_tokens: int | None = None  # None: the server's default
-    sampling: dict = field(default_factory=dict)  # SamplingParams keywords
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    # Tools (chat only): OpenAI-shaped function definitions, as the chat template receives
-    # them; tool_choice is auto | none | required | function (then tool_name names it).
-    tools: list[dict] | None = None
-    tool_choice: str = "none"
-    tool_name: str | None = None
-    parallel_tool_calls: bool = True
-    # Set when the prompt is rendered (server/tools.py `render_chat`): the model's tool-call
-    # format (None: replies are plain text) and the text the reply is forced to start with.
-    tool_format: Any = None
-    reply_prefix: str = ""
-    # Set by `render_chat` when the template renders no tools and tool_choice was auto: the
-    # tools were left out of the prompt (the reply says so in X-Pocket-Tools-Omitted).
-    tools_omitted: bool = False
-    # Set when the prompt is encoded (server/tools.py `message_boundaries`): prompt positions
-    # at the end of an earlier message, where prefill stores a reusable snapshot.
-    boundaries: list[int] = field(default_factory=list)
-    # Fields left out because this server or model lacks the feature (the module docstring):
-    # named in the reply's X-Pocket-Fields-Ignored header and the log.
-    ignored: list[str] = field(default_factory=list)
 
 
 def _unsupported(name: str, why: str) -> ApiError:

@@ -43,8 +43,8 @@ def content_policy(html: bytes) -> str:
     )
 
 
-def routes(guarded: Callable[..., Callable]) -> list[Route]:
-    """GET / and /chat, outside the API key (`guarded(..., auth=False)`) like /health."""
+def routes(public: Callable[[str, Callable, str], Route]) -> list[Route]:
+    """GET / and /chat, made by `public` (app.py): outside the API key like /health."""
     html = page_bytes()
     headers = {
         "Content-Security-Policy": content_policy(html),
@@ -56,4 +56,4 @@ def routes(guarded: Callable[..., Callable]) -> list[Route]:
     async def page(request: Request) -> Response:
         return Response(html, media_type="text/html; charset=utf-8", headers=headers)
 
-    return [Route(p, guarded(page, auth=False), methods=["GET"]) for p in PATHS]
+    return [public(p, page, "GET") for p in PATHS]

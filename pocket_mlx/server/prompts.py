@@ -5,7 +5,7 @@ thread (it only reads the tokenizer), and the 400s a prompt can earn before it i
 from __future__ import annotations
 
 from pocket_mlx.errors import PocketError
-from pocket_mlx.server.openai import ApiError, GenRequest
+from pocket_mlx.server.requests import ApiError, GenRequest
 from pocket_mlx.server.tools import message_boundaries, render_chat
 
 

@@ -30,7 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from pocket_mlx.engine import snapshot_points
-from pocket_mlx.server.openai import ApiError, GenRequest
+from pocket_mlx.server.requests import ApiError, GenRequest
 
 # (marker test on the template, mlx-lm parser module), in `_infer_tool_parser`'s order.
 _FORMATS: tuple[tuple[tuple[str, ...], str], ...] = (

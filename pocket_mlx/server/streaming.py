@@ -1,0 +1,107 @@
+"""A job's events as the HTTP side reads them: whole (`collect`) or as server-sent events.
+
+Why in one place: both APIs read a job the same two ways, and both ways must cancel the job
+when the client goes away, or the engine goes on decoding for nobody. A stream learns it from
+Starlette, which cancels the response's iteration (`events`); a plain request has to ask,
+every `DISCONNECT_POLL_S` (`collect`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from pocket_mlx.server.engine import Done, Failed, Job, Piece, Started
+from pocket_mlx.server.state import log, one_line
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+
+
+def done_line(where: str, ev: Done, t0: float) -> str:
+    return (
+        f"200 {where}: {ev.prompt_tokens} prompt tokens ({ev.cached_tokens} cached), "
+        f"{ev.completion_tokens} completion tokens, {ev.finish_reason}, "
+        f"{time.perf_counter() - t0:.2f} s"
+    )
+
+
+async def collect(request: Request, job: Job, where: str) -> tuple[str, Done] | None:
+    """The whole reply and its closing event; None when the client went away first."""
+    t0 = time.perf_counter()
+    pieces: list[str] = []
+    finished = False
+    checked = time.perf_counter()
+    try:
+        while True:
+            try:
+                ev = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:  # not TimeoutError before Python 3.11
+                ev = None
+            # Checked by the clock: while tokens flow, the wait above never times out.
+            if time.perf_counter() - checked >= DISCONNECT_POLL_S:
+                checked = time.perf_counter()
+                if await request.is_disconnected():
+                    log(request, f"{where}: the client went away; stopped")
+                    return None
+            if isinstance(ev, Piece):
+                pieces.append(ev.text)
+            elif isinstance(ev, Failed):
+                finished = True
+                raise ev.error
+            elif isinstance(ev, Done):
+                finished = True
+                log(request, done_line(where, ev, t0))
+                return "".join(pieces), ev
+    finally:
+        if not finished:
+            job.cancel()
+
+
+async def events(
+    request: Request, job: Job, where: str
+) -> AsyncIterator[Started | Piece | Done | Failed]:
+    """The job's events up to its end, for a stream. When the client disconnects, Starlette
+    cancels the response's iteration at its `await`: `finally` then cancels the job, which
+    stops within one token."""
+    t0 = time.perf_counter()
+    finished = False
+    try:
+        while True:
+            ev = await job.events.get()
+            if isinstance(ev, Failed):
+                finished = True
+                log(request, f"{ev.error.status} {where}: {one_line(ev.error.message)}")
+            elif isinstance(ev, Done):
+                finished = True
+                log(request, done_line(where, ev, t0))
+            yield ev
+            if finished:
+                return
+    finally:
+        if not finished:
+            job.cancel()
+            log(request, f"{where}: the client went away; stopped")
+
+
+def sse(stream: AsyncIterator[str], extra: dict[str, str] | None = None) -> StreamingResponse:
+    """Server-sent events, unbuffered by proxies (X-Accel-Buffering) and caches."""
+    return StreamingResponse(
+        stream,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(extra or {})},
+    )
+
+
+def data(obj: dict) -> str:
+    """One `data:` event (OpenAI's streams are only these)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def event(name: str, obj: dict) -> str:
+    """One named event (Anthropic's streams name each)."""
+    return f"event: {name}\n{data(obj)}"
