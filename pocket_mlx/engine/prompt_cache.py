@@ -652,7 +652,8 @@ class PromptCache:
             try:
                 if f.suffix != SUFFIX or not f.is_file():
                     raise ValueError("not a prompt-cache file")
-                found.append((f.stat().st_mtime_ns, f, *self._read_index(f)))
+                found.append((f.stat().st_mtime_ns, f,
+                              *_read_index(f, self.fingerprint, self.kinds)))
             except (OSError, ValueError, KeyError, TypeError, PocketError) as err:
                 log.warning("prompt cache: skipping %s: %s", f, err)
         for _, f, dtype, tokens, size, kind in sorted(found, key=lambda x: x[0]):
@@ -667,34 +668,37 @@ class PromptCache:
             self.disk_used += size
         self._shrink_disk()
 
-    def _read_index(self, f: Path) -> tuple[str, tuple[int, ...], int, str]:
-        """(dtype, token ids, bytes, snapshot kind) of a cache file, from its header and its
-        token array only (a file from before kinds were recorded counts as "end")."""
-        n, header = safetensors_header(f)
-        meta = header.get("__metadata__") or {}
-        if meta.get("format") != FORMAT:
-            raise ValueError("not a prompt-cache file")
-        if meta.get("model") != self.fingerprint:
-            raise ValueError("made for another model")
-        kinds = [k for k, _ in json.loads(meta["layers"])]
-        if kinds != self.kinds:
-            raise ValueError("layer kinds differ from the model's")
-        info = header["tokens"]
-        if info["dtype"] != "U32" or len(info["shape"]) != 1:
-            raise ValueError("bad token array")
-        start, end = info["data_offsets"]
-        with open(f, "rb") as fh:
-            fh.seek(8 + n + start)
-            raw = fh.read(end - start)
-        if len(raw) != 4 * info["shape"][0] or not raw:
-            raise ValueError("bad token array")
-        ids = array("I")  # 4-byte items on every platform MLX runs on
-        ids.frombytes(raw)
-        if sys.byteorder == "big":  # pragma: no cover - safetensors is little-endian
-            ids.byteswap()
-        kind = meta.get("kind", "end")
-        return str(meta["dtype"]), tuple(ids), f.stat().st_size, \
-            kind if kind in SNAPSHOT_KINDS else "end"
+
+
+def _read_index(f: Path, fingerprint: str, kinds: list[str]
+                ) -> tuple[str, tuple[int, ...], int, str]:
+    """(dtype, token ids, bytes, snapshot kind) of a cache file, from its header and its
+    token array only (a file from before kinds were recorded counts as "end")."""
+    n, header = safetensors_header(f)
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != FORMAT:
+        raise ValueError("not a prompt-cache file")
+    if meta.get("model") != fingerprint:
+        raise ValueError("made for another model")
+    layer_kinds = [k for k, _ in json.loads(meta["layers"])]
+    if layer_kinds != kinds:
+        raise ValueError("layer kinds differ from the model's")
+    info = header["tokens"]
+    if info["dtype"] != "U32" or len(info["shape"]) != 1:
+        raise ValueError("bad token array")
+    start, end = info["data_offsets"]
+    with open(f, "rb") as fh:
+        fh.seek(8 + n + start)
+        raw = fh.read(end - start)
+    if len(raw) != 4 * info["shape"][0] or not raw:
+        raise ValueError("bad token array")
+    ids = array("I")  # 4-byte items on every platform MLX runs on
+    ids.frombytes(raw)
+    if sys.byteorder == "big":  # pragma: no cover - safetensors is little-endian
+        ids.byteswap()
+    kind = meta.get("kind", "end")
+    return str(meta["dtype"]), tuple(ids), f.stat().st_size, \
+        kind if kind in SNAPSHOT_KINDS else "end"
 
 
 def open_store(model, ram_mb: int, folder: Path | None = None, *,
