@@ -553,7 +553,7 @@ def test_print_launchd():
 # ---- the prompt-cache plug point, in process ---------------------------------------------------
 
 class OnePrefixCache:
-    """The smallest real PromptCache: keeps the last stored cache and hands it out (once) to a
+    """The smallest real PrefixStore: keeps the last stored cache and hands it out (once) to a
     prompt that extends its tokens."""
 
     def __init__(self) -> None:

@@ -18,7 +18,7 @@ waiting is dropped from the queue at once.
 
 Prompt cache: engine/prompt_cache.py's store (built once the model is loaded, from
 `prompt_cache_mb` / `prompt_cache_dir`), or any object with its `fetch` / `store` (the
-`PromptCache` protocol in server/jobs.py; tests plug in their own). `fetch` gives the longest cached
+`PrefixStore` protocol in server/jobs.py; tests plug in their own). `fetch` gives the longest cached
 prefix of a prompt, `store` keeps the cache after a reply; `cached_tokens` in the usage is
 what `fetch` returned. `NoPromptCache` when it is off.
 
@@ -58,7 +58,7 @@ from pocket_mlx.server.jobs import (
     Job,
     NoPromptCache,
     Piece,
-    PromptCache,
+    PrefixStore,
     Started,
 )
 from pocket_mlx.server.metrics import Metrics
@@ -74,7 +74,7 @@ class Engine:
 
     def __init__(self, model: str | None = None, device: str | None = None, *,
                  max_concurrency: int = SERVE_MAX_CONCURRENCY, max_queue: int = 8,
-                 default_max_tokens: int | None = None, prompt_cache: PromptCache | None = None,
+                 default_max_tokens: int | None = None, prompt_cache: PrefixStore | None = None,
                  prompt_cache_mb: int = 0, prompt_cache_dir: Path | None = None, log=None,
                  prefill_step: int = DEFAULT_PREFILL_STEP, distributed=None,
                  ctx_size: int | None = None) -> None:
@@ -94,7 +94,7 @@ class Engine:
         self.ctx_size = ctx_size  # None: the model's window, capped by the memory planner
         self.context_source = ""
         self.prefill_step = prefill_step
-        self.prompt_cache: PromptCache = (prompt_cache if prompt_cache is not None
+        self.prompt_cache: PrefixStore = (prompt_cache if prompt_cache is not None
                                           else NoPromptCache())
         # Without a store given, one is built once the model is loaded (it fingerprints it):
         # RAM up to prompt_cache_mb, spilled to and restored from prompt_cache_dir.

@@ -16,8 +16,9 @@ from typing import Protocol
 from pocket_mlx.server.requests import ApiError, GenRequest
 
 
-class PromptCache(Protocol):
-    """A store of model caches keyed by token prefix, shared by all requests."""
+class PrefixStore(Protocol):
+    """A store of model caches keyed by token prefix, shared by all requests: what the engine
+    needs of engine/prompt_cache.py's `PromptCache` (tests plug in their own)."""
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list | None, int]:
         """(a cache holding the first `n` tokens of `tokens`, n) for the longest stored prefix
