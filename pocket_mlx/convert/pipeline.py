@@ -429,10 +429,13 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         log(f"note: {n}")
     quant = quantization_dict(specs, opts.recipe)
     removed = {"config.json": keys} if (keys := strip_remote_code(config)[1]) else {}
+    # About what the build comes to (the source's bytes bound it unless it upcasts): sizes the
+    # shards' header room (writer.header_reserve_for).
+    expected = sum(v.nbytes for v in weights.values())
     with atomic_dir(out, force=opts.force) as tmp:
         save_weights(tmp, converted_tensors(weights, specs, src_quant, args.num_hidden_layers,
                                             kept, dtype, opts.progress, rounding, inputs),
-                     opts.shard_bytes)
+                     opts.shard_bytes, expected_bytes=expected)
         del inputs
         del weights
         new_cfg = mlx_config(text_cfg, quant)

@@ -27,15 +27,23 @@ from pocket_mlx.models.fusion import unfused_parameters
 
 DEFAULT_SHARD_BYTES = 5 << 30  # mlx-lm's and transformers' default shard size
 # Room kept at the start of each shard for its JSON header, so the data is written once, in
-# place. ~100 bytes a tensor: 1 MiB holds ~10k tensor entries, far more than a 5 GB shard of a
-# POCKET model has; a longer header costs one copy of that shard (ShardWriter._finish). Small
-# shards reserve less (1/64 of the shard, 4 KiB at least) so tiny models stay tiny on disk.
+# place. ~130 bytes a tensor: 1 MiB holds ~8k tensor entries, far more than a 5 GB shard of a
+# POCKET model has; a longer header costs one copy of that shard (ShardWriter._finish). The
+# room is sized by what the shard will really hold (the build's size when it is smaller than
+# a shard): 1/256 of it, 4 KiB at least, so a small build reserves little, and one whose
+# header outgrows that is copied once behind an exact header (cheap: it is small).
 HEADER_RESERVE = 1 << 20
+# Padding a finished shard may keep: beyond max(this, its data / PAD_RATIO) it is copied
+# behind an exact header instead, so no shard carries room out of proportion to its size.
+MAX_PADDING = 4096
+PAD_RATIO = 256
 
 
 def header_reserve_for(shard_bytes: int) -> int:
-    """The header room for shards of `shard_bytes`: a multiple of 8 (8-aligned data)."""
-    return max(4096, min(HEADER_RESERVE, shard_bytes // 64)) // 8 * 8
+    """The header room for a shard of `shard_bytes`: a multiple of 8 (8-aligned data)."""
+    return max(4096, min(HEADER_RESERVE, shard_bytes // PAD_RATIO)) // 8 * 8
+
+
 _ST_DTYPES = {
     mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.float64: "F64",
     mx.uint32: "U32", mx.int32: "I32", mx.uint8: "U8", mx.int8: "I8", mx.int64: "I64",
@@ -268,9 +276,9 @@ class ShardWriter:
     Memory use: the tensor being written."""
 
     def __init__(self, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 header_reserve: int | None = None):
-        if header_reserve is None:
-            header_reserve = header_reserve_for(shard_bytes)
+                 header_reserve: int | None = None, expected_bytes: int | None = None):
+        if header_reserve is None:  # sized by what a shard will hold, not by the limit
+            header_reserve = header_reserve_for(min(shard_bytes, expected_bytes or shard_bytes))
         if header_reserve < 16 or header_reserve % 8:
             raise ValueError(f"header_reserve must be a multiple of 8 from 16, got "
                              f"{header_reserve}")  # 8-aligned data, room for "{}"
@@ -313,9 +321,12 @@ class ShardWriter:
         header = {"__metadata__": {"format": "mlx"}, **shard["header"]}
         raw = json.dumps(header, separators=(",", ":")).encode()
         room = self.header_reserve - 8
-        # The usual case: fill the reserved room, no data moves. A shard with less data than
-        # the padding would take is copied instead: fewer bytes written, and no padding.
-        if len(raw) <= room and shard["size"] >= room - len(raw):
+        # The usual case: fill the reserved room, no data moves. A shard whose padding would be
+        # out of proportion to its data (more than the data, or than MAX_PADDING and 1/PAD_RATIO
+        # of it: a small build, a short last shard) is copied instead: few bytes to copy, and
+        # no padding.
+        pad, data = room - len(raw), shard["size"]
+        if 0 <= pad <= min(data, max(MAX_PADDING, data // PAD_RATIO)):
             with open(shard["file"], "r+b") as f:
                 f.write(room.to_bytes(8, "little"))
                 f.write(raw + b" " * (room - len(raw)))
@@ -351,12 +362,14 @@ class ShardWriter:
 def save_weights(folder: Path, weights: Iterable[tuple[str, mx.array]],
                  shard_bytes: int = DEFAULT_SHARD_BYTES,
                  on_bytes: Callable[[int], None] | None = None,
-                 header_reserve: int | None = None) -> dict[str, str]:
+                 header_reserve: int | None = None,
+                 expected_bytes: int | None = None) -> dict[str, str]:
     """Write `weights` as safetensors shards plus the index into `folder` (meant to be an
     `atomic_dir`), one tensor in memory at a time, each byte written once; `on_bytes` is told
     each tensor's size (progress bars); `header_reserve`: see ShardWriter (None: sized from
-    `shard_bytes`). Returns the weight map."""
-    writer = ShardWriter(folder, shard_bytes, header_reserve)
+    `shard_bytes`, or from `expected_bytes`, about what all of `weights` comes to, when that
+    is less). Returns the weight map."""
+    writer = ShardWriter(folder, shard_bytes, header_reserve, expected_bytes)
     for name, arr in weights:
         writer.add(name, arr)
         if on_bytes is not None:
@@ -391,7 +404,9 @@ def save_model(model, config: dict, out: Path, *, src: Path | None = None,
                extra_files: dict[str, str] | None = None) -> Path:
     """Save a loaded model as an MLX checkpoint (atomic)."""
     with atomic_dir(out, force=force) as tmp:
-        save_weights(tmp, unfused_parameters(model))  # the checkpoint's names, fused or not
+        params = dict(unfused_parameters(model))  # the checkpoint's names, fused or not
+        save_weights(tmp, params.items(),
+                     expected_bytes=sum(v.nbytes for v in params.values()))
         (tmp / "config.json").write_text(json.dumps(mlx_config(config, quantization), indent=2))
         if src is not None:
             copy_tokenizer(src, tmp)
