@@ -119,9 +119,11 @@ def owner_alive(rec: dict) -> bool | None:
     return True
 
 
-def clean_stale(out: Path, log: Callable[[str], None] | None = None) -> list[Path]:
+def clean_stale(out: Path, log: Callable[[str], None] | None = None,
+                keep: Callable[[Path], bool] | None = None) -> list[Path]:
     """Remove the temporary folders of dead writes of `out` (killed, crashed, power loss);
-    mention those it cannot judge. Returns the folders removed."""
+    mention those it cannot judge; leave those `keep` says a resumed run will take over.
+    Returns the folders removed."""
     out = Path(out)
     say = log or (lambda m: print(m, file=sys.stderr, flush=True))
     removed = []
@@ -140,6 +142,8 @@ def clean_stale(out: Path, log: Callable[[str], None] | None = None) -> list[Pat
         if alive is not False and tmp in _noted:
             continue  # check_out runs before the work and again in atomic_dir: say it once
         _noted.add(tmp)
+        if alive is False and keep is not None and keep(tmp):
+            continue
         if alive is False:
             shutil.rmtree(tmp, ignore_errors=True)
             if not tmp.exists():
@@ -153,9 +157,11 @@ def clean_stale(out: Path, log: Callable[[str], None] | None = None) -> list[Pat
     return removed
 
 
-def check_out(out: Path, force: bool = False, log: Callable[[str], None] | None = None) -> None:
+def check_out(out: Path, force: bool = False, log: Callable[[str], None] | None = None,
+              keep: Callable[[Path], bool] | None = None) -> None:
     """Fail before any work when `out` cannot be written (exists without `force`, under a
-    file, in a folder this process cannot write), and clear what dead writes left there."""
+    file, in a folder this process cannot write), and clear what dead writes left there
+    (but those `keep` picks: see clean_stale)."""
     out = Path(out)
     if (out.exists() or out.is_symlink()) and not force:
         raise PocketError(f"{out} already exists (use --force to replace it)")
@@ -170,7 +176,7 @@ def check_out(out: Path, force: bool = False, log: Callable[[str], None] | None 
         raise PocketError(f"cannot write {out}: {base} is not writable "
                           f"({e.strerror or e}); choose another output folder") from None
     if base == out.parent:
-        clean_stale(out, log)
+        clean_stale(out, log, keep)
 
 
 def _remove(path: Path) -> None:
@@ -196,18 +202,43 @@ def _replace(tmp: Path, out: Path) -> None:
     _remove(old)
 
 
+def resumable(out: Path, accept: Callable[[Path], bool]) -> Path | None:
+    """The temporary folder of a dead write of `out` that `accept` takes (the newest first),
+    for a resumed run to continue in; None when there is none."""
+    out = Path(out)
+    try:
+        found = sorted(out.parent.glob(f".{out.name}.tmp-*"), key=lambda p: p.stat().st_mtime,
+                       reverse=True)
+    except OSError:
+        return None
+    for tmp in found:
+        try:
+            rec = json.loads((tmp / OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        if tmp.is_dir() and not tmp.is_symlink() and isinstance(rec, dict) \
+                and owner_alive(rec) is False and accept(tmp):
+            return tmp
+    return None
+
+
 @contextmanager
-def atomic_dir(out: Path, force: bool = False, log: Callable[[str], None] | None = None):
+def atomic_dir(out: Path, force: bool = False, log: Callable[[str], None] | None = None,
+               resume: Callable[[Path], bool] | None = None):
     """Yield a temporary folder next to `out`; on success it replaces `out` in one rename.
 
     The folder holds an owner record (pid, host, boot, start time) until the rename, so a
     later write of the same `out` removes it when this process died without cleaning up
-    (kill -9, power loss): see clean_stale."""
+    (kill -9, power loss): see clean_stale. `resume`: take over the folder of a dead write
+    that it accepts (see `resumable`) instead of starting an empty one; the other dead ones
+    are removed as usual."""
     out = Path(out)
-    check_out(out, force, log)
+    tmp = resumable(out, resume) if resume is not None else None
+    check_out(out, force, log, keep=(lambda p: p == tmp) if tmp is not None else None)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        if tmp is None:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     except OSError as e:
         raise PocketError(f"cannot write {out}: {e.strerror or e}") from None
     try:
@@ -286,6 +317,31 @@ class ShardWriter:
         self.header_reserve = header_reserve
         self.shards: list[dict] = []  # {"file": Path, "header": {}, "size": int}
         self._f = None
+
+    def state(self) -> dict:
+        """What `resumed` needs to continue after this point (the data so far is flushed and
+        synced): the shards' headers and sizes. JSON-serializable."""
+        if self._f:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        return {"shard_bytes": self.shard_bytes, "header_reserve": self.header_reserve,
+                "shards": [{"file": s["file"].name, "header": s["header"], "size": s["size"]}
+                           for s in self.shards]}
+
+    @classmethod
+    def resumed(cls, folder: Path, state: dict) -> ShardWriter:
+        """A writer that continues from `state` (see `state`) in `folder`: the last shard is
+        cut back to the data the state counts (a dead run may have written more) and reopened
+        at its end."""
+        w = cls(folder, state["shard_bytes"], state["header_reserve"])
+        w.shards = [{"file": Path(folder) / s["file"], "header": s["header"], "size": s["size"]}
+                    for s in state["shards"]]
+        if w.shards:
+            last = w.shards[-1]
+            w._f = open(last["file"], "r+b")
+            w._f.truncate(w.header_reserve + last["size"])
+            w._f.seek(w.header_reserve + last["size"])
+        return w
 
     def _new_shard(self) -> None:
         if self._f:
