@@ -393,7 +393,7 @@ def convert(src: str, out: Path, opts: ConvertOptions,
     if opts.target_size is not None and opts.prune_to is not None:
         raise PocketError("--target-size chooses the pruning itself: leave out --prune-to")
     # --resume: the temporary folder of a dead run of the same command (convert/resume.py).
-    fp = json.loads(json.dumps(fingerprint(path, opts)))
+    fp = json.loads(json.dumps(fingerprint(path, opts, __version__)))
     accept = ((lambda d: (Journal.read(d) or {}).get("fingerprint") == fp) if opts.resume
               else None)
     check_out(out, opts.force, keep=accept)  # before any slow step: a bad OUT fails at once

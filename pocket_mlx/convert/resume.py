@@ -17,17 +17,15 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from pocket_mlx import __version__
-
 JOURNAL = "resume.json"
 # Test hook: "STEP:N" kills this process with SIGKILL right after the N-th journal entry of
 # STEP ("measure", "search" or "write") is on disk: a deterministic kill -9 for the tests.
 DIE_ENV = "POCKET_MLX_TEST_DIE_AFTER"
 
 
-def fingerprint(src: Path, opts: Any) -> dict:
+def fingerprint(src: Path, opts: Any, version: str) -> dict:
     """What must match for a run to continue another: the source, the options that change the
-    output, the calibration files (path, size, modification time) and the version."""
+    output, the calibration files (path, size, modification time) and pocket-mlx's `version`."""
     calib = []
     for f in opts.calib:
         try:
@@ -36,7 +34,7 @@ def fingerprint(src: Path, opts: Any) -> dict:
         except OSError:
             calib.append([str(f), None, None])
     recipe = opts.recipe.describe() if opts.recipe is not None else None
-    return {"version": __version__, "src": str(Path(src).resolve()), "recipe": recipe,
+    return {"version": version, "src": str(Path(src).resolve()), "recipe": recipe,
             "auto_bpw": opts.auto_bpw, "target_size": opts.target_size,
             "measure_tokens": opts.measure_tokens, "rounding": opts.rounding,
             "prune_to": opts.prune_to, "calib": calib, "criterion": opts.criterion,
