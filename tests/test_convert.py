@@ -204,17 +204,20 @@ def _check_loads(file: Path, expect: dict[str, mx.array]) -> None:
                 np.testing.assert_array_equal(st.get_tensor(k), np.array(v))
 
 
-@pytest.mark.parametrize("reserve", [None, 16])
+@pytest.mark.parametrize("reserve", [64 << 10, 16, None])
 def test_save_model_writes_each_byte_once_and_loads_everywhere(tmp_path, monkeypatch, reserve):
-    """The usual shard is written in place (its header padded with spaces into the reserved
-    room); a header that does not fit (reserve 16) takes the copy path. Both load in mx.load,
-    safetensors, pocket-mlx and mlx-lm with the logits of the model saved."""
+    """A shard whose header fits its room is written in place (the header padded with spaces
+    into the reserved room); a header that does not fit (reserve 16) takes the copy path. All
+    load in mx.load, safetensors, pocket-mlx and mlx-lm with the logits of the model saved.
+    None: the room sized by the build (~9 MB here, not the 5 GB shard limit): the reference's
+    header (~45 KB) outgrows it, so the shard carries an exact header and no padding."""
     from mlx_lm.utils import load_model as lm_load
 
     from pocket_mlx.models.fusion import unfused_parameters
 
     if reserve is not None:
         monkeypatch.setattr(writer, "header_reserve_for", lambda shard_bytes: reserve)
+        monkeypatch.setattr(writer, "MAX_PADDING", 64 << 10)
     model = load_model(BUNDLED)
     config = json.loads((BUNDLED / "config.json").read_text())
     out = tmp_path / "out"
@@ -228,13 +231,17 @@ def test_save_model_writes_each_byte_once_and_loads_everywhere(tmp_path, monkeyp
     n = int.from_bytes(shard.read_bytes()[:8], "little")
     raw = shard.read_bytes()[8:8 + n]
     entries = len(raw.rstrip(b" "))
-    if reserve is None:
-        assert n == writer.header_reserve_for(writer.DEFAULT_SHARD_BYTES) - 8 > entries
+    if reserve == 64 << 10:
+        assert n == reserve - 8 > entries
         if before is not None:  # every byte on disk written once (the copy path: twice)
             on_disk = sum(f.stat().st_size for f in files)
             assert on_disk <= after - before <= on_disk + (64 << 10), (after - before, on_disk)
-    else:
-        assert n > reserve - 8 and n - entries < 8 and (8 + n) % 8 == 0  # exact, 8-aligned
+    else:  # exact, 8-aligned: the file is the tensors and their header, no room to spare
+        assert n - entries < 8 and (8 + n) % 8 == 0
+        data = sum(v.nbytes for _, v in unfused_parameters(model))
+        assert shard.stat().st_size == 8 + n + data
+    if reserve is None:
+        assert n < 64 << 10  # the issue's bound on a reference build's header room
     _check_loads(shard, dict(unfused_parameters(model)))
     a = logits(model)
     np.testing.assert_array_equal(logits(load_model(out)), a)

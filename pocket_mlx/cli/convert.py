@@ -51,6 +51,10 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--shard-size-gb", type=float, default=None, metavar="G",
                    help="largest safetensors shard (default 5)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a run of this same command that was killed (kill -9, crash, "
+                        "power loss) from its last finished layer or search step, in the "
+                        "temporary folder it left beside OUT (default: start afresh)")
     p.add_argument("--json", action="store_true", help="print pocket.json at the end")
     p.set_defaults(func=run)
     return p
@@ -91,7 +95,7 @@ def run(args) -> int:
         prune_to=args.prune_to, calib=[Path(c) for c in args.calib],
         criterion=args.criterion, seed=args.seed, dtype=args.dtype, rounding=args.rounding,
         shard_bytes=shard_bytes(args.shard_size_gb), calib_tokens=args.calib_tokens,
-        force=args.force, progress=True,  # a bar on a terminal, plain lines in a pipe
+        force=args.force, resume=args.resume, progress=True,  # a bar on a terminal, plain lines in a pipe
     )
     signal.signal(signal.SIGTERM, _terminate)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print

@@ -234,6 +234,11 @@ class _Editor:
         self.saved, self.pruned, self.kept = [], [], None
 
 
+def _key(group: str, spec: Spec) -> str:
+    """A measurement's name in the --resume journal."""
+    return f"{group}|{spec.bits}|{spec.group_size}"
+
+
 def _candidates(num_experts: int, top_k: int) -> list[int]:
     ks = {max(top_k, round(num_experts * f)) for f in PRUNE_FRACTIONS}
     return sorted((k for k in ks if top_k <= k <= num_experts), reverse=True)
@@ -333,14 +338,19 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
                   target: int, criterion: str = "reap-sum", seed: int = 0,
                   progress: bool = True, log: Callable[[str], None] = print,
                   quantizer: Quantizer | None = None, sources: list[int] | None = None,
-                  judge: tuple[list[list[int]], list[int]] | None = None
+                  judge: tuple[list[list[int]], list[int]] | None = None,
+                  memo: dict | None = None, save: Callable[[str], None] | None = None
                   ) -> tuple[Recipe, int | None, dict]:
     """(recipe, experts to keep per layer or None for all, report) for a build of at most
     `target` weight bytes; `model` is the float model, fully loaded (small models only).
     `sources`: the calibration file of each chunk. `judge`: (chunks, sources) on which the
     complete candidate builds are compared (default: `chunks`); the build with the lowest
     worst-file KL relative to the least pruned build wins (`_judge`). The report's
-    "criterion" is the expert criterion the chosen build used."""
+    "criterion" is the expert criterion the chosen build used. `memo` (--resume,
+    convert/resume.py): the measurements of an interrupted run, taken instead of measuring
+    again, and where each new one is put before `save(step)` is called."""
+    memo = memo if memo is not None else {}
+    done_kl, done_tried = memo.setdefault("kl", {}), memo.setdefault("tried", {})
     args = model.args
     E, top_k, L = args.num_experts, args.num_experts_per_tok, args.num_hidden_layers
     paths = [p for p, m in model.named_modules() if hasattr(m, "to_quantized")]
@@ -361,10 +371,15 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
     # take it is measured at the same bits in groups of DEFAULT_GROUP.
     todo = [(g, s) for g in groups for s in BUDGET_SPECS
             if any(s in options(sizer, u) for u in groups[g])]
+    for g, s in [t for t in todo if _key(*t) in done_kl]:
+        kl[(g, s)] = done_kl[_key(g, s)]
+    todo = [t for t in todo if _key(*t) not in done_kl]
     for g, s in progress_bar(todo, desc="measure", unit="group", enabled=progress):
         edit.quantize({p: s if s in options(sizer, p) else Spec(s.bits) for p in groups[g]})
-        kl[(g, s)] = meas.kl(_start_layer(g, L))
+        kl[(g, s)] = done_kl[_key(g, s)] = meas.kl(_start_layer(g, L))
         edit.restore()
+        if save is not None:
+            save("measure")
     # With several calibration files (domains), experts are also chosen by reap-max (each
     # domain's own REAP-sum share: what one domain relies on stays), and a build is judged by
     # its worst domain (relative to the least pruned build): the acceptance of a budget is
@@ -375,15 +390,24 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
         criteria.append("reap-max")
     runs = [(k, c) for k in feasible for c in (criteria if k < E else [criterion])]
     tried = []
-    for k, crit in progress_bar(runs, desc="search", unit="build", enabled=progress):
+    left = [r for r in runs if f"{r[0]}|{r[1]}" not in done_tried]
+    bar = iter(progress_bar(left, desc="search", unit="build", enabled=progress))
+    for k, crit in runs:
         kept = select_experts(stats, k, crit, L, E, seed) if k < E else None
         specs, spent = _allocate(units, share, group_of, kl, sizer, k, fixed, target)
-        if kept is not None:
-            edit.prune(kept)
-        prune_kl = whole.kl() if kept is not None else 0.0
-        edit.quantize({**fixed, **specs})
-        real, per_source = whole.kl_by_source()
-        edit.restore()
+        if (got := done_tried.get(f"{k}|{crit}")) is None:
+            next(bar, None)
+            if kept is not None:
+                edit.prune(kept)
+            prune_kl = whole.kl() if kept is not None else 0.0
+            edit.quantize({**fixed, **specs})
+            real, per_source = whole.kl_by_source()
+            edit.restore()
+            done_tried[f"{k}|{crit}"] = [prune_kl, real, per_source]
+            if save is not None:
+                save("search")
+        else:
+            prune_kl, real, per_source = got
         est = prune_kl + sum(share[u] * kl[(group_of[u], s)] for u, s in specs.items())
         tried.append({"experts": k, "criterion": crit if k < E else None, "bytes": spent,
                       "kl_pruning": round(prune_kl, 5), "kl_estimate": round(est, 5),
@@ -391,6 +415,8 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
                       "kl_worst_source": round(max(per_source), 5),
                       "kl_by_source": [round(v, 5) for v in per_source],
                       "specs": specs, "kept": kept})
+    for _ in bar:  # the bar's closing line
+        pass
     best = _judge(tried)
     log(f"target {target:,} bytes: " + "; ".join(
         f"{t['experts']} experts{' ' + t['criterion'] if t['criterion'] else ''} KL "

@@ -41,16 +41,17 @@ from pocket_mlx.convert.prune import (
     slice_layer,
 )
 from pocket_mlx.convert.recipes import Recipe, Spec, family
+from pocket_mlx.convert.resume import JOURNAL, Journal, fingerprint
 from pocket_mlx.convert.rounding import MAX_BITS, METHODS, Inputs, capture, quantize_matrix
 from pocket_mlx.convert.rounding import select as select_inputs
 from pocket_mlx.convert.writer import (
     DEFAULT_SHARD_BYTES,
+    ShardWriter,
     atomic_dir,
     check_out,
     copy_tokenizer,
     mlx_config,
     remote_code_note,
-    save_weights,
     strip_remote_code,
 )
 from pocket_mlx.engine.devices import policy_dtype
@@ -89,6 +90,7 @@ class ConvertOptions:
     window: int = 512
     force: bool = False
     progress: bool = True
+    resume: bool = False  # continue a killed run of the same command (convert/resume.py)
 
 
 @dataclass
@@ -190,18 +192,22 @@ def _convert_module(tensors: dict, path: str, src: Spec | None, dst: Spec | None
 def converted_tensors(weights: dict[str, mx.array], specs: dict[str, Spec | None],
                       src_quant: dict | None, num_layers: int, kept: list[list[int]] | None,
                       dtype: mx.Dtype | None, progress: bool = True, rounding: str = "rtn",
-                      inputs: dict[str, Inputs] | None = None
+                      inputs: dict[str, Inputs] | None = None, done_units: int = 0,
+                      on_unit: Callable[[int], None] | None = None
                       ) -> Iterator[tuple[str, mx.array]]:
     """Consume the lazy `weights` dict unit by unit (pruning, quantizing), yielding the
     evaluated tensors of one unit before reading the next. `inputs`: what each module saw on
-    the calibration text (rounding.capture, unpruned expert ids), for `rounding`."""
+    the calibration text (rounding.capture, unpruned expert ids), for `rounding`.
+    `done_units`: units a killed run already wrote (skipped; --resume); `on_unit(n)` is called
+    once the consumer has taken all tensors of the first n units."""
     inputs = inputs or {}
     src_specs = {p: _source_spec(p, src_quant, weights) for p in specs}
     units: dict[int, list[str]] = {}
     for k in weights:
         units.setdefault(_unit(k, num_layers), []).append(k)
-    for u in progress_bar(sorted(units), desc="quantize+write", unit="layer",
-                          enabled=progress):
+    order = sorted(units)
+    for n, u in enumerate(progress_bar(order[done_units:], desc="quantize+write", unit="layer",
+                                       enabled=progress), done_units):
         tensors = {k: weights.pop(k) for k in units[u]}
         if kept is not None and 1 <= u <= num_layers:
             tensors = slice_layer(tensors, f"language_model.model.layers.{u - 1}", kept[u - 1])
@@ -221,6 +227,8 @@ def converted_tensors(weights: dict[str, mx.array], specs: dict[str, Spec | None
         del tensors
         for k in sorted(out):
             yield k, out.pop(k)
+        if on_unit is not None:  # the consumer asked for more: it has written this unit
+            on_unit(n + 1)
 
 
 def source_info(src: str, path: Path) -> dict:
@@ -309,7 +317,8 @@ JUDGE_TOKENS = 2048
 
 def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
                stats: ExpertStats | None, log: Callable[[str], None],
-               quantizer: Quantizer | None = None) -> tuple[Recipe, int | None, dict]:
+               quantizer: Quantizer | None = None, journal: Journal | None = None
+               ) -> tuple[Recipe, int | None, dict]:
     """The --target-size search (convert/budget.py) on `opts.measure_tokens` per calibration
     file. Loads the whole float model: small models only."""
     tokenizer = load_tokenizer(path, config)
@@ -324,7 +333,9 @@ def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
     return budget_recipe(model, chunks, stats, sizer, opts.target_size, opts.criterion,
                          opts.seed, opts.progress, log, quantizer,
                          window_sources(infos, window),
-                         (judge, window_sources(judge_infos, judge_window)))
+                         (judge, window_sources(judge_infos, judge_window)),
+                         journal.section("budget") if journal else None,
+                         journal.save if journal else None)
 
 
 # Calibration tokens per file whose inputs the activation-aware rounding sees. GPTQ's error
@@ -381,7 +392,11 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         raise PocketError(f"--rounding {rounding} needs calibration text: --calib FILE")
     if opts.target_size is not None and opts.prune_to is not None:
         raise PocketError("--target-size chooses the pruning itself: leave out --prune-to")
-    check_out(out, opts.force)  # before any slow step: a bad OUT fails at once
+    # --resume: the temporary folder of a dead run of the same command (convert/resume.py).
+    fp = json.loads(json.dumps(fingerprint(path, opts, __version__)))
+    accept = ((lambda d: (Journal.read(d) or {}).get("fingerprint") == fp) if opts.resume
+              else None)
+    check_out(out, opts.force, keep=accept)  # before any slow step: a bad OUT fails at once
     # Names, dtypes and shapes from the headers (nothing read yet): a source with a missing
     # or malformed tensor fails here, by name, not halfway through the writing.
     weights = source.sanitize(load_weights(path))
@@ -397,42 +412,68 @@ def convert(src: str, out: Path, opts: ConvertOptions,
                               "quantized): convert from the original weights")
         check_target(sizer_for(config, weights, dtype), opts.target_size,
                      args.num_experts_per_tok)  # before the slow steps
-    inputs = inputs_for(path, config, opts) if rounding != "rtn" else None
-    auto = None
-    if opts.auto_bpw is not None:
-        opts.recipe, auto = auto_for(path, config, opts)
-    budget = None
-    if opts.target_size is not None:
-        if stats is None and opts.criterion != "random":
-            stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
-                                                     opts.calib_tokens, opts.progress)
-        opts.recipe, opts.prune_to, budget = budget_for(path, config, opts, weights, stats, log,
-                                                        quantizer_for(rounding, inputs))
-        opts.criterion = budget["criterion"] or opts.criterion
-    if opts.prune_to is not None:
-        if stats is None and opts.criterion != "random":
-            for f in opts.calib:  # fail before the slow part
-                if not Path(f).is_file():
-                    raise PocketError(f"calibration file {f} does not exist")
-                if Path(f).stat().st_size == 0:
-                    raise PocketError(f"calibration file {f} is empty")
-            stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
-                                                     opts.calib_tokens, opts.progress)
-        kept = select_experts(stats, opts.prune_to, opts.criterion, args.num_hidden_layers,
-                              args.num_experts, opts.seed)
-    text_cfg = text_config(config)
-    if kept is not None:
-        text_cfg["num_experts"] = opts.prune_to
-    target = build_model(mlx_config(text_cfg))
-    specs, notes = plan_quantization(target, opts.recipe)
-    for n in notes:
-        log(f"note: {n}")
-    quant = quantization_dict(specs, opts.recipe)
-    removed = {"config.json": keys} if (keys := strip_remote_code(config)[1]) else {}
-    with atomic_dir(out, force=opts.force) as tmp:
-        save_weights(tmp, converted_tensors(weights, specs, src_quant, args.num_hidden_layers,
-                                            kept, dtype, opts.progress, rounding, inputs),
-                     opts.shard_bytes)
+    with atomic_dir(out, force=opts.force, resume=accept) as tmp:
+        journal = Journal(tmp, fp)
+        if opts.resume and (old := Journal.read(tmp)) is not None:
+            journal.data = old
+            w = old.get("write", {}).get("units", 0)
+            log(f"resuming {tmp.name}: {len(old.get('budget', {}).get('kl', {}))} measurements, "
+                f"{len(old.get('budget', {}).get('tried', {}))} candidate builds, "
+                f"{w} write units done")
+        elif opts.resume:
+            log("note: no interrupted run of this command to resume; starting afresh")
+        journal.save()
+        inputs = inputs_for(path, config, opts) if rounding != "rtn" else None
+        auto = None
+        if opts.auto_bpw is not None:
+            opts.recipe, auto = auto_for(path, config, opts)
+        budget = None
+        if opts.target_size is not None:
+            if stats is None and opts.criterion != "random":
+                stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
+                                                         opts.calib_tokens, opts.progress)
+            opts.recipe, opts.prune_to, budget = budget_for(
+                path, config, opts, weights, stats, log, quantizer_for(rounding, inputs),
+                journal)
+            opts.criterion = budget["criterion"] or opts.criterion
+        if opts.prune_to is not None:
+            if stats is None and opts.criterion != "random":
+                for f in opts.calib:  # fail before the slow part
+                    if not Path(f).is_file():
+                        raise PocketError(f"calibration file {f} does not exist")
+                    if Path(f).stat().st_size == 0:
+                        raise PocketError(f"calibration file {f} is empty")
+                stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
+                                                         opts.calib_tokens, opts.progress)
+            kept = select_experts(stats, opts.prune_to, opts.criterion, args.num_hidden_layers,
+                                  args.num_experts, opts.seed)
+        text_cfg = text_config(config)
+        if kept is not None:
+            text_cfg["num_experts"] = opts.prune_to
+        target = build_model(mlx_config(text_cfg))
+        specs, notes = plan_quantization(target, opts.recipe)
+        for n in notes:
+            log(f"note: {n}")
+        quant = quantization_dict(specs, opts.recipe)
+        removed = {"config.json": keys} if (keys := strip_remote_code(config)[1]) else {}
+        # About what the build comes to (the source's bytes bound it unless it upcasts):
+        # sizes the shards' header room (writer.header_reserve_for).
+        expected = sum(v.nbytes for v in weights.values())
+        if done := journal.data.get("write"):
+            writer = ShardWriter.resumed(tmp, done["writer"])
+        else:
+            writer = ShardWriter(tmp, opts.shard_bytes, expected_bytes=expected)
+
+        def unit_done(n: int) -> None:
+            journal.data["write"] = {"writer": writer.state(), "units": n}
+            journal.save("write")
+
+        for name, arr in converted_tensors(weights, specs, src_quant, args.num_hidden_layers,
+                                           kept, dtype, opts.progress, rounding, inputs,
+                                           done["units"] if done else 0, unit_done):
+            writer.add(name, arr)
+        writer.close()
+        (tmp / JOURNAL).unlink(missing_ok=True)
         del inputs
         del weights
         new_cfg = mlx_config(text_cfg, quant)

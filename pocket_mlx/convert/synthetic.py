@@ -217,7 +217,8 @@ def build(name: str, recipe: str = DEFAULT_RECIPE, *, out: Path | None = None,
                        enabled=progress)
     try:
         with atomic_dir(out, force=True) as tmp:
-            save_weights(tmp, iter_tensors(model, quant, seed), shard_bytes, bar.update)
+            save_weights(tmp, iter_tensors(model, quant, seed), shard_bytes, bar.update,
+                         expected_bytes=total)
             (tmp / "config.json").write_text(json.dumps(mlx_config(config, quant), indent=2))
             copy_tokenizer(BUNDLED_MODEL, tmp)
             (tmp / "pocket.json").write_text(json.dumps(

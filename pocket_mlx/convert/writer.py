@@ -27,15 +27,23 @@ from pocket_mlx.models.fusion import unfused_parameters
 
 DEFAULT_SHARD_BYTES = 5 << 30  # mlx-lm's and transformers' default shard size
 # Room kept at the start of each shard for its JSON header, so the data is written once, in
-# place. ~100 bytes a tensor: 1 MiB holds ~10k tensor entries, far more than a 5 GB shard of a
-# POCKET model has; a longer header costs one copy of that shard (ShardWriter._finish). Small
-# shards reserve less (1/64 of the shard, 4 KiB at least) so tiny models stay tiny on disk.
+# place. ~130 bytes a tensor: 1 MiB holds ~8k tensor entries, far more than a 5 GB shard of a
+# POCKET model has; a longer header costs one copy of that shard (ShardWriter._finish). The
+# room is sized by what the shard will really hold (the build's size when it is smaller than
+# a shard): 1/256 of it, 4 KiB at least, so a small build reserves little, and one whose
+# header outgrows that is copied once behind an exact header (cheap: it is small).
 HEADER_RESERVE = 1 << 20
+# Padding a finished shard may keep: beyond max(this, its data / PAD_RATIO) it is copied
+# behind an exact header instead, so no shard carries room out of proportion to its size.
+MAX_PADDING = 4096
+PAD_RATIO = 256
 
 
 def header_reserve_for(shard_bytes: int) -> int:
-    """The header room for shards of `shard_bytes`: a multiple of 8 (8-aligned data)."""
-    return max(4096, min(HEADER_RESERVE, shard_bytes // 64)) // 8 * 8
+    """The header room for a shard of `shard_bytes`: a multiple of 8 (8-aligned data)."""
+    return max(4096, min(HEADER_RESERVE, shard_bytes // PAD_RATIO)) // 8 * 8
+
+
 _ST_DTYPES = {
     mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.float64: "F64",
     mx.uint32: "U32", mx.int32: "I32", mx.uint8: "U8", mx.int8: "I8", mx.int64: "I64",
@@ -111,9 +119,11 @@ def owner_alive(rec: dict) -> bool | None:
     return True
 
 
-def clean_stale(out: Path, log: Callable[[str], None] | None = None) -> list[Path]:
+def clean_stale(out: Path, log: Callable[[str], None] | None = None,
+                keep: Callable[[Path], bool] | None = None) -> list[Path]:
     """Remove the temporary folders of dead writes of `out` (killed, crashed, power loss);
-    mention those it cannot judge. Returns the folders removed."""
+    mention those it cannot judge; leave those `keep` says a resumed run will take over.
+    Returns the folders removed."""
     out = Path(out)
     say = log or (lambda m: print(m, file=sys.stderr, flush=True))
     removed = []
@@ -132,6 +142,8 @@ def clean_stale(out: Path, log: Callable[[str], None] | None = None) -> list[Pat
         if alive is not False and tmp in _noted:
             continue  # check_out runs before the work and again in atomic_dir: say it once
         _noted.add(tmp)
+        if alive is False and keep is not None and keep(tmp):
+            continue
         if alive is False:
             shutil.rmtree(tmp, ignore_errors=True)
             if not tmp.exists():
@@ -145,9 +157,11 @@ def clean_stale(out: Path, log: Callable[[str], None] | None = None) -> list[Pat
     return removed
 
 
-def check_out(out: Path, force: bool = False, log: Callable[[str], None] | None = None) -> None:
+def check_out(out: Path, force: bool = False, log: Callable[[str], None] | None = None,
+              keep: Callable[[Path], bool] | None = None) -> None:
     """Fail before any work when `out` cannot be written (exists without `force`, under a
-    file, in a folder this process cannot write), and clear what dead writes left there."""
+    file, in a folder this process cannot write), and clear what dead writes left there
+    (but those `keep` picks: see clean_stale)."""
     out = Path(out)
     if (out.exists() or out.is_symlink()) and not force:
         raise PocketError(f"{out} already exists (use --force to replace it)")
@@ -162,7 +176,7 @@ def check_out(out: Path, force: bool = False, log: Callable[[str], None] | None 
         raise PocketError(f"cannot write {out}: {base} is not writable "
                           f"({e.strerror or e}); choose another output folder") from None
     if base == out.parent:
-        clean_stale(out, log)
+        clean_stale(out, log, keep)
 
 
 def _remove(path: Path) -> None:
@@ -188,18 +202,43 @@ def _replace(tmp: Path, out: Path) -> None:
     _remove(old)
 
 
+def resumable(out: Path, accept: Callable[[Path], bool]) -> Path | None:
+    """The temporary folder of a dead write of `out` that `accept` takes (the newest first),
+    for a resumed run to continue in; None when there is none."""
+    out = Path(out)
+    try:
+        found = sorted(out.parent.glob(f".{out.name}.tmp-*"), key=lambda p: p.stat().st_mtime,
+                       reverse=True)
+    except OSError:
+        return None
+    for tmp in found:
+        try:
+            rec = json.loads((tmp / OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        if tmp.is_dir() and not tmp.is_symlink() and isinstance(rec, dict) \
+                and owner_alive(rec) is False and accept(tmp):
+            return tmp
+    return None
+
+
 @contextmanager
-def atomic_dir(out: Path, force: bool = False, log: Callable[[str], None] | None = None):
+def atomic_dir(out: Path, force: bool = False, log: Callable[[str], None] | None = None,
+               resume: Callable[[Path], bool] | None = None):
     """Yield a temporary folder next to `out`; on success it replaces `out` in one rename.
 
     The folder holds an owner record (pid, host, boot, start time) until the rename, so a
     later write of the same `out` removes it when this process died without cleaning up
-    (kill -9, power loss): see clean_stale."""
+    (kill -9, power loss): see clean_stale. `resume`: take over the folder of a dead write
+    that it accepts (see `resumable`) instead of starting an empty one; the other dead ones
+    are removed as usual."""
     out = Path(out)
-    check_out(out, force, log)
+    tmp = resumable(out, resume) if resume is not None else None
+    check_out(out, force, log, keep=(lambda p: p == tmp) if tmp is not None else None)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        if tmp is None:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     except OSError as e:
         raise PocketError(f"cannot write {out}: {e.strerror or e}") from None
     try:
@@ -268,9 +307,9 @@ class ShardWriter:
     Memory use: the tensor being written."""
 
     def __init__(self, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 header_reserve: int | None = None):
-        if header_reserve is None:
-            header_reserve = header_reserve_for(shard_bytes)
+                 header_reserve: int | None = None, expected_bytes: int | None = None):
+        if header_reserve is None:  # sized by what a shard will hold, not by the limit
+            header_reserve = header_reserve_for(min(shard_bytes, expected_bytes or shard_bytes))
         if header_reserve < 16 or header_reserve % 8:
             raise ValueError(f"header_reserve must be a multiple of 8 from 16, got "
                              f"{header_reserve}")  # 8-aligned data, room for "{}"
@@ -278,6 +317,31 @@ class ShardWriter:
         self.header_reserve = header_reserve
         self.shards: list[dict] = []  # {"file": Path, "header": {}, "size": int}
         self._f = None
+
+    def state(self) -> dict:
+        """What `resumed` needs to continue after this point (the data so far is flushed and
+        synced): the shards' headers and sizes. JSON-serializable."""
+        if self._f:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        return {"shard_bytes": self.shard_bytes, "header_reserve": self.header_reserve,
+                "shards": [{"file": s["file"].name, "header": s["header"], "size": s["size"]}
+                           for s in self.shards]}
+
+    @classmethod
+    def resumed(cls, folder: Path, state: dict) -> ShardWriter:
+        """A writer that continues from `state` (see `state`) in `folder`: the last shard is
+        cut back to the data the state counts (a dead run may have written more) and reopened
+        at its end."""
+        w = cls(folder, state["shard_bytes"], state["header_reserve"])
+        w.shards = [{"file": Path(folder) / s["file"], "header": s["header"], "size": s["size"]}
+                    for s in state["shards"]]
+        if w.shards:
+            last = w.shards[-1]
+            w._f = open(last["file"], "r+b")
+            w._f.truncate(w.header_reserve + last["size"])
+            w._f.seek(w.header_reserve + last["size"])
+        return w
 
     def _new_shard(self) -> None:
         if self._f:
@@ -313,9 +377,12 @@ class ShardWriter:
         header = {"__metadata__": {"format": "mlx"}, **shard["header"]}
         raw = json.dumps(header, separators=(",", ":")).encode()
         room = self.header_reserve - 8
-        # The usual case: fill the reserved room, no data moves. A shard with less data than
-        # the padding would take is copied instead: fewer bytes written, and no padding.
-        if len(raw) <= room and shard["size"] >= room - len(raw):
+        # The usual case: fill the reserved room, no data moves. A shard whose padding would be
+        # out of proportion to its data (more than the data, or than MAX_PADDING and 1/PAD_RATIO
+        # of it: a small build, a short last shard) is copied instead: few bytes to copy, and
+        # no padding.
+        pad, data = room - len(raw), shard["size"]
+        if 0 <= pad <= min(data, max(MAX_PADDING, data // PAD_RATIO)):
             with open(shard["file"], "r+b") as f:
                 f.write(room.to_bytes(8, "little"))
                 f.write(raw + b" " * (room - len(raw)))
@@ -351,12 +418,14 @@ class ShardWriter:
 def save_weights(folder: Path, weights: Iterable[tuple[str, mx.array]],
                  shard_bytes: int = DEFAULT_SHARD_BYTES,
                  on_bytes: Callable[[int], None] | None = None,
-                 header_reserve: int | None = None) -> dict[str, str]:
+                 header_reserve: int | None = None,
+                 expected_bytes: int | None = None) -> dict[str, str]:
     """Write `weights` as safetensors shards plus the index into `folder` (meant to be an
     `atomic_dir`), one tensor in memory at a time, each byte written once; `on_bytes` is told
     each tensor's size (progress bars); `header_reserve`: see ShardWriter (None: sized from
-    `shard_bytes`). Returns the weight map."""
-    writer = ShardWriter(folder, shard_bytes, header_reserve)
+    `shard_bytes`, or from `expected_bytes`, about what all of `weights` comes to, when that
+    is less). Returns the weight map."""
+    writer = ShardWriter(folder, shard_bytes, header_reserve, expected_bytes)
     for name, arr in weights:
         writer.add(name, arr)
         if on_bytes is not None:
@@ -391,7 +460,9 @@ def save_model(model, config: dict, out: Path, *, src: Path | None = None,
                extra_files: dict[str, str] | None = None) -> Path:
     """Save a loaded model as an MLX checkpoint (atomic)."""
     with atomic_dir(out, force=force) as tmp:
-        save_weights(tmp, unfused_parameters(model))  # the checkpoint's names, fused or not
+        params = dict(unfused_parameters(model))  # the checkpoint's names, fused or not
+        save_weights(tmp, params.items(),
+                     expected_bytes=sum(v.nbytes for v in params.values()))
         (tmp / "config.json").write_text(json.dumps(mlx_config(config, quantization), indent=2))
         if src is not None:
             copy_tokenizer(src, tmp)

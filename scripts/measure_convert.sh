@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Measure `pocket-mlx convert` on a 35B-shape slice (scripts/make_shape_checkpoint.py): peak RSS
+# (/usr/bin/time -v) and wall time, with the per-phase progress lines (plain, every 30 s) kept in
+# the log. Heavy: runs under flock /work/wt/heavy.lock (shared machine), one mode at a time
+# (NOLOCK=1 when the caller already holds the lock for a batch).
+#   scripts/measure_convert.sh SLICE_DIR MODE [TOKENS]   MODE: 2bit | reap | gptq | auto
+set -euo pipefail
+src=$1; mode=$2; tok=${3:-2048}
+here=$(cd "$(dirname "$0")/.." && pwd); text=$here/assets/text
+out=$src-out-$mode; log=$src-$mode.log
+case $mode in
+  2bit) args=(--recipe pocket-2bit) ;;
+  reap) args=(--recipe pocket-2bit --prune-to 128 --calib "$text/en.calib.txt") ;;
+  gptq) args=(--recipe pocket-2bit --rounding gptq --calib "$text/en.calib.txt") ;;
+  auto) args=(--recipe auto --target-size "${TARGET:-1000MB}" --calib "$text/en.calib.txt"
+              --calib "$text/zh.calib.txt" --calib "$text/code.calib.txt") ;;
+  *) echo "unknown mode $mode" >&2; exit 2 ;;
+esac
+[ "$mode" = 2bit ] || args+=(--calib-tokens "$tok")
+export POCKET_MLX_PROGRESS_INTERVAL=${POCKET_MLX_PROGRESS_INTERVAL:-30}
+{ lscpu | grep -E 'Model name|^CPU\(s\)|Flags' | cut -c1-200; date -u; echo "args: ${args[*]}"; } > "$log"
+lock=(flock /work/wt/heavy.lock); [ -n "${NOLOCK:-}" ] && lock=()  # NOLOCK: the caller holds it
+"${lock[@]}" /usr/bin/time -v timeout "${LIMIT:-2400}" \
+  pocket-mlx convert "$src" "$out" --force "${args[@]}" >> "$log" 2>&1 || echo "exit $?" >> "$log"
+grep -E 'Maximum resident|Elapsed|wrote|exit|error' "$log" || true
+rm -rf "$out"

@@ -1,0 +1,120 @@
+"""`convert --resume`: a conversion killed with SIGKILL (real subprocess) in its search or in
+its writing continues where it stopped, and writes what an uninterrupted run writes.
+
+Slower than most (~30-60 s on 2 cores): six real conversions in subprocesses, four of them
+killed with a real SIGKILL at a chosen step (resume.DIE_ENV), which is what is under test."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from conftest import ROOT
+
+from pocket_mlx.config import weights_bytes
+from pocket_mlx.convert.resume import DIE_ENV, JOURNAL
+
+CALIB = [str(ROOT / "assets" / "text" / f"{d}.calib.txt") for d in ("en", "zh", "code")]
+
+
+def convert(src: Path, out: Path, *extra: str, die: str | None = None):
+    env = {**os.environ, "POCKET_MLX_PROGRESS_INTERVAL": "0"}
+    env.pop(DIE_ENV, None)
+    if die:
+        env[DIE_ENV] = die
+    return subprocess.run([sys.executable, "-m", "pocket_mlx", "convert", str(src), str(out),
+                           *extra], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=300)
+
+
+def tensors(folder: Path) -> dict[str, mx.array]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for f in sorted(set(index.values())):
+        out.update(mx.load(str(folder / f)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted auto --target-size build of a tiny checkpoint (3 domains, 2 shards)."""
+    from conftest import hf_weights, tiny_config, write_checkpoint
+
+    base = tmp_path_factory.mktemp("resume")
+    cfg = tiny_config(vocab_size=8192, layer_types=["linear_attention", "full_attention"])
+    src = write_checkpoint(base / "src", cfg, hf_weights(cfg, 0))
+    target = str(int(weights_bytes(src) // 2 * 0.3))
+    args = ("--recipe", "auto", "--target-size", target, "--calib", CALIB[0], "--calib",
+            CALIB[1], "--calib", CALIB[2], "--calib-tokens", "48", "--dtype", "bfloat16",
+            "--rounding", "rtn", "--shard-size-gb", str(0.5 / 1024))
+    ref = base / "ref"
+    r = convert(src, ref, *args)
+    assert r.returncode == 0, r.stderr
+    return src, args, ref
+
+
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, reference):
+    """Killed in the per-group measurements, resumed and killed again in the candidate
+    builds, resumed and killed again in the writing, resumed to the end: the same safetensors
+    files, byte for byte, as the uninterrupted run, and one temporary folder all along."""
+    src, args, ref = reference
+    out = tmp_path / "out"
+    resume: tuple[str, ...] = ()
+    groups = 0
+    for die in ("measure:7", "search:2", "write:3"):
+        r = convert(src, out, *args, *resume, die=die)
+        assert r.returncode == -signal.SIGKILL, r.stderr
+        assert not out.exists()
+        (left,) = tmp_path.glob(".out.tmp-*")
+        journal = json.loads((left / JOURNAL).read_text())
+        step, n = die.split(":")
+        if step == "measure":
+            assert len(journal["budget"]["kl"]) == int(n) and not journal["budget"]["tried"]
+            groups = int(re.search(r"measure: 1/(\d+) group", r.stderr).group(1))
+        elif step == "search":
+            assert len(journal["budget"]["tried"]) == int(n)
+            # the 7 measurements done came from the journal
+            assert f"measure: 1/{groups - 7} group" in r.stderr
+        else:
+            assert journal["write"]["units"] == int(n)
+            assert list(left.glob(".shard-*.safetensors"))
+            assert "measure:" not in r.stderr  # all came from the journal
+        if resume:
+            assert f"resuming {left.name}" in r.stdout
+        resume = ("--resume",)
+    r = convert(src, out, *args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert f"resuming {left.name}" in r.stdout and "3 write units done" in r.stdout
+    assert not list(tmp_path.glob(".out.tmp-*"))  # renamed into place, no second copy
+    assert not (out / JOURNAL).exists()
+    a, b = tensors(ref), tensors(out)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]).item(), k
+    assert (json.loads((out / "pocket.json").read_text())["auto"]["candidates"]
+            == json.loads((ref / "pocket.json").read_text())["auto"]["candidates"])
+    shards = sorted(f.name for f in ref.glob("*.safetensors"))
+    assert len(shards) > 1 and shards == sorted(f.name for f in out.glob("*.safetensors"))
+    for name in shards:  # byte for byte, headers included
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+def test_resume_ignores_a_run_of_other_options(tmp_path, reference):
+    """The journal's fingerprint differs: the dead folder is not taken over, but cleared."""
+    src = reference[0]
+    out = tmp_path / "out"
+    base = ("--recipe", "pocket-2bit", "--shard-size-gb", str(0.5 / 1024))
+    assert convert(src, out, *base, die="write:2").returncode == -signal.SIGKILL
+    assert len(list(tmp_path.glob(".out.tmp-*"))) == 1
+    r = convert(src, out, "--recipe", "uniform-4", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "no interrupted run of this command" in r.stdout
+    assert not list(tmp_path.glob(".out.tmp-*"))
+    assert json.loads((out / "pocket.json").read_text())["recipe"]["name"] == "uniform-4"
