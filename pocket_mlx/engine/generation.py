@@ -194,7 +194,7 @@ def generate_step(
     if fed is not None:
         fed.extend(ids)
 
-    # A distributed run (engine/distributed.py): every rank takes rank 0's token.
+    # A distributed run (engine/distributed/): every rank takes rank 0's token.
     share = getattr(model, "share_token", None)
 
     def step(tokens: mx.array) -> tuple[mx.array, mx.array]:

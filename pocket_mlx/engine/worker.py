@@ -6,7 +6,7 @@ model's caches and the `mx.random` state are not safe to share between threads. 
 (cli/serve.py `follow`) each load the model on one thread and do all its work there; the
 other threads hand it jobs through `put` and hear back through their own channels.
 
-Under `--distributed` (engine/distributed.py) the worker also keeps the ranks in step: loading
+Under `--distributed` (engine/distributed/) the worker also keeps the ranks in step: loading
 waits for every rank (`Lockstep.ready`), a worker with no job tells the others on each beat
 (`Lockstep.idle`), and its end tells them to stop (`Lockstep.finish`).
 """

@@ -22,7 +22,7 @@ Prompt cache: engine/prompt_cache.py's store (built once the model is loaded, fr
 prefix of a prompt, `store` keeps the cache after a reply; `cached_tokens` in the usage is
 what `fetch` returned. `NoPromptCache` when it is off.
 
-Distributed (`serve --distributed`, engine/distributed.py): `distributed` is rank 0's
+Distributed (`serve --distributed`, engine/distributed/): `distributed` is rank 0's
 `Lockstep`; loading takes this rank's share, each reply runs on every rank at once (from this
 thread, which owns the generation stream: engine/batch.py's `decode_lockstep`, whose events
 are handled as the batch's), and stopping tells the other ranks to end. No prompt cache then (each reply starts from a fresh cache on every rank).
@@ -65,7 +65,7 @@ from pocket_mlx.server.metrics import Metrics
 from pocket_mlx.server.prompts import encode_request
 from pocket_mlx.server.requests import ApiError, GenRequest
 from pocket_mlx.system.host import total_ram_bytes
-from pocket_mlx.system.memory import release_free_memory, wired_limit
+from pocket_mlx.system.memory import release_free_memory, resident_bytes, wired_limit
 from pocket_mlx.system.wired import planned_context, serve_ram_bytes
 
 
@@ -148,7 +148,6 @@ class Engine:
         self.device = self.model.device
         weights = model_weight_stats(self.model)
         self.context, self.context_source = self._window(self._path, weights.bytes_total)
-        self.metrics.planned_ram_bytes = self._planned_ram(self._path, weights.bytes_total)
         self.metrics.bytes_per_token = weights.bytes_per_token
         if self._store_args:
             store = open_store(self.model, *self._store_args)  # (empty: len() is 0)
@@ -156,12 +155,18 @@ class Engine:
                 self.prompt_cache = store
         use_device(self.model, self.device)
         release_free_memory()  # what loading freed (unfused projections, file buffers)
+        # The planner's figure plus what this process holds besides the weights once loaded
+        # (Python, MLX, the tokenizer, the web server), measured here rather than guessed.
+        rss = resident_bytes()
+        base = max(0, rss - weights.bytes_total) if rss is not None else 0
+        self.metrics.planned_ram_bytes = self._planned_ram(self._path, weights.bytes_total) + base
         return weights.bytes_total
 
     def _planned_ram(self, path: Path, weight_bytes: int) -> int:
         """What the memory planner says this server holds with one sequence at a full window
         (system/wired.py `serve_ram_bytes`: the weights as loaded, the cache, the prompt
-        cache's share), for /metrics: compared with the measured peak by bench_serve.py."""
+        cache's share), for /metrics (with the process's own base added by the caller):
+        compared with the measured peak by bench_serve.py."""
         config = read_config(path)
         act = policy_dtype(self.device) or checkpoint_dtype(config)
         budget = (self._store_args[0] << 20) if self._store_args else 0

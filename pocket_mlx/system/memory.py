@@ -7,6 +7,8 @@ CPU is the default (pocket-mlx keeps a stream per device), that dict has no
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -122,3 +124,22 @@ def release_free_memory() -> None:
     planner counts (live arrays). Called by `serve` after each prefill chunk; a few ms."""
     if _TRIM is not None:
         _TRIM()
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux: /proc/self/statm), else its peak so far
+    (`getrusage`, bytes on macOS); None where neither is known. Why: what the process holds
+    besides its arrays (Python, MLX, the tokenizer, the web server) is measured, not guessed,
+    when `serve` reports its planned memory."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (ImportError, OSError):
+        return None
+    return peak if sys.platform == "darwin" else peak * 1024
