@@ -132,7 +132,6 @@ class _Seq:
         self.t_first: float | None = None
         self.t_prev = 0.0
         self.prefilled = 0  # prompt tokens fed so far (past the cached prefix)
-        self.prefill_s = 0.0  # engine time in this prompt's chunks
         # Positions past the cached prefix where prefill stops a chunk and stores a snapshot.
         self.points = deque(snapshot_points(len(ids), boundaries, n_cached))
 
@@ -258,7 +257,6 @@ class BatchDecoder:
     @staticmethod
     def _prefilled(s: _Seq, n: int, seconds: float) -> Prefilled:
         s.prefilled += n
-        s.prefill_s += seconds
         return Prefilled(s.uid, n, seconds, s.n_cached + s.prefilled, len(s.ids), s.n_cached,
                          time.perf_counter() - s.t0)
 
