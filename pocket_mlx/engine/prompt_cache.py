@@ -199,6 +199,38 @@ def _join(states: list[LayerState], segments: list[_Segment]) -> list[LayerState
     return out
 
 
+# safetensors' names of the dtypes a cache holds.
+_ST_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
+
+
+def _save_streaming(path: Path, arrays: dict[str, mx.array], meta: dict[str, str]) -> None:
+    """A safetensors file of `arrays` (lazy ones welcome) evaluated and written one at a time.
+    Why not `mx.save_safetensors`: it holds every array evaluated at once, and a spilled
+    snapshot's KV layers are lazy joins of its shared segments, so a spill would make a whole
+    second copy of the snapshot (0.5 GiB at 12k tokens of the 35B shape) beside the first,
+    over what the memory planner counts. Here one layer's copy exists at a time (the layout
+    is computed from the shapes, known before evaluation). convert's ShardWriter does the
+    same for model shards, but sits a layer above (convert/) and writes an index."""
+    header: dict = {"__metadata__": meta}
+    start = 0
+    for name, a in arrays.items():
+        if a.dtype not in _ST_DTYPES:
+            raise ValueError(f"{name}: dtype {a.dtype} has no safetensors type")
+        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [start, start + a.nbytes]}
+        start += a.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name in list(arrays):
+            a = mx.contiguous(arrays.pop(name))  # dropped from the dict: freed once written
+            mx.eval(a)
+            f.write(memoryview(a))
+            del a
+
+
 def cache_offset(cache: list) -> int:
     return max((c.offset for c in cache), default=0)
 
@@ -598,10 +630,11 @@ class PromptCache:
                     arrays[f"{i}.{name}"] = a
         meta = {"format": FORMAT, "model": self.fingerprint, "dtype": e.dtype, "kind": e.kind,
                 "layers": json.dumps([[s.kind, s.offset] for s in states])}
+        del states  # the joined layers live in `arrays` only, each freed once written
         final = self._file(e)
         tmp = final.with_name(f"{final.stem}{_TMP}{os.getpid()}-{threading.get_ident()}{SUFFIX}")
         try:
-            mx.save_safetensors(str(tmp), arrays, metadata=meta)
+            _save_streaming(tmp, arrays, meta)
             os.replace(tmp, final)
         except (OSError, RuntimeError, ValueError) as err:
             log.warning("prompt cache: cannot write %s: %s", final, err)
