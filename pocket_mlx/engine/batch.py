@@ -35,7 +35,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from pocket_mlx.engine.generation import SamplingParams, StopText, cache_arrays
+from pocket_mlx.engine.generation import SamplingParams, StopText, prefill_chunk
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP
 from pocket_mlx.engine.sampling import processors_for, sample, sampler_for
 from pocket_mlx.engine.snapshot_points import chunk_size, snapshot_points
@@ -236,8 +236,7 @@ class BatchDecoder:
             n = chunk_size(pos, s.rest.size - 1, self.prefill_step,
                            s.points[0][0] if s.points else None)
             t = time.perf_counter()
-            self.model(s.rest[:n][None], cache=s.cache)
-            mx.eval([a for c in s.cache for a in cache_arrays(c)])
+            prefill_chunk(self.model, s.rest[:n], s.cache)
             s.rest = s.rest[n:]
             if s.points and s.points[0][0] == pos + n:
                 _, kind = s.points.popleft()

@@ -208,8 +208,7 @@ def generate_step(
         points = deque(points)
         while rest.size > 1:
             n = chunk_size(done, rest.size - 1, prefill_step, points[0][0] if points else None)
-            model(rest[:n][None], cache=cache)
-            mx.eval([a for c in cache for a in cache_arrays(c)])
+            prefill_chunk(model, rest[:n], cache)
             rest = rest[n:]
             done += n
             if points and points[0][0] == done:
@@ -436,6 +435,16 @@ class StopText:
         """Everything held back, at the end of a reply that no stop string cut."""
         tail, self.pending = self.pending + self.detok.flush(), ""
         return tail
+
+
+def prefill_chunk(model, tokens: mx.array, cache: list) -> None:
+    """Feed `tokens` (1-D) into `cache`, evaluated, their logits never computed: the model's
+    own `prefill` (one layer at a time, a bounded working set) where it has one."""
+    if (prefill := getattr(model, "prefill", None)) is not None:
+        prefill(tokens[None], cache)
+        return
+    model(tokens[None], cache=cache)
+    mx.eval([a for c in cache for a in cache_arrays(c)])
 
 
 def cache_arrays(c) -> list[mx.array]:
