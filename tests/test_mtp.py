@@ -60,6 +60,20 @@ def test_no_head_without_the_config_key(tmp_path, make_ckpt):
         model.mtp_logits(mx.zeros((1, 1, 128)), mx.zeros((1, 1), mx.int32))
 
 
+def test_declared_head_without_tensors_is_dropped(tmp_path):
+    """Qwen3.5 configs say mtp_num_hidden_layers: 1 even where the tensors are gone (stock
+    mlx-lm conversions): the model loads without a head, and convert writes none."""
+    cfg = tiny_config(mtp_num_hidden_layers=1)
+    weights = {k: v for k, v in hf_weights(cfg).items() if not k.startswith("mtp.")}
+    src = write_checkpoint(tmp_path / "src", cfg, weights)
+    model = load_model(src)
+    assert model.mtp is None and model.args.mtp_num_hidden_layers == 0
+    out = tmp_path / "out"
+    assert main(["convert", str(src), str(out), "--recipe", "pocket-2bit"]) == 0
+    assert "mtp_num_hidden_layers" not in json.loads((out / "config.json").read_text())
+    assert load_model(out).mtp is None
+
+
 def _rms(x, w, eps=1e-6):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1 + w)
 

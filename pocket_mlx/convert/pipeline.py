@@ -469,6 +469,8 @@ def convert(src: str, out: Path, opts: ConvertOptions,
                                   args.num_hidden_layers + args.mtp_num_hidden_layers,
                                   args.num_experts, opts.seed)
         text_cfg = text_config(config)
+        if source.mtp is None:  # none stored, whatever the config declares (Model.drop_mtp)
+            text_cfg.pop("mtp_num_hidden_layers", None)
         if kept is not None:
             text_cfg["num_experts"] = opts.prune_to
         target = build_model(mlx_config(text_cfg))

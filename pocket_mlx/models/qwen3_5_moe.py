@@ -679,4 +679,12 @@ class Model(nn.Module):
             out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([by_index[e] for e in range(n)])
         if self.args.tie_word_embeddings:
             out.pop("language_model.lm_head.weight", None)
+        if keep_mtp and not any(k.startswith("mtp.") for k in out):
+            self.drop_mtp()  # declared but not stored (stock mlx-lm conversions drop it)
         return out
+
+    def drop_mtp(self) -> None:
+        """Forget the MTP head: Qwen3.5 configs declare `mtp_num_hidden_layers: 1`, but a
+        checkpoint converted by stock mlx-lm (or transformers) holds none of its tensors."""
+        self.mtp = None
+        self.args.mtp_num_hidden_layers = 0
