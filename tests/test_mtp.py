@@ -159,6 +159,11 @@ def test_synthetic_head_runs_with_its_cache(tmp_path, exact_kernels):
                                rtol=1e-4, atol=1e-4)
     deeper, h2 = model.mtp_logits(h1[:, -1:], mx.argmax(whole[:, -1:], -1), cache, step=1)
     assert deeper.shape == (1, 1, 8192) and h2.shape == (1, 1, 128) and cache[0].offset == 6
+    # Fused projections (inference loads) cover the head's layer too, with the same output.
+    assert model.fuse_projections() == 4 + 4 + 2  # trunk: 4 mixers, 4 shared; the head: 2
+    assert "qkv_proj" in model.mtp.layers[0].self_attn
+    fused, _ = model.mtp_logits(hidden[:, :-1], x[:, 1:], model.make_mtp_cache())
+    np.testing.assert_allclose(np.array(fused), np.array(whole), rtol=1e-4, atol=1e-4)
 
 
 def test_convert_keeps_prunes_and_quantizes_the_head(tmp_path, exact_kernels):

@@ -595,7 +595,7 @@ class Model(nn.Module):
         before the next layer is fused, so the originals are freed as it goes (peak memory: one
         layer's projections more). Returns the number of groups fused."""
         count = 0
-        for layer in self.layers:
+        for layer in [*self.layers, *(self.mtp.layers if self.mtp is not None else [])]:
             mixer = layer.linear_attn if layer.is_linear else layer.self_attn
             fused = [f for m in (mixer, layer.mlp.shared_expert) if (f := fuse(m, *m.FUSED))]
             if evaluate:
