@@ -36,11 +36,15 @@ def test_head_loads_from_both_hugging_face_layouts(tmp_path, layout, wrapped):
     np.testing.assert_array_equal(np.array(mtp.fc.weight), w["mtp.fc.weight"])
     # (1 + w) norms are shifted as the trunk's are.
     for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        np.testing.assert_allclose(np.array(getattr(mtp, n).weight), 1 + w[f"mtp.{n}.weight"],
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            np.array(getattr(mtp, n).weight), 1 + w[f"mtp.{n}.weight"], rtol=1e-6
+        )
     layer = mtp.layers[0]
-    np.testing.assert_allclose(np.array(layer.input_layernorm.weight),
-                               1 + w["mtp.layers.0.input_layernorm.weight"], rtol=1e-6)
+    np.testing.assert_allclose(
+        np.array(layer.input_layernorm.weight),
+        1 + w["mtp.layers.0.input_layernorm.weight"],
+        rtol=1e-6,
+    )
     m = "mtp.layers.0.mlp.experts"
     if layout == "fused":
         gate = w[f"{m}.gate_up_proj"][:, :64]
@@ -90,12 +94,20 @@ def _reference(w: dict, cfg: dict, hidden: np.ndarray, token: int) -> np.ndarray
     """vLLM's Qwen3_5MultiTokenPredictor for one position with an empty cache (attention over
     the position itself: its value, gated), in float64 from the transformers tensors."""
     p = "mtp.layers.0"
-    nh, nkv, hd, k = (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
-                      cfg["num_experts_per_tok"])
+    nh, nkv, hd, k = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["num_experts_per_tok"],
+    )
     w = {n: v.astype(np.float64) for n, v in w.items()}
     e = w["model.embed_tokens.weight"][token]
-    x = np.concatenate([_rms(e, w["mtp.pre_fc_norm_embedding.weight"]),
-                        _rms(hidden, w["mtp.pre_fc_norm_hidden.weight"])])
+    x = np.concatenate(
+        [
+            _rms(e, w["mtp.pre_fc_norm_embedding.weight"]),
+            _rms(hidden, w["mtp.pre_fc_norm_hidden.weight"]),
+        ]
+    )
     x = w["mtp.fc.weight"] @ x
     a = _rms(x, w[f"{p}.input_layernorm.weight"])
     q = (w[f"{p}.self_attn.q_proj.weight"] @ a).reshape(nh, 2 * hd)
@@ -112,11 +124,15 @@ def _reference(w: dict, cfg: dict, hidden: np.ndarray, token: int) -> np.ndarray
     for j in top:
         g = w[f"{p}.mlp.experts.{j}.gate_proj.weight"] @ m
         u = w[f"{p}.mlp.experts.{j}.up_proj.weight"] @ m
-        moe += probs[j] / probs[top].sum() * (w[f"{p}.mlp.experts.{j}.down_proj.weight"]
-                                               @ (_silu(g) * u))
+        moe += (
+            probs[j]
+            / probs[top].sum()
+            * (w[f"{p}.mlp.experts.{j}.down_proj.weight"] @ (_silu(g) * u))
+        )
     s = f"{p}.mlp.shared_expert"
-    shared = w[f"{s}.down_proj.weight"] @ (_silu(w[f"{s}.gate_proj.weight"] @ m)
-                                           * (w[f"{s}.up_proj.weight"] @ m))
+    shared = w[f"{s}.down_proj.weight"] @ (
+        _silu(w[f"{s}.gate_proj.weight"] @ m) * (w[f"{s}.up_proj.weight"] @ m)
+    )
     x = x + moe + _sigmoid(w[f"{p}.mlp.shared_expert_gate.weight"] @ m) * shared
     return w["lm_head.weight"] @ _rms(x, w["mtp.norm.weight"])
 
@@ -126,12 +142,14 @@ def test_head_forward_matches_vllm_formula(tmp_path, exact_kernels):
     path, w = _ckpt(tmp_path, "per_expert", False)
     model = load_model(path, dtype="float32")
     hidden = np.random.default_rng(1).standard_normal(cfg["hidden_size"]).astype(np.float32)
-    logits, h = model.mtp_logits(mx.array(hidden)[None, None], mx.array([[17]]),
-                                 model.make_mtp_cache())
+    logits, h = model.mtp_logits(
+        mx.array(hidden)[None, None], mx.array([[17]]), model.make_mtp_cache()
+    )
     assert logits.shape == (1, 1, cfg["vocab_size"]) and h.shape == (1, 1, cfg["hidden_size"])
     want = _reference(w, cfg, hidden.astype(np.float64), 17)
-    np.testing.assert_allclose(np.array(logits[0, 0]), want, rtol=1e-4,
-                               atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(
+        np.array(logits[0, 0]), want, rtol=1e-4, atol=1e-4 * np.abs(want).max()
+    )
 
 
 def test_synthetic_head_runs_with_its_cache(tmp_path, exact_kernels):
@@ -140,23 +158,27 @@ def test_synthetic_head_runs_with_its_cache(tmp_path, exact_kernels):
     depth chains on the head's own hidden."""
     from pocket_mlx.convert import synthetic
 
-    model = load_model(synthetic.build("tiny-mtp", out=tmp_path / "s", progress=False),
-                       dtype="float32")
+    model = load_model(
+        synthetic.build("tiny-mtp", out=tmp_path / "s", progress=False), dtype="float32"
+    )
     x = mx.array([[5, 900, 31, 4000, 7, 66]])
     plain = model(x, model.make_cache())
     logits, hidden = model(x, model.make_cache(), return_hidden=True)
     assert hidden.shape == (1, 6, 128)
     np.testing.assert_array_equal(np.array(logits), np.array(plain))
-    np.testing.assert_allclose(np.array(model.language_model.logits(hidden)),
-                               np.array(logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(model.language_model.logits(hidden)), np.array(logits), rtol=1e-5, atol=1e-5
+    )
     cache = model.make_mtp_cache()
     whole, h1 = model.mtp_logits(hidden[:, :-1], x[:, 1:], cache)
     assert whole.shape == (1, 5, 8192) and cache[0].offset == 5
     step_cache = model.make_mtp_cache()
-    steps = [model.mtp_logits(hidden[:, t:t + 1], x[:, t + 1:t + 2], step_cache)[0]
-             for t in range(5)]
-    np.testing.assert_allclose(np.array(mx.concatenate(steps, axis=1)), np.array(whole),
-                               rtol=1e-4, atol=1e-4)
+    steps = [
+        model.mtp_logits(hidden[:, t : t + 1], x[:, t + 1 : t + 2], step_cache)[0] for t in range(5)
+    ]
+    np.testing.assert_allclose(
+        np.array(mx.concatenate(steps, axis=1)), np.array(whole), rtol=1e-4, atol=1e-4
+    )
     deeper, h2 = model.mtp_logits(h1[:, -1:], mx.argmax(whole[:, -1:], -1), cache, step=1)
     assert deeper.shape == (1, 1, 8192) and h2.shape == (1, 1, 128) and cache[0].offset == 6
     # Fused projections (inference loads) cover the head's layer too, with the same output.
@@ -174,8 +196,24 @@ def test_convert_keeps_prunes_and_quantizes_the_head(tmp_path, exact_kernels):
 
     src, _ = _ckpt(tmp_path, "per_expert", True, vocab_size=8192)
     out = tmp_path / "out"
-    assert main(["convert", str(src), str(out), "--recipe", "pocket-2bit", "--prune-to", "5",
-                 "--calib", str(CALIB), "--calib-tokens", "300"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(src),
+                str(out),
+                "--recipe",
+                "pocket-2bit",
+                "--prune-to",
+                "5",
+                "--calib",
+                str(CALIB),
+                "--calib-tokens",
+                "300",
+            ]
+        )
+        == 0
+    )
     cfg = json.loads((out / "config.json").read_text())
     q = cfg["quantization"]
     assert cfg["mtp_num_hidden_layers"] == 1
@@ -197,8 +235,7 @@ def test_convert_keeps_prunes_and_quantizes_the_head(tmp_path, exact_kernels):
     assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
     # The head's experts are the kept ones, in order: each written (2-bit) expert is nearest
     # to the source expert of its id.
-    src_w = np.array(load_model(src, dtype="float32").mtp.layers[0].mlp.switch_mlp.gate_proj
-                     .weight)
+    src_w = np.array(load_model(src, dtype="float32").mtp.layers[0].mlp.switch_mlp.gate_proj.weight)
     sw = load_model(out, dtype="float32").mtp.layers[0].mlp.switch_mlp.gate_proj
     got = np.array(mx.dequantize(sw.weight, sw.scales, sw.biases, sw.group_size, sw.bits))
     dist = ((got[:, None] - src_w[None]) ** 2).sum(axis=(-1, -2))
@@ -207,12 +244,20 @@ def test_convert_keeps_prunes_and_quantizes_the_head(tmp_path, exact_kernels):
 
 def test_info_reports_the_head(tmp_path):
     src, w = _ckpt(tmp_path, "fused", False)
-    run = subprocess.run([sys.executable, "-m", "pocket_mlx", "info", "--model", str(src),
-                          "--json"], capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "pocket_mlx", "info", "--model", str(src), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     d = json.loads(run.stdout)
     want = sum(v.nbytes for k, v in w.items() if k.startswith("mtp."))
     assert d["mtp"] == {"layers": 1, "bytes": want}
     assert d["quantization"]["mtp"]["bytes_per_token"] == 0
-    text = subprocess.run([sys.executable, "-m", "pocket_mlx", "info", "--model",
-                           "synthetic:tiny"], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "pocket_mlx", "info", "--model", "synthetic:tiny"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "mtp head         no" in text
