@@ -186,6 +186,9 @@ def test_synthetic_head_runs_with_its_cache(tmp_path, exact_kernels):
     assert "qkv_proj" in model.mtp.layers[0].self_attn
     fused, _ = model.mtp_logits(hidden[:, :-1], x[:, 1:], model.make_mtp_cache())
     np.testing.assert_allclose(np.array(fused), np.array(whole), rtol=1e-4, atol=1e-4)
+    # Distributed runs do not draft: sharding drops the head.
+    model.shard_experts(mx.distributed.init())
+    assert model.mtp is None and "mtp" not in model
 
 
 def test_convert_keeps_prunes_and_quantizes_the_head(tmp_path, exact_kernels):

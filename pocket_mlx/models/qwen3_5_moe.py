@@ -605,13 +605,16 @@ class Model(nn.Module):
 
     def pipeline(self, group: mx.distributed.Group, ranges: list[tuple[int, int]]) -> None:
         """Keep only this rank's layers, `ranges[group.rank()]` (engine/distributed/ decides
-        them; see models/parallel.py): before anything is evaluated, so the rest is never read."""
+        them; see models/parallel.py): before anything is evaluated, so the rest is never read.
+        The MTP head is dropped: distributed runs do not draft."""
+        self.drop_mtp()
         self.language_model.pipeline(group, ranges)
 
     def shard_experts(self, group: mx.distributed.Group, loaded: bool = False) -> None:
         """Keep this rank's even block of every layer's routed experts (`loaded`: the weights
         are a per-rank shard holding that block already); rank i mod N computes layer i's
-        shared expert. See models/parallel.py."""
+        shared expert. See models/parallel.py. The MTP head is dropped (no drafting)."""
+        self.drop_mtp()
         rank, size = group.rank(), group.size()
         lo, hi = split_evenly(self.args.num_experts, size, rank)
         for i, layer in enumerate(self.layers):
