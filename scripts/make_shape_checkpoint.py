@@ -8,8 +8,8 @@ shared_expert_gate, Gated DeltaNet and full-attention layers in the real 3:1 ord
 shapes (embeddings 248320 x 2048, 256 experts of 512 x 2048, ...), transformers' conventions
 (zero-centred norms applied as 1 + w, conv1d as [C, 1, K]), bf16, sharded with
 `model.safetensors.index.json`, and the bundled tokenizer (assets/pocket-tiny: 8192 ids, which
-the real 248320-row embeddings cover). The vision tower and the MTP head are left out (convert
-drops them). Only the first N layers are written (`--layers`), so slices of 2, 4, 8 layers
+the real 248320-row embeddings cover). The vision tower is left out (convert drops it); the
+MTP head (`mtp.*`, with `mtp_num_hidden_layers: 1`) only with --mtp. Only the first N layers are written (`--layers`), so slices of 2, 4, 8 layers
 measure what grows with depth.
 
 Memory: one tensor at a time (the largest: the embeddings, 1 GB in bf16) plus MLX's buffers;
@@ -70,9 +70,12 @@ TINY_DIMS = {
 }
 
 
-def text_config(layers: int, experts: int | None, tiny: bool = False) -> dict:
-    """The text config of an N-layer slice: layer types in the real 3:1 order."""
+def text_config(layers: int, experts: int | None, tiny: bool = False, mtp: bool = False) -> dict:
+    """The text config of an N-layer slice: layer types in the real 3:1 order; `mtp`: with
+    the real checkpoint's one-layer multi-token-prediction head."""
     cfg = {**TEXT_35B, **(TINY_DIMS if tiny else {})}
+    if mtp:
+        cfg["mtp_num_hidden_layers"] = 1
     cfg["num_hidden_layers"] = layers
     cfg["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
                           for i in range(layers)]
@@ -99,10 +102,8 @@ def tensor_specs(cfg: dict) -> Iterator[tuple[str, tuple[int, ...], str]]:
     E, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
     S = cfg["shared_expert_intermediate_size"]
     conv_dim = 2 * kh * kd + vh * vd
-    base = "model.language_model"
-    yield f"{base}.embed_tokens.weight", (V, H), "emb"
-    for i, t in enumerate(cfg["layer_types"]):
-        p = f"{base}.layers.{i}"
+
+    def layer(p: str, t: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
         yield f"{p}.input_layernorm.weight", (H,), "norm"
         if t == "linear_attention":
             a = f"{p}.linear_attn"
@@ -134,8 +135,21 @@ def tensor_specs(cfg: dict) -> Iterator[tuple[str, tuple[int, ...], str]]:
         yield f"{m}.shared_expert.up_proj.weight", (S, H), "w"
         yield f"{m}.shared_expert_gate.weight", (1, H), "w"
         yield f"{p}.post_attention_layernorm.weight", (H,), "norm"
+
+    base = "model.language_model"
+    yield f"{base}.embed_tokens.weight", (V, H), "emb"
+    for i, t in enumerate(cfg["layer_types"]):
+        yield from layer(f"{base}.layers.{i}", t)
     yield f"{base}.norm.weight", (H,), "norm"
     yield "lm_head.weight", (V, H), "w"
+    # The multi-token-prediction head, named as Qwen3.5 ships it (top-level `mtp.*`).
+    if n := cfg.get("mtp_num_hidden_layers", 0):
+        yield "mtp.fc.weight", (H, 2 * H), "w"
+        for i in range(n):
+            yield from layer(f"mtp.layers.{i}", "full_attention")
+        yield "mtp.norm.weight", (H,), "norm"
+        yield "mtp.pre_fc_norm_embedding.weight", (H,), "norm"
+        yield "mtp.pre_fc_norm_hidden.weight", (H,), "norm"
 
 
 def values(shape: tuple[int, ...], kind: str, key: mx.array) -> mx.array:
@@ -196,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-size-gb", type=float, default=4.0,
                     help="largest shard (default 4 GB, as the hub's shards are about)")
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    ap.add_argument("--mtp", action="store_true",
+                    help="also write the multi-token-prediction head (mtp.*), as the real has")
     ap.add_argument("--tiny-dims", action="store_true", help=argparse.SUPPRESS)  # tests only
     a = ap.parse_args(argv)
     try:
@@ -205,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             raise PocketError(f"--experts must be 2 or more, got {a.experts}")
         if a.shard_size_gb <= 0:
             raise PocketError(f"--shard-size-gb must be positive, got {a.shard_size_gb:g}")
-        cfg = text_config(a.layers, a.experts, a.tiny_dims)
+        cfg = text_config(a.layers, a.experts, a.tiny_dims, a.mtp)
         r = write(a.out, cfg, a.seed, int(a.shard_size_gb * (1 << 30)), a.force)
     except PocketError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -66,8 +66,8 @@ def hf_weights(cfg: dict, seed: int = 0, layout: str = "per_expert") -> dict[str
     out = {"model.embed_tokens.weight": w(V, H, scale=0.5), "model.norm.weight": w(H, scale=0.1)}
     if not cfg.get("tie_word_embeddings"):
         out["lm_head.weight"] = w(V, H)
-    for i, t in enumerate(cfg["layer_types"]):
-        p = f"model.layers.{i}"
+
+    def layer(p: str, t: str) -> None:
         out[f"{p}.input_layernorm.weight"] = w(H, scale=0.1)
         out[f"{p}.post_attention_layernorm.weight"] = w(H, scale=0.1)
         if t == "linear_attention":
@@ -103,6 +103,15 @@ def hf_weights(cfg: dict, seed: int = 0, layout: str = "per_expert") -> dict[str
                 out[f"{m}.experts.{e}.gate_proj.weight"] = gate[e]
                 out[f"{m}.experts.{e}.up_proj.weight"] = up[e]
                 out[f"{m}.experts.{e}.down_proj.weight"] = down[e]
+
+    for i, t in enumerate(cfg["layer_types"]):
+        layer(f"model.layers.{i}", t)
+    if cfg.get("mtp_num_hidden_layers"):  # Qwen3.5's multi-token-prediction head
+        out["mtp.fc.weight"] = w(H, 2 * H)
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            out[f"mtp.{n}.weight"] = w(H, scale=0.1)
+        for i in range(cfg["mtp_num_hidden_layers"]):
+            layer(f"mtp.layers.{i}", "full_attention")
     return out
 
 
@@ -116,7 +125,8 @@ def write_checkpoint(folder: Path, cfg: dict, weights: dict[str, np.ndarray], *,
         weights = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
                    for k, v in weights.items()}
         weights["model.visual.patch_embed.weight"] = np.zeros((4, 4), np.float32)
-        weights["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
+        if not cfg.get("mtp_num_hidden_layers"):  # a stray head the config does not declare
+            weights["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
     else:
         config = cfg
     (folder / "config.json").write_text(json.dumps(config))

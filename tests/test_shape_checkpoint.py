@@ -42,11 +42,12 @@ def test_full_shape_is_the_35b():
 
 
 def test_slice_is_sharded_and_converts(tmp_path):
-    """--layers 2 --experts 4 at toy widths, in 3+ shards: an index covering every tensor,
-    bf16 throughout; `pocket-mlx convert` reads it and writes a model with 4 experts a layer."""
+    """--layers 2 --experts 4 --mtp at toy widths, in 3+ shards: an index covering every
+    tensor, bf16 throughout; `pocket-mlx convert` reads it and writes a model with 4 experts a
+    layer and the MTP head."""
     out = tmp_path / "slice"
     r = subprocess.run([sys.executable, str(SCRIPT), str(out), "--layers", "2", "--experts",
-                        "4", "--tiny-dims", "--shard-size-gb", str(1 / 1024)],
+                        "4", "--tiny-dims", "--shard-size-gb", str(1 / 1024), "--mtp"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
@@ -69,7 +70,10 @@ def test_slice_is_sharded_and_converts(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pocket_mlx", "convert", str(out), str(conv),
                         "--recipe", "pocket-2bit"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert json.loads((conv / "config.json").read_text())["num_experts"] == 4
+    conv_cfg = json.loads((conv / "config.json").read_text())
+    assert conv_cfg["num_experts"] == 4 and conv_cfg["mtp_num_hidden_layers"] == 1
+    assert "mtp.layers.0.mlp.experts.3.up_proj.weight" in got
+    assert conv_cfg["quantization"]["mtp.layers.0.mlp.switch_mlp.up_proj"]["bits"] == 2
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):

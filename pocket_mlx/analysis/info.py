@@ -31,7 +31,7 @@ from pocket_mlx.engine.devices import policy_dtype, resolve_device
 from pocket_mlx.engine.loader import load_model, resolve_model_path
 from pocket_mlx.engine.params import PROMPT_CACHE_MB
 from pocket_mlx.errors import PocketError
-from pocket_mlx.models.accounting import module_costs, weight_stats
+from pocket_mlx.models.accounting import is_mtp, module_costs, mtp_bytes, weight_stats
 from pocket_mlx.system import chips
 from pocket_mlx.system.host import get_platform
 from pocket_mlx.system.wired import (
@@ -43,7 +43,7 @@ from pocket_mlx.system.wired import (
 from pocket_mlx.units import GB, bandwidth, count, size
 
 FAMILIES = ("experts", "router", "attention", "linear_attention", "shared_expert", "embeddings",
-            "lm_head", "other")
+            "lm_head", "other", "mtp")
 
 
 @dataclass
@@ -90,7 +90,10 @@ def open_source(model: str | None) -> Source:
 
 
 def family(path: str) -> str:
-    """The recipes' module family, routers and embeddings grouped as `info` reports them."""
+    """The recipes' module family, routers and embeddings grouped as `info` reports them; the
+    multi-token-prediction head is a family of its own (read only when it drafts)."""
+    if is_mtp(path):
+        return "mtp"
     f = recipe_family(path)
     return {"shared_expert_gate": "router", "embed_tokens": "embeddings"}.get(f, f)
 
@@ -182,6 +185,9 @@ def describe(model: str | None = None, context: int | None = None,
         "experts_per_layer": stats.experts_per_layer,
         "experts_original": int(src.meta.get("original_num_experts") or stats.experts_per_layer),
         "top_k": stats.top_k,
+        # Qwen3.5's multi-token-prediction head (speculative decoding's drafter), or None.
+        "mtp": ({"layers": args.mtp_num_hidden_layers, "bytes": mtp_bytes(src.model)}
+                if args.mtp_num_hidden_layers else None),
         "recipe": recipe_label(src.config, src.meta),
         "quantization": quant_summary(src.model),
         "size_bytes": size_bytes,
@@ -238,6 +244,8 @@ def format_text(d: dict) -> str:
         f"experts          {d['experts_per_layer']} per layer (of {d['experts_original']} "
         f"originally), top-{d['top_k']}",
         f"recipe           {d['recipe']}",
+        "mtp head         " + (f"yes: {d['mtp']['layers']} layer(s), {size(d['mtp']['bytes'])} "
+                               "(read only when drafting)" if d.get("mtp") else "no"),
         "quantization     family            bits     params     stored  read/token",
     ]
     for fam, q in d["quantization"].items():

@@ -54,6 +54,9 @@ BUDGET_SPECS = tuple(sorted(
     [Spec(b) for b in (1, 2, 3, 4, 6, 8)] + [Spec(b, 128) for b in (1, 2, 3, 4)],
     key=lambda s: s.bits + 32 / s.group_size))
 ROUTER_SPEC = Spec(8)  # routers and shared-expert gates: tiny, and quality collapses below 8
+# The MTP head (mtp.*) is not measured (the trunk's output does not see it): its bytes count in
+# the budget at 4 bits (routers 8), the attention bits of the built-in recipes.
+MTP_SPEC = Spec(4)
 PRUNE_FRACTIONS = (1.0, 0.875, 0.75, 0.625, 0.5)  # below half, quality falls off (measured)
 
 
@@ -354,8 +357,9 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
     args = model.args
     E, top_k, L = args.num_experts, args.num_experts_per_tok, args.num_hidden_layers
     paths = [p for p, m in model.named_modules() if hasattr(m, "to_quantized")]
-    fixed = {p: ROUTER_SPEC for p in paths if is_router(p)}
-    units = [p for p in paths if not is_router(p)]
+    fixed = {p: ROUTER_SPEC if is_router(p) else MTP_SPEC for p in paths
+             if is_router(p) or p.startswith("mtp.")}
+    units = [p for p in paths if p not in fixed]
     lowest = check_target(sizer, target, top_k)
     feasible = [k for k, b in lowest.items() if b <= target]
     groups = _groups(units)

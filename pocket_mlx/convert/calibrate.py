@@ -69,15 +69,21 @@ def collect_stats(model, chunks: list[list[int]], progress: bool = True,
                   sources: list[int] | None = None) -> ExpertStats:
     """Run the windows through a (lazily loaded) model layer by layer, observing each MoE
     block. The model's layers are dropped as they are done: do not use it afterwards.
-    `sources`: the calibration file of each window, for per-file statistics (reap-max)."""
+    `sources`: the calibration file of each window, for per-file statistics (reap-max).
+    A model with an MTP head gets one more row per head layer (row L + i: `mtp.layers.i`),
+    observed as the head runs in drafting: on the trunk's post-norm hidden at t and the
+    window's token t+1 (layer i > 0 on layer i-1's output and token t+1+i)."""
     if not chunks:
         raise PocketError("no calibration text")
     lm = model.language_model
     layers = lm.model.layers
-    stats = ExpertStats(len(layers), model.args.num_experts)
+    mtp = getattr(model, "mtp", None)
+    n_mtp = len(mtp.layers) if mtp is not None else 0
+    stats = ExpertStats(len(layers) + n_mtp, model.args.num_experts)
     stats.tokens = sum(len(c) for c in chunks)
     if sources is not None:
-        stats.by_source = np.zeros((max(sources) + 1, len(layers), model.args.num_experts))
+        stats.by_source = np.zeros((max(sources) + 1, len(layers) + n_mtp,
+                                    model.args.num_experts))
     hs = []
     for c in chunks:
         h = lm.model.embed_tokens(mx.array(c, mx.int32)[None])
@@ -94,7 +100,28 @@ def collect_stats(model, chunks: list[list[int]], progress: bool = True,
         layer.mlp.observer = None
         layers[i] = None  # drop this layer's weights
         del layer
+    if n_mtp:
+        _observe_mtp(model, chunks, hs, stats, len(layers), sources)
     return stats
+
+
+def _observe_mtp(model, chunks: list[list[int]], hs: list[mx.array], stats: ExpertStats,
+                 first_row: int, sources: list[int] | None) -> None:
+    """REAP statistics of the MTP head's MoE blocks (rows first_row + i), from the trunk's
+    final hidden states `hs` (pre-norm) of each window."""
+    lm, mtp = model.language_model, model.mtp
+    hs = [lm.model.norm(h) for h in hs]
+    for i, layer in enumerate(mtp.layers):
+        layer.mlp.observer = stats.observer(first_row + i)
+        for j, (c, h) in enumerate(zip(chunks, hs)):
+            toks = c[i + 1:]
+            if not toks:
+                continue
+            stats.source = sources[j] if sources is not None else 0
+            emb = lm.model.embed_tokens(mx.array(toks, mx.int32)[None])
+            hs[j] = mtp(h[:, :len(toks)], emb, None, step=i)
+            mx.eval(hs[j])
+        layer.mlp.observer = None
 
 
 # ---- `--recipe auto`: spend a bit budget where it lowers the output error most -------------------
@@ -109,8 +136,8 @@ def _groups(model) -> dict[str, list[str]]:
     for path, m in model.named_modules():
         if not hasattr(m, "to_quantized"):
             continue
-        if path.endswith(("mlp.gate", "shared_expert_gate")):
-            continue
+        if path.endswith(("mlp.gate", "shared_expert_gate")) or path.startswith("mtp."):
+            continue  # the MTP head: not seen by the logits measured; see auto_recipe
         parts = path.split(".")
         if "layers" in parts:
             i = parts[parts.index("layers") + 1]
@@ -187,6 +214,13 @@ def auto_recipe(model, chunks: list[list[int]], target_bpw: float, progress: boo
     rules = [glob_rule("*.mlp.gate", Spec(8)), glob_rule("*.shared_expert_gate", Spec(8))]
     for g, ps in groups.items():
         rules += [glob_rule(p, Spec(bits[g])) for p in ps]
+    if getattr(model, "mtp", None) is not None:
+        # The MTP head, which the logits measured here do not see: its experts at the widest
+        # bits any layer's experts got, the rest at the widest dense bits.
+        top = {f: max((bits[g] for g in groups if g.endswith(f)), default=4)
+               for f in (".experts", ".dense")}
+        rules += [glob_rule("mtp.*.switch_mlp.*", Spec(top[".experts"])),
+                  glob_rule("mtp.*", Spec(top[".dense"]))]
     recipe = Recipe(f"auto-{target_bpw:g}", rules, default=Spec(4))
     return recipe, {g: {"bits": bits[g], "kl": {b: round(kl[(g, b)], 5) for b in AUTO_BITS}}
                     for g in groups}

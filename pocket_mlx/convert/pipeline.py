@@ -71,6 +71,7 @@ from pocket_mlx.units import size
 from pocket_mlx.version import __version__
 
 _LAYER = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -100,10 +101,25 @@ class ConvertResult:
 
 
 def _unit(key: str, num_layers: int) -> int:
-    """Write order: embeddings (0), layers (1..L), then the final norm and lm_head (L+1)."""
+    """Write order: embeddings (0), layers (1..L), then the final norm and lm_head (L+1),
+    then the MTP head, if any (L+2)."""
     if m := _LAYER.match(key):
         return int(m.group(1)) + 1
+    if key.startswith("mtp."):
+        return num_layers + 2
     return 0 if ".embed_tokens." in key else num_layers + 1
+
+
+def _kept_of(path: str, kept: list[list[int]] | None, num_layers: int) -> list[int] | None:
+    """The kept experts of the layer a module belongs to: `kept` lists the trunk's layers,
+    then the MTP head's (`mtp.layers.i` is row num_layers + i; see calibrate.collect_stats)."""
+    if kept is None:
+        return None
+    if m := _LAYER.match(path):
+        return kept[int(m.group(1))]
+    if (m := _MTP_LAYER.match(path)) and num_layers + int(m.group(1)) < len(kept):
+        return kept[num_layers + int(m.group(1))]
+    return None
 
 
 def _source_spec(path: str, quant: dict | None, weights: dict) -> Spec | None:
@@ -209,14 +225,18 @@ def converted_tensors(weights: dict[str, mx.array], specs: dict[str, Spec | None
     for n, u in enumerate(progress_bar(order[done_units:], desc="quantize+write", unit="layer",
                                        enabled=progress), done_units):
         tensors = {k: weights.pop(k) for k in units[u]}
-        if kept is not None and 1 <= u <= num_layers:
-            tensors = slice_layer(tensors, f"language_model.model.layers.{u - 1}", kept[u - 1])
+        if kept is not None:
+            for prefix in sorted({m.group(0)[:-1] for k in tensors
+                                  if (m := _LAYER.match(k) or _MTP_LAYER.match(k))}):
+                if (ids := _kept_of(prefix + ".", kept, num_layers)) is not None:
+                    tensors = slice_layer(tensors, prefix, ids)
         out: dict[str, mx.array] = {}
         for path in sorted({k.rsplit(".", 1)[0] for k in tensors}):
             if path in specs and f"{path}.weight" in tensors:
                 inp = inputs.get(path)
-                if inp is not None and kept is not None and ".switch_mlp." in path:
-                    inp = select_inputs(inp, kept[u - 1])
+                ids = _kept_of(path, kept, num_layers)
+                if inp is not None and ids is not None and ".switch_mlp." in path:
+                    inp = select_inputs(inp, ids)
                 out.update(_convert_module(tensors, path, src_specs[path], specs[path], dtype,
                                            rounding, inp))
         for k, v in tensors.items():  # norms, conv1d, A_log, dt_bias, biases
@@ -445,9 +465,12 @@ def convert(src: str, out: Path, opts: ConvertOptions,
                         raise PocketError(f"calibration file {f} is empty")
                 stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
                                                          opts.calib_tokens, opts.progress)
-            kept = select_experts(stats, opts.prune_to, opts.criterion, args.num_hidden_layers,
+            kept = select_experts(stats, opts.prune_to, opts.criterion,
+                                  args.num_hidden_layers + args.mtp_num_hidden_layers,
                                   args.num_experts, opts.seed)
         text_cfg = text_config(config)
+        if source.mtp is None:  # none stored, whatever the config declares (Model.drop_mtp)
+            text_cfg.pop("mtp_num_hidden_layers", None)
         if kept is not None:
             text_cfg["num_experts"] = opts.prune_to
         target = build_model(mlx_config(text_cfg))

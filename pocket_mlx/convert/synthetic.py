@@ -63,6 +63,8 @@ SHAPES: dict[str, dict] = {
     "pocket-35b": _QWEN35_35B,
     "pocket-35b-e128": {**_QWEN35_35B, "num_experts": 128},
     "tiny": _TINY,
+    # tiny with Qwen3.5's multi-token-prediction head (`mtp.*`), for the head's tests.
+    "tiny-mtp": {**_TINY, "mtp_num_hidden_layers": 1},
 }
 
 

@@ -56,8 +56,25 @@ class ModuleCost:
     bytes_per_token: int  # read per decoded token
 
 
+def is_mtp(path: str) -> bool:
+    """A module of the multi-token-prediction head: read only when it drafts, so it counts in
+    the totals but not per plain-decoded token."""
+    return path == "mtp" or path.startswith("mtp.")
+
+
 def module_costs(model: nn.Module) -> list[ModuleCost]:
     """Every module that holds arrays, with its parameters and bytes, total and per token."""
+    out = [c if not is_mtp(c.path) else ModuleCost(c.path, c.module, c.params, 0, c.bytes, 0)
+           for c in _module_costs(model)]
+    return out
+
+
+def mtp_bytes(model: nn.Module) -> int:
+    """Bytes of the multi-token-prediction head as stored (0 without one)."""
+    return sum(c.bytes for c in _module_costs(model) if is_mtp(c.path))
+
+
+def _module_costs(model: nn.Module) -> list[ModuleCost]:
     args = model.args
     top_k = args.num_experts_per_tok
     out = []

@@ -35,6 +35,7 @@ from pocket_mlx.models.layers import Embedding, Linear, RMSNorm, SwitchGLU, comb
 from pocket_mlx.models.parallel import ExpertParallelMixin, PipelineMixin, split_evenly
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+_MAY_BE_ZERO = ("mtp_num_hidden_layers",)
 
 
 @dataclass
@@ -64,15 +65,19 @@ class ModelArgs:
     full_attention_interval: int = 4
     rope_theta: float = 10_000_000.0
     partial_rotary_factor: float = 0.25
+    # The multi-token-prediction head (`mtp.*`): 0 when the checkpoint has none.
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self):
         # A hand-edited config may hold anything: sizes must be positive integers, rates and
         # factors finite numbers, before any of them is used to build a layer.
         for name, f in self.__dataclass_fields__.items():
             value = getattr(self, name)
+            least = 0 if name in _MAY_BE_ZERO else 1
             if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)
-                                    or value < 1):
-                raise PocketError(f"config: {name} must be a positive integer, got {value!r}")
+                                    or value < least):
+                what = "an integer >= 0" if least == 0 else "a positive integer"
+                raise PocketError(f"config: {name} must be {what}, got {value!r}")
             if f.type == "float" and (not isinstance(value, int | float) or isinstance(value, bool)
                                       or not math.isfinite(value) or value < 0):
                 raise PocketError(f"config: {name} must be a number >= 0, got {value!r}")
@@ -491,19 +496,58 @@ class LanguageModel(PipelineMixin, nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: list | None = None,
+                 return_hidden: bool = False) -> mx.array | tuple[mx.array, mx.array]:
         if self.pipe is not None:
+            if return_hidden:
+                raise PocketError("the trunk's hidden states are not kept in a pipelined run")
             return self.pipeline_call(inputs, cache)
         h = self.model(inputs, cache)
+        logits = self.logits(h)
+        return (logits, h) if return_hidden else logits
+
+    def logits(self, h: mx.array) -> mx.array:
+        """The vocabulary logits of post-norm hidden states (the trunk's or the MTP head's)."""
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
+
+
+class MTP(nn.Module):
+    """Qwen3.5's multi-token-prediction head (`mtp.*`; vLLM's Qwen3_5MultiTokenPredictor):
+    from the trunk's post-norm hidden at position t and the embedding of token t+1, the hidden
+    that predicts token t+2. fc(concat[pre_fc_norm_embedding(embed), pre_fc_norm_hidden(h)])
+    (embedding first, as vLLM concatenates), one decoder layer that is always gated full
+    attention with its own MoE block (and its own KV cache), then `norm`. embed_tokens and
+    lm_head are the trunk's."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h = args.hidden_size
+        self.fc = Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(h, eps=args.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps=args.rms_norm_eps)
+        self.layers = [DecoderLayer(args, "full_attention")
+                       for _ in range(args.mtp_num_hidden_layers)]
+        self.norm = RMSNorm(h, eps=args.rms_norm_eps)
+
+    def __call__(self, hidden: mx.array, embeds: mx.array, cache: list | None = None,
+                 step: int = 0) -> mx.array:
+        """hidden, embeds [B, T, H] -> post-norm hidden [B, T, H]. `step`: the draft depth
+        (vLLM's spec_step_idx), which picks the layer when there are several."""
+        x = mx.concatenate([self.pre_fc_norm_embedding(embeds),
+                            self.pre_fc_norm_hidden(hidden)], axis=-1)
+        x = self.fc(x)
+        i = step % len(self.layers)
+        x = self.layers[i](x, cache[i] if cache is not None else None)
+        return self.norm(x)
 
 
 # transformers names -> ours, applied to keys after the language-model prefix is normalised.
 _NORM_SUFFIXES = (
     ".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
     ".q_norm.weight", ".k_norm.weight",
+    "mtp.norm.weight", ".pre_fc_norm_embedding.weight", ".pre_fc_norm_hidden.weight",
 )
 _PER_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -514,9 +558,32 @@ class Model(nn.Module):
         self.args = args
         self.model_type = args.model_type
         self.language_model = LanguageModel(args)
+        # None (a plain attribute, no parameters) when the checkpoint has no head.
+        self.mtp = MTP(args) if args.mtp_num_hidden_layers > 0 else None
 
-    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
-        return self.language_model(inputs, cache)
+    def __call__(self, inputs: mx.array, cache: list | None = None,
+                 return_hidden: bool = False) -> mx.array | tuple[mx.array, mx.array]:
+        """Logits [B, T, V]; with `return_hidden`, (logits, the trunk's post-norm hidden
+        [B, T, H]): what the MTP head takes (`mtp_logits`)."""
+        return self.language_model(inputs, cache, return_hidden)
+
+    def mtp_logits(self, hidden: mx.array, next_tokens: mx.array, cache: list | None = None,
+                   step: int = 0) -> tuple[mx.array, mx.array]:
+        """The MTP head's (logits [B, T, V], hidden [B, T, H]) for position t+2 from the
+        hidden at t ([B, T, H]: the trunk's post-norm hidden, or the head's own output when
+        drafting deeper) and token t+1 ([B, T] ids). `cache`: `make_mtp_cache()`, advanced by
+        T positions (fill it over the prompt, as the trunk's)."""
+        if self.mtp is None:
+            raise PocketError("this model has no multi-token-prediction head")
+        embeds = self.language_model.model.embed_tokens(next_tokens)
+        h = self.mtp(hidden, embeds, cache, step)
+        return self.language_model.logits(h), h
+
+    def make_mtp_cache(self) -> list:
+        """One KV cache per MTP layer (the head's attention has its own)."""
+        if self.mtp is None:
+            raise PocketError("this model has no multi-token-prediction head")
+        return [KVCache() for _ in self.mtp.layers]
 
     def prefill(self, inputs: mx.array, cache: list) -> None:
         """Feed a prompt chunk into `cache`, evaluated, computing no logits: one layer at a
@@ -546,7 +613,7 @@ class Model(nn.Module):
         before the next layer is fused, so the originals are freed as it goes (peak memory: one
         layer's projections more). Returns the number of groups fused."""
         count = 0
-        for layer in self.layers:
+        for layer in [*self.layers, *(self.mtp.layers if self.mtp is not None else [])]:
             mixer = layer.linear_attn if layer.is_linear else layer.self_attn
             fused = [f for m in (mixer, layer.mlp.shared_expert) if (f := fuse(m, *m.FUSED))]
             if evaluate:
@@ -556,13 +623,16 @@ class Model(nn.Module):
 
     def pipeline(self, group: mx.distributed.Group, ranges: list[tuple[int, int]]) -> None:
         """Keep only this rank's layers, `ranges[group.rank()]` (engine/distributed/ decides
-        them; see models/parallel.py): before anything is evaluated, so the rest is never read."""
+        them; see models/parallel.py): before anything is evaluated, so the rest is never read.
+        The MTP head is dropped: distributed runs do not draft."""
+        self.drop_mtp()
         self.language_model.pipeline(group, ranges)
 
     def shard_experts(self, group: mx.distributed.Group, loaded: bool = False) -> None:
         """Keep this rank's even block of every layer's routed experts (`loaded`: the weights
         are a per-rank shard holding that block already); rank i mod N computes layer i's
-        shared expert. See models/parallel.py."""
+        shared expert. See models/parallel.py. The MTP head is dropped (no drafting)."""
+        self.drop_mtp()
         rank, size = group.rank(), group.size()
         lo, hi = split_evenly(self.args.num_experts, size, rank)
         for i, layer in enumerate(self.layers):
@@ -583,10 +653,15 @@ class Model(nn.Module):
         hf = self.is_transformers_layout(weights)
         out: dict[str, mx.array] = {}
         experts: dict[tuple[str, str], dict[int, mx.array]] = {}
+        keep_mtp = self.mtp is not None
         for key, value in weights.items():
-            if key.startswith(("model.visual", "visual.", "vision_tower", "mtp.", "model.mtp.")):
+            if key.startswith(("model.visual", "visual.", "vision_tower")):
                 continue
-            if key.startswith("model.language_model."):
+            if key.startswith(("mtp.", "model.mtp.")):
+                if not keep_mtp:  # a head the config does not declare is dropped, as before
+                    continue
+                key = key.removeprefix("model.")
+            elif key.startswith("model.language_model."):
                 key = "language_model.model." + key[len("model.language_model."):]
             elif key.startswith("language_model."):
                 pass
@@ -625,4 +700,12 @@ class Model(nn.Module):
             out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([by_index[e] for e in range(n)])
         if self.args.tie_word_embeddings:
             out.pop("language_model.lm_head.weight", None)
+        if keep_mtp and not any(k.startswith("mtp.") for k in out):
+            self.drop_mtp()  # declared but not stored (stock mlx-lm conversions drop it)
         return out
+
+    def drop_mtp(self) -> None:
+        """Forget the MTP head: Qwen3.5 configs declare `mtp_num_hidden_layers: 1`, but a
+        checkpoint converted by stock mlx-lm (or transformers) holds none of its tensors."""
+        self.mtp = None
+        self.args.mtp_num_hidden_layers = 0
