@@ -129,15 +129,16 @@ def _accept(logits: mx.array, rows: list[int], tokens: list[int], greedy: bool, 
     # pending token y is already in `tokens` unless this is the prompt's last token).
     hist = list(tokens[-keep:]) if processors else []
     out: list[tuple[int, mx.array]] = []
-    if greedy:
+    if greedy:  # every row as plain decode samples it, read back in one evaluation
+        toks, lps = [], []
         for i in range(len(rows)):
             h = mx.array((hist + drafts[:i])[-keep:], mx.uint32) if processors else None
             tok, lp = sample(logits[i:i + 1], sampler, processors, h)
-            tok = int(tok.item())
-            out.append((tok, lp))
-            if i == len(drafts) or tok != drafts[i]:
-                return out, i
-        raise AssertionError("unreachable")
+            toks.append(tok)
+            lps.append(lp)
+        picked = mx.concatenate(toks).tolist()
+        a = next((i for i, d in enumerate(drafts) if picked[i] != d), len(drafts))
+        return list(zip(picked[:a + 1], lps[:a + 1], strict=True)), a
     for i, d in enumerate(drafts):
         lp = _row_logprobs(logits[i:i + 1], processors, hist + drafts[:i], keep)
         p = target_probs(lp, sampling.temperature, sampling.top_p, sampling.min_p,
