@@ -66,7 +66,7 @@ class LookupDrafter:
         for end in range(max(start, 1), len(self.tokens)):
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end >= n:
-                    self.index[tuple(self.tokens[end - n:end])] = end
+                    self.index[tuple(self.tokens[end - n : end])] = end
 
     def draft(self, tokens: Sequence[int], k: int) -> list[int]:
         if k <= 0 or len(tokens) < self.min_ngram:
@@ -76,7 +76,7 @@ class LookupDrafter:
         for n in range(min(self.max_ngram, len(t) - 1), self.min_ngram - 1, -1):
             pos = self.index.get(tuple(t[-n:]))
             if pos is not None and pos < len(t):
-                return t[pos:pos + k]
+                return t[pos : pos + k]
         return []
 
     def accepted(self, drafted: int, accepted: int, hidden: mx.array | None = None) -> None:
@@ -146,7 +146,8 @@ def make_drafter(method: str, model) -> Drafter | None:
     head = mtp_drafter(model)
     if method == "mtp":
         if head is None:
-            raise PocketError("--speculative mtp: this model has no MTP head "
-                              "(use --speculative lookup or auto)")
+            raise PocketError(
+                "--speculative mtp: this model has no MTP head (use --speculative lookup or auto)"
+            )
         return head
     return BackOff(head if head is not None else LookupDrafter())

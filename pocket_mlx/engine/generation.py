@@ -476,6 +476,8 @@ def _finish(run: _Run) -> Iterator[Response]:
     if stats.finish_reason != "stop" and (tail := run.text.flush()):
         yield Response(tail, None, stats)
     stats.phase = "done"
+    if run.spec is not None:
+        stats.speculative = run.spec.to_dict()
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9
     if run.t_decode is not None and run.n > 1:
         stats.generation_tps = (run.n - 1) / (time.perf_counter() - run.t_decode)

@@ -41,8 +41,9 @@ class SpecCounts:
         return asdict(self)
 
 
-def target_probs(logprobs: mx.array, temperature: float, top_p: float, min_p: float,
-                 top_k: int) -> mx.array:
+def target_probs(
+    logprobs: mx.array, temperature: float, top_p: float, min_p: float, top_k: int
+) -> mx.array:
     """The distribution `sampling.make_sampler` draws from, given log-probabilities [1, V]:
     its filters, then softmax at the temperature."""
     for f in _filters(top_p, min_p, top_k):
@@ -120,9 +121,17 @@ def _row_logprobs(logits: mx.array, processors, history: list[int], keep: int) -
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def _accept(logits: mx.array, rows: list[int], tokens: list[int], greedy: bool, sampling,
-            sampler, processors, keep: int,
-            q: mx.array | None) -> tuple[list[tuple[int, mx.array]], int]:
+def _accept(
+    logits: mx.array,
+    rows: list[int],
+    tokens: list[int],
+    greedy: bool,
+    sampling,
+    sampler,
+    processors,
+    keep: int,
+    q: mx.array | None,
+) -> tuple[list[tuple[int, mx.array]], int]:
     """The tokens this pass yields ((token, logprobs) each) and how many drafts were kept."""
     drafts = rows[1:]
     # Row i's history: the tokens so far, then the rows fed up to and including row i (the
@@ -133,16 +142,17 @@ def _accept(logits: mx.array, rows: list[int], tokens: list[int], greedy: bool, 
         toks, lps = [], []
         for i in range(len(rows)):
             h = mx.array((hist + drafts[:i])[-keep:], mx.uint32) if processors else None
-            tok, lp = sample(logits[i:i + 1], sampler, processors, h)
+            tok, lp = sample(logits[i : i + 1], sampler, processors, h)
             toks.append(tok)
             lps.append(lp)
         picked = mx.concatenate(toks).tolist()
         a = next((i for i, d in enumerate(drafts) if picked[i] != d), len(drafts))
-        return list(zip(picked[:a + 1], lps[:a + 1], strict=True)), a
+        return list(zip(picked[: a + 1], lps[: a + 1], strict=True)), a
     for i, d in enumerate(drafts):
-        lp = _row_logprobs(logits[i:i + 1], processors, hist + drafts[:i], keep)
-        p = target_probs(lp, sampling.temperature, sampling.top_p, sampling.min_p,
-                         sampling.top_k)[0]
+        lp = _row_logprobs(logits[i : i + 1], processors, hist + drafts[:i], keep)
+        p = target_probs(lp, sampling.temperature, sampling.top_p, sampling.min_p, sampling.top_k)[
+            0
+        ]
         qd = q[i] if q is not None else None
         ratio = p[d] if qd is None else mx.minimum(1.0, p[d] / mx.maximum(qd[d], 1e-30))
         if mx.random.uniform().item() < ratio.item():
@@ -157,7 +167,6 @@ def _accept(logits: mx.array, rows: list[int], tokens: list[int], greedy: bool, 
         return out, i
     i = len(drafts)
     h = mx.array((hist + drafts)[-keep:], mx.uint32) if processors else None
-    tok, lp = sample(logits[i:i + 1], sampler, processors, h)
+    tok, lp = sample(logits[i : i + 1], sampler, processors, h)
     out.append((int(tok.item()), lp))
     return out, len(drafts)
-

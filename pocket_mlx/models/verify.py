@@ -85,10 +85,13 @@ def _rowwise(model, tokens: mx.array, cache: list, tape: Tape):
     logits, hidden = [], []
     lm = model.language_model
     for i in range(tokens.shape[0]):
-        h = lm.model(tokens[i:i + 1][None], cache)
+        h = lm.model(tokens[i : i + 1][None], cache)
         hidden.append(h[0, 0])
-        logits.append((lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings
-                       else lm.lm_head(h))[0, 0])
+        logits.append(
+            (lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings else lm.lm_head(h))[
+                0, 0
+            ]
+        )
         for li, c in enumerate(cache):
             if model.layers[li].is_linear:
                 tape.linear.setdefault(li, []).append((c.conv_state, c.state))
@@ -111,7 +114,7 @@ def _linear_rows(gdn, x: mx.array, cache, steps: list) -> mx.array:
         return gdn.out_proj(mx.concatenate(outs, axis=1))
     rows = []
     for i in range(L):
-        rows.append(gdn(x[:, i:i + 1], cache))
+        rows.append(gdn(x[:, i : i + 1], cache))
         steps.append((cache.conv_state, cache.state))
     return mx.concatenate(rows, axis=1)
 

@@ -1,0 +1,299 @@
+"""Speculative decoding (engine/speculative.py, models/verify.py, engine/drafters.py).
+
+Exactness: the verify pass gives every row the logits of one-token decode bit for bit (CPU
+extension in FAST and EXACT modes, and MLX's own kernels), and greedy speculative output equals
+plain decode token for token on the bundled model, with K = 1..4, on a copy-heavy prompt (many
+accepted drafts) and one whose drafts are mostly rejected. Cost: a rejection commits the cache
+from the pass's tape, never running the trunk again (MoE calls counted through the block's
+observer hook). Sampling: the rejection rule's first token has the target distribution
+(chi-square over many draws). CLI: the flags and the JSON field through a real subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from pocket_mlx import kernels
+from pocket_mlx.engine.drafters import BackOff, LookupDrafter, make_drafter
+from pocket_mlx.engine.generation import SamplingParams, stream_generate
+from pocket_mlx.engine.loader import load
+from pocket_mlx.engine.speculative import _accept, target_probs
+from pocket_mlx.errors import PocketError
+from pocket_mlx.models.verify import commit, verify_forward
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSET = ROOT / "assets" / "pocket-tiny"
+
+CODE = (
+    "def add(a, b):\n    return a + b\n\n\ndef scale(points, k):\n"
+    "    return [(x * k, y * k) for x, y in points]\n\n\nclass Box:\n"
+    "    def __init__(self, w, h):\n        self.w = w\n        self.h = h\n"
+)
+COPY = "Repeat this code exactly, with add renamed to plus:\n\n" + CODE
+PLAIN = "Write a poem about the sea, the sea, the sea."  # drafts, all rejected
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load(ASSET, device="cpu", fuse=True)
+
+
+@pytest.fixture(params=["fast", "exact", "mlx"])
+def path(request):
+    """The CPU extension in each mode, and MLX's own ops (extension off)."""
+    if request.param != "mlx" and kernels.load_error() is not None:
+        if kernels.required():
+            pytest.fail(kernels.load_error(), pytrace=False)
+        pytest.skip(kernels.load_error())
+    mode = kernels.get_mode()
+    if request.param == "mlx":
+        kernels.set_enabled(False)
+    else:
+        kernels.set_mode(request.param)
+    yield request.param
+    kernels.set_enabled(True)
+    kernels.set_mode(mode)
+
+
+def _prefilled(model, ids):
+    cache = model.make_cache()
+    model(mx.array(ids[:-1])[None], cache=cache)
+    mx.eval([a for c in cache for a in c.arrays])
+    return cache
+
+
+def test_verify_rows_are_decode_rows(bundled, path):
+    """Each row of a K+1-row verify pass has one-token decode's logits, bit for bit; after
+    committing n rows the next decode step is the one plain decode takes."""
+    model, tok = bundled
+    ids = tok.encode(CODE)
+    seq = [ids[-1], *ids[4:12]]
+    cache = _prefilled(model, ids)
+    ref = []
+    for t in seq:
+        ref.append(model(mx.array([[t]]), cache=cache)[0, 0])
+        mx.eval(ref[-1])
+    for k in (1, 4, 8):
+        cache = _prefilled(model, ids)
+        logits, hidden, tape = verify_forward(model, mx.array(seq[: k + 1]), cache)
+        mx.eval(logits, hidden)
+        assert logits.shape == (k + 1, model.args.vocab_size)
+        for i in range(k + 1):
+            assert mx.array_equal(logits[i], ref[i]).item(), (path, k, i)
+        n = (k + 1) // 2 + 1
+        commit(cache, tape, n)
+        nxt = model(mx.array([[seq[n]]]), cache=cache)[0, 0]
+        assert mx.array_equal(nxt, ref[n]).item(), (path, k, n)
+
+
+def _run(model, tok, prompt, spec="off", k=3, max_tokens=120, **sampling):
+    toks, stats = [], None
+    for r in stream_generate(
+        model,
+        tok,
+        prompt,
+        max_tokens=max_tokens,
+        speculative=spec,
+        num_draft_tokens=k,
+        sampling=SamplingParams(**sampling),
+    ):
+        if r.token is not None:
+            toks.append(r.token)
+        stats = r.stats
+    return toks, stats
+
+
+@pytest.fixture(scope="module")
+def plain(bundled):
+    model, tok = bundled
+    return {name: _run(model, tok, prompt) for name, prompt in (("copy", COPY), ("plain", PLAIN))}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_lookup_equals_plain_copy_heavy(bundled, plain, k):
+    model, tok = bundled
+    ref, ref_stats = plain["copy"]
+    got, stats = _run(model, tok, COPY, "lookup", k)
+    assert got == ref
+    assert stats.finish_reason == ref_stats.finish_reason
+    s = stats.speculative
+    assert s["method"] == "lookup" and s["num_draft_tokens"] == k
+    assert s["accepted"] >= 10 and s["accepted"] <= s["drafted"]
+    assert s["passes"] < len(got)  # more tokens than trunk passes
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_lookup_equals_plain_with_rejections(bundled, plain, k):
+    model, tok = bundled
+    ref, _ = plain["plain"]
+    got, stats = _run(model, tok, PLAIN, "lookup", k)
+    assert got == ref
+    s = stats.speculative
+    assert s["drafted"] - s["accepted"] >= 5  # drafts were rejected, output unchanged
+
+
+def test_greedy_auto_and_repetition_penalty_equal_plain(bundled):
+    """auto (back-off) and a repetition penalty (each row's history holds the drafts before
+    it) change nothing either."""
+    model, tok = bundled
+    ref, _ = _run(model, tok, COPY, repetition_penalty=1.3, max_tokens=80)
+    got, stats = _run(model, tok, COPY, "lookup", 4, repetition_penalty=1.3, max_tokens=80)
+    assert got == ref and stats.speculative["drafted"] > 0
+    ref, _ = _run(model, tok, COPY, max_tokens=80)
+    got, stats = _run(model, tok, COPY, "auto", 3, max_tokens=80)
+    assert got == ref and stats.speculative["method"] == "auto:lookup"
+
+
+def test_rejection_runs_no_second_trunk_pass(bundled):
+    """Every trunk pass calls layer 0's MoE block once (counted by its observer hook): after
+    the prompt there is exactly one call per speculative pass, rejections included, and the
+    rows it saw are the pending token plus the drafts."""
+    model, tok = bundled
+    block = model.layers[0].mlp
+    calls: list[int] = []
+    block.observer = lambda x, *_: calls.append(x.shape[1])
+    try:
+        _, stats = _run(model, tok, PLAIN, "lookup", 4, max_tokens=80)
+    finally:
+        block.observer = None
+    s = stats.speculative
+    assert s["drafted"] > s["accepted"]  # there were rejections
+    decode_calls = calls[-s["passes"] :]
+    assert len(calls) == s["passes"] + 1  # and one call for the prompt's prefill
+    assert sum(decode_calls) == s["passes"] + s["drafted"]
+
+
+def test_early_stop_leaves_cache_as_plain_decode(bundled):
+    """A caller that stops after an accepted draft gets the cache (and fed tokens) plain
+    decode would leave: the pass is committed back to the tokens yielded."""
+    model, tok = bundled
+    cache = model.make_cache()
+    *_, last = stream_generate(
+        model, tok, COPY, max_tokens=30, speculative="lookup", num_draft_tokens=4, cache=cache
+    )
+    ref_cache = model.make_cache()
+    *_, ref = stream_generate(model, tok, COPY, max_tokens=30, cache=ref_cache)
+    assert last.fed_tokens == ref.fed_tokens
+    assert [c.offset for c in cache] == [c.offset for c in ref_cache]
+    nxt = mx.array([[ref.fed_tokens[-1]]])
+    a = model(nxt, cache=cache)
+    b = model(nxt, cache=ref_cache)
+    assert mx.array_equal(a, b).item()
+
+
+def test_lookup_drafter_matches_ngrams():
+    d = LookupDrafter(min_ngram=2, max_ngram=3)
+    seq = [5, 6, 7, 8, 9, 1, 2, 6, 7]
+    assert d.draft(seq, 3) == [8, 9, 1]  # the last 2-gram (6, 7) occurred before
+    assert d.draft([*seq, 8], 2) == [9, 1]  # (6, 7, 8): the longest match
+    assert d.draft([1, 2, 3, 4], 3) == []  # no repeat, no draft
+    assert d.draft([3, 3], 0) == []
+
+
+def test_back_off_skips_after_failures():
+    b = BackOff(LookupDrafter(), max_skip=4)
+    seq = [1, 2, 3, 1, 2]
+    assert b.draft(seq, 2) == [3, 1]
+    b.accepted(2, 0)  # all rejected: skip 1 step
+    assert b.draft(seq, 2) == []
+    assert b.draft(seq, 2) == [3, 1]
+    b.accepted(2, 0)  # again: skip 2
+    assert b.draft(seq, 2) == [] and b.draft(seq, 2) == []
+    assert b.draft(seq, 2) == [3, 1]
+    b.accepted(2, 1)  # an accept resets
+    assert b.draft(seq, 2) == [3, 1]
+
+
+def test_mtp_without_head(bundled):
+    model, _ = bundled
+    with pytest.raises(PocketError, match="no MTP head"):
+        make_drafter("mtp", model)
+    assert make_drafter("auto", model).name == "lookup"
+    assert make_drafter("off", model) is None
+
+
+def _first_token_counts(logits, drafts, q, draws, temperature=1.0, top_k=0):
+    sampling = SamplingParams(temperature=temperature, top_k=top_k)
+    from pocket_mlx.engine.sampling import sampler_for
+
+    sampler = sampler_for(sampling)
+    counts = np.zeros(logits.shape[-1])
+    mx.random.seed(7)
+    for _ in range(draws):
+        if q is not None:  # a sampling drafter's drafts are drawn from its q
+            drafts = [int(mx.random.categorical(mx.log(q[i])).item()) for i in range(len(drafts))]
+        out, _ = _accept(logits, [0, *drafts], [0], False, sampling, sampler, [], 64, q)
+        counts[out[0][0]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("one_hot", [True, False])
+def test_rejection_rule_keeps_distribution(one_hot):
+    """The first token of a pass is distributed as the target p (the sampler's distribution
+    of row 0): for a fixed draft (lookup, q one-hot) and for drafts drawn from a q: chi-square over 3000 draws, 7 degrees of freedom (the
+    0.1% critical value is 24.3)."""
+    V = 8
+    logits = mx.array(np.random.default_rng(1).normal(size=(3, V)).astype(np.float32))
+    draft = int(mx.argmax(logits[0]).item())  # a likely draft: many accepts and rejects
+    q = (
+        None
+        if one_hot
+        else mx.softmax(
+            mx.array(np.random.default_rng(2).normal(size=(2, V)).astype(np.float32)), axis=-1
+        )
+    )
+    n = 3000
+    counts = _first_token_counts(logits, [draft, 3], q, n)
+    lp = logits[0:1] - mx.logsumexp(logits[0:1], axis=-1, keepdims=True)
+    p = np.array(target_probs(lp, 1.0, 1.0, 0.0, 0)[0])
+    chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+    assert chi2 < 24.3, (chi2, counts, n * p)
+
+
+def test_rejection_rule_respects_filters():
+    """With top-k 2 a draft outside the top 2 is always rejected and no token outside them
+    is ever drawn."""
+    logits = mx.array([[3.0, 2.5, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    counts = _first_token_counts(logits, [2], None, 300, top_k=2)
+    assert counts[2] == 0 and counts[3] == 0 and counts[0] > counts[1] > 0
+
+
+def test_sampled_lookup_runs_and_is_seeded(bundled):
+    model, tok = bundled
+    a, sa = _run(model, tok, COPY, "lookup", 3, max_tokens=60, temperature=0.8, seed=3)
+    b, _ = _run(model, tok, COPY, "lookup", 3, max_tokens=60, temperature=0.8, seed=3)
+    assert a == b and len(a) > 0 and sa.speculative["drafted"] > 0
+
+
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "pocket_mlx", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_flags_and_json():
+    base = ["generate", "-m", str(ASSET), "--prompt", COPY, "--max-tokens", "48", "--json"]
+    off = cli(*base, "--speculative", "off")
+    spec = cli(*base, "--speculative", "lookup", "--num-draft-tokens", "4")
+    assert off.returncode == 0 and spec.returncode == 0, (off.stderr, spec.stderr)
+    o, s = json.loads(off.stdout), json.loads(spec.stdout)
+    assert "speculative" not in o
+    assert s["text"] == o["text"]
+    sp = s["speculative"]
+    assert set(sp) == {"method", "num_draft_tokens", "drafted", "accepted"}
+    assert sp["method"] == "lookup" and sp["num_draft_tokens"] == 4
+    assert 0 < sp["accepted"] <= sp["drafted"]
+    for bad, text in (
+        (["--speculative", "mtp"], "no MTP head"),
+        (["--num-draft-tokens", "0"], "--num-draft-tokens"),
+    ):
+        r = cli(*base, *bad)
+        assert r.returncode == 2 and text in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
