@@ -37,6 +37,7 @@ CODE = (
     "    def __init__(self, w, h):\n        self.w = w\n        self.h = h\n"
 )
 COPY = "Repeat this code exactly, with add renamed to plus:\n\n" + CODE
+EDIT = "# original\n" + CODE + "\n# edited\n" + CODE[:120]  # raw text: the model copies it
 PLAIN = "Write a poem about the sea, the sea, the sea."  # drafts, all rejected
 
 
@@ -146,9 +147,11 @@ def test_greedy_auto_and_repetition_penalty_equal_plain(bundled):
     ref, _ = _run(model, tok, COPY, repetition_penalty=1.3, max_tokens=80)
     got, stats = _run(model, tok, COPY, "lookup", 4, repetition_penalty=1.3, max_tokens=80)
     assert got == ref and stats.speculative["drafted"] > 0
+    got, stats = _run(model, tok, COPY, "auto", 3, repetition_penalty=1.3, max_tokens=80)
+    assert got == ref and stats.speculative["method"] == "auto:lookup"
     ref, _ = _run(model, tok, COPY, max_tokens=80)
     got, stats = _run(model, tok, COPY, "auto", 3, max_tokens=80)
-    assert got == ref and stats.speculative["method"] == "auto:lookup"
+    assert got == ref and stats.speculative["passes"] < len(got) + 1
 
 
 def test_rejection_runs_no_second_trunk_pass(bundled):
@@ -170,22 +173,46 @@ def test_rejection_runs_no_second_trunk_pass(bundled):
     assert sum(decode_calls) == s["passes"] + s["drafted"]
 
 
-def test_early_stop_leaves_cache_as_plain_decode(bundled):
-    """A caller that stops after an accepted draft gets the cache (and fed tokens) plain
-    decode would leave: the pass is committed back to the tokens yielded."""
+def _stopped_after(model, tok, spec, j):
+    """Generate, the caller cancelling after `j` tokens (as the chat's stop key does)."""
+    cache, seen = model.make_cache(), []
+    for r in stream_generate(
+        model,
+        tok,
+        EDIT,
+        raw=True,
+        max_tokens=60,
+        speculative=spec,
+        num_draft_tokens=4,
+        cache=cache,
+        should_stop=lambda: len(seen) >= j,
+    ):
+        if r.token is not None:
+            seen.append(r.token)
+        last = r
+    return cache, seen, last
+
+
+@pytest.mark.parametrize("spec", ["lookup", "auto"])
+def test_early_stop_leaves_cache_as_plain_decode(bundled, spec):
+    """A caller that stops in the middle of a pass's accepted drafts leaves a cache that holds
+    exactly its `fed_tokens` (the pass committed back to the tokens yielded), the same state,
+    bit for bit, as plain decode's."""
     model, tok = bundled
-    cache = model.make_cache()
-    *_, last = stream_generate(
-        model, tok, COPY, max_tokens=30, speculative="lookup", num_draft_tokens=4, cache=cache
-    )
-    ref_cache = model.make_cache()
-    *_, ref = stream_generate(model, tok, COPY, max_tokens=30, cache=ref_cache)
-    assert last.fed_tokens == ref.fed_tokens
-    assert [c.offset for c in cache] == [c.offset for c in ref_cache]
-    nxt = mx.array([[ref.fed_tokens[-1]]])
-    a = model(nxt, cache=cache)
-    b = model(nxt, cache=ref_cache)
-    assert mx.array_equal(a, b).item()
+    for j in (11, 12, 13, 14):  # stops after 1 or 2 of a pass's 3 accepted drafts
+        cache, seen, last = _stopped_after(model, tok, spec, j)
+        ref_cache, ref_seen, ref = _stopped_after(model, tok, "off", j)
+        assert seen == ref_seen and last.stats.finish_reason == "cancelled"
+        fed, ref_fed = last.fed_tokens, ref.fed_tokens
+        # Plain decode has queued (fed) the last token handed out; speculation has fed it too
+        # when it was an accepted draft, not when it was the pass's own pick: the cache then
+        # holds one token less, and `fed_tokens` says so (a chat prefills it next turn).
+        assert fed in (ref_fed, ref_fed[:-1])
+        assert max(c.offset for c in cache) == len(fed)
+        for t in ref_fed[len(fed) :]:
+            model(mx.array([[t]]), cache=cache)
+        nxt = mx.array([[seen[-1]]])
+        assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=ref_cache)).item()
 
 
 def test_lookup_drafter_matches_ngrams():
@@ -198,17 +225,24 @@ def test_lookup_drafter_matches_ngrams():
 
 
 def test_back_off_skips_after_failures():
-    b = BackOff(LookupDrafter(), max_skip=4)
+    b = BackOff(LookupDrafter(), max_skip=16, idle=2, probe=4)
     seq = [1, 2, 3, 1, 2]
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 4  # probe plain decode's speed first
     assert b.draft(seq, 2) == [3, 1]
-    b.accepted(2, 0)  # all rejected: skip 1 step
-    assert b.draft(seq, 2) == []
+    b.accepted(2, 0)  # all rejected: 8 plain tokens
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 8
     assert b.draft(seq, 2) == [3, 1]
-    b.accepted(2, 0)  # again: skip 2
-    assert b.draft(seq, 2) == [] and b.draft(seq, 2) == []
+    b.accepted(2, 0)  # again: 16, the cap
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 16
+    b.accepted(2, 0)
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 16
+    b.accepted(2, 2)  # drafts that pay reset it
     assert b.draft(seq, 2) == [3, 1]
-    b.accepted(2, 1)  # an accept resets
-    assert b.draft(seq, 2) == [3, 1]
+    b.timed(1, 1.0, 10)  # plain: 10 tok/s
+    b.timed(3, 1.0, 3)  # drafting: 3 tok/s, slower: back off although drafts were accepted
+    b.accepted(2, 2)
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 8
+    assert b.draft([1, 2, 3, 4], 2) == [] and b.plain_steps() == 2  # no match: a few plain
 
 
 def test_mtp_without_head(bundled):

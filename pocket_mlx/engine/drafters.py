@@ -9,8 +9,9 @@ deterministic drafts (q one-hot), as lookup's are.
 
 - `LookupDrafter` (prompt lookup): the longest n-gram (n from `max_ngram` down to
   `min_ngram`) ending the sequence that occurred before; drafts what followed it there.
-- `BackOff` wraps a drafter for `auto`: while drafts keep failing it stops asking (and so runs
-  plain one-token steps) for a number of steps that doubles with each failure, up to `max_skip`.
+- `BackOff` wraps a drafter for `auto`: while drafts keep failing, or drafting passes decode
+  fewer tokens per second than plain decode, it stops asking (plain pipelined decode runs
+  instead) for a number of tokens that doubles with each failure, up to `max_skip`.
 """
 
 from __future__ import annotations
@@ -84,15 +85,20 @@ class LookupDrafter:
 
 
 class BackOff:
-    """`auto`'s wrapper: after a pass whose drafts were all rejected, skip drafting for `skip`
-    steps (1, 2, 4, ... up to `max_skip`); any accepted draft resets it. A verify pass costs
-    more than a one-token step (the MoE routes k + 1 tokens), so drafts that keep failing are
-    a loss; they are only tried again now and then."""
+    """`auto`'s wrapper: drafts only while drafting pays. It times its passes (`timed`, from
+    the decode loop): decode throughput of drafting passes against that of plain decode, as
+    exponential averages. After a drafting pass that accepted nothing or whose average
+    throughput is below plain decode's, it skips drafting for `skip` tokens (8, 16, 32, ... up
+    to `max_skip`), any pass that pays resets it. Skipped stretches, and the few tokens after
+    a draft found nothing (`idle`), run as plain pipelined decode (`plain_steps`). It starts
+    with `probe` plain tokens, to know plain decode's speed. A verify pass costs more than a
+    one-token step (its MoE routes k + 1 tokens to more experts, and on a CPU the products'
+    work grows with the rows), so drafts that keep failing are a loss."""
 
-    def __init__(self, inner, max_skip: int = 32) -> None:
+    def __init__(self, inner, max_skip: int = 64, idle: int = 4, probe: int = 4) -> None:
         self.inner = inner
         self.name = inner.name
-        self.max_skip = max_skip
+        self.max_skip, self.idle, self.probe = max_skip, idle, probe
         self.reset()
 
     @property
@@ -100,21 +106,41 @@ class BackOff:
         return self.inner.last_probs
 
     def reset(self) -> None:
-        self.skip, self.wait = 0, 0
+        self.skip, self.wait = 0, self.probe
+        self.plain_rate: float | None = None  # tokens/s of plain decode
+        self.draft_rate: float | None = None  # tokens/s of drafting passes
         self.inner.reset()
 
     def draft(self, tokens: Sequence[int], k: int) -> list[int]:
-        if self.wait > 0:
-            self.wait -= 1
-            return []
-        return self.inner.draft(tokens, k)
+        return [] if self.wait > 0 else self.inner.draft(tokens, k)
+
+    def plain_steps(self) -> int:
+        """Plain tokens to decode now (asked when `draft` gave nothing)."""
+        n, self.wait = max(self.wait, self.idle), 0
+        return n
+
+    def timed(self, rows: int, seconds: float, tokens: int) -> None:
+        rate = tokens / max(seconds, 1e-9)
+        if rows == 1:
+            self.plain_rate = (
+                rate if self.plain_rate is None else 0.7 * self.plain_rate + 0.3 * rate
+            )
+        else:
+            self.draft_rate = (
+                rate if self.draft_rate is None else 0.7 * self.draft_rate + 0.3 * rate
+            )
 
     def accepted(self, drafted: int, accepted: int, hidden: mx.array | None = None) -> None:
         self.inner.accepted(drafted, accepted, hidden)
         if drafted == 0:
             return
-        if accepted == 0:
-            self.skip = min(self.max_skip, max(1, 2 * self.skip))
+        slower = (
+            self.plain_rate is not None
+            and self.draft_rate is not None
+            and self.draft_rate < self.plain_rate
+        )
+        if accepted == 0 or slower:
+            self.skip = min(self.max_skip, max(8, 2 * self.skip))
             self.wait = self.skip
         else:
             self.skip = 0

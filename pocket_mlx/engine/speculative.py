@@ -17,6 +17,7 @@ The acceptance rule keeps the output distribution of plain decode:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
@@ -80,16 +81,46 @@ def speculative_step(
     y = int(rest[0].item())
     first = True
     n = 0
+    plain_steps = getattr(drafter, "plain_steps", None)
+    timed = getattr(drafter, "timed", None)
     while n < max_tokens:
         k = min(num_draft_tokens, max_tokens - n - 1)
         drafts = drafter.draft(tokens, k)[:k] if k > 0 else []
+        window = 0
+        if not drafts and plain_steps is not None:
+            window = min(plain_steps(), max_tokens - n)
+        if window > 0:  # a stretch of plain, pipelined decode (auto backing off)
+            t0 = time.perf_counter()
+            y, m = yield from _plain(
+                model,
+                cache,
+                y,
+                window,
+                first,
+                tokens,
+                stream=stream,
+                sampler=sampler,
+                processors=processors,
+                keep=keep,
+                fed=fed,
+                drafter=drafter,
+            )
+            counts.passes += m
+            n += m
+            first = False
+            if timed is not None:
+                timed(1, time.perf_counter() - t0, m)
+            continue
         q = drafter.last_probs if drafts else None
         if not first and fed is not None:
             fed.append(y)
         rows = [y, *drafts]
+        t0 = time.perf_counter()
         with mx.stream(stream):
             logits, hidden, tape = verify_forward(model, mx.array(rows, mx.uint32), cache)
             out, a = _accept(logits, rows, tokens, greedy, sampling, sampler, processors, keep, q)
+        if timed is not None and drafts:
+            timed(len(rows), time.perf_counter() - t0, a + 1)
         counts.passes += 1
         counts.drafted += len(drafts)
         counts.accepted += a
@@ -110,6 +141,60 @@ def speculative_step(
             commit(cache, tape, kept)
         drafter.accepted(len(drafts), a, hidden[:kept])
         y = out[-1][0]
+
+
+def _plain(
+    model,
+    cache,
+    y: int,
+    count: int,
+    first: bool,
+    tokens: list[int],
+    *,
+    stream,
+    sampler,
+    processors,
+    keep: int,
+    fed,
+    drafter,
+):
+    """`count` one-token steps from the pending token `y`, pipelined as `generate_step`
+    decodes (the next step queued before the token is read): yields them, returns (the new
+    pending token, how many were yielded). The drafter hears each step's hidden state."""
+    lm = model.language_model
+
+    def step(tok: mx.array, hist: mx.array | None):
+        h = lm.model(tok.reshape(1, 1), cache)
+        logits = (
+            lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings else lm.lm_head(h)
+        )
+        t, lp = sample(logits[:, -1, :], sampler, processors, hist)
+        return t, lp, h[0]
+
+    if not first and fed is not None:
+        fed.append(y)
+    with mx.stream(stream):
+        hist = mx.array(tokens[-keep:], mx.uint32) if processors else None
+        t, lp, h = step(mx.array([y], mx.uint32), hist)
+        mx.async_eval(t, lp)
+    for i in range(count):
+        nxt = None
+        if i + 1 < count:  # queue the successor from the still-lazy token, then read it
+            with mx.stream(stream):
+                if processors:
+                    hist = mx.concatenate([hist, t.astype(mx.uint32)])[-keep:]
+                nxt = step(t.astype(mx.uint32), hist)
+                mx.async_eval(nxt[0], nxt[1])
+        tok = int(t.item())
+        tokens.append(tok)
+        if nxt is not None and fed is not None:
+            fed.append(tok)
+        drafter.accepted(0, 0, h)
+        yield tok, lp
+        if nxt is None:
+            return tok, i + 1
+        t, lp, h = nxt
+    raise AssertionError("unreachable")
 
 
 def _row_logprobs(logits: mx.array, processors, history: list[int], keep: int) -> mx.array:
