@@ -179,7 +179,7 @@ def report(args, text: str, stats, ranks: dict | None = None) -> None:
         print(f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s | "
               f"generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s | "
               f"ttft {stats.ttft_s:.3f} s | peak memory {size(stats.peak_memory_gb * GB)} | "
-              f"{stats.device} | {stats.finish_reason}"
-              + (f" | {spec['method']}: {spec['accepted']}/{spec['drafted']} drafts accepted"
+              + (f"{spec['method']}: {spec['accepted']}/{spec['drafted']} drafts accepted | "
                  if (spec := stats.speculative) else "")
+              + f"{stats.device} | {stats.finish_reason}"
               + (f" | {ranks['mode']} x{ranks['ranks']}" if ranks else ""), file=sys.stderr)
