@@ -94,7 +94,7 @@ def test_verify_rows_are_decode_rows(bundled, path):
         assert mx.array_equal(nxt, ref[n]).item(), (path, k, n)
 
 
-def _run(model, tok, prompt, spec="off", k=3, max_tokens=120, **sampling):
+def _run(model, tok, prompt, spec="off", k=3, max_tokens=120, raw=False, **sampling):
     toks, stats = [], None
     for r in stream_generate(
         model,
@@ -103,6 +103,7 @@ def _run(model, tok, prompt, spec="off", k=3, max_tokens=120, **sampling):
         max_tokens=max_tokens,
         speculative=spec,
         num_draft_tokens=k,
+        raw=raw,
         sampling=SamplingParams(**sampling),
     ):
         if r.token is not None:
@@ -128,6 +129,24 @@ def test_greedy_lookup_equals_plain_copy_heavy(bundled, plain, k):
     assert s["method"] == "lookup" and s["num_draft_tokens"] == k
     assert s["accepted"] >= 10 and s["accepted"] <= s["drafted"]
     assert s["passes"] < len(got)  # more tokens than trunk passes
+
+
+DOMAINS = {
+    "code": EDIT,
+    "story": "Once upon a time, in a small village by the river,",
+    "qa": "Question: Why is the sky blue?\nAnswer:",
+}
+
+
+@pytest.mark.parametrize("domain", sorted(DOMAINS))
+def test_greedy_lookup_equals_plain_256_tokens(bundled, domain):
+    """The acceptance run: three domains, 256 tokens each (raw text: the bundled model runs
+    to the cap on these), lookup identical to off token for token (~2.5 s each)."""
+    model, tok = bundled
+    ref, _ = _run(model, tok, DOMAINS[domain], max_tokens=256, raw=True)
+    got, stats = _run(model, tok, DOMAINS[domain], "lookup", 3, max_tokens=256, raw=True)
+    assert len(ref) == 256 and got == ref
+    assert stats.speculative["accepted"] > 0
 
 
 @pytest.mark.parametrize("k", [1, 4])
