@@ -3,7 +3,7 @@
 Two measurements:
 
   tok/s (default): `generate`'s decode tok/s with --speculative off against lookup (K in
-  --k), runs interleaved, on a copy-heavy prompt (code to repeat with an edit), greedy; also
+  --k) and auto (K = 3), runs interleaved, on a copy-heavy prompt (code to repeat with an edit), greedy; also
   checks each speculative reply is token-identical to off and reports drafted / accepted.
 
     python scripts/bench_speculative.py [--model PATH] [--k 2,3,4] [--reps 3] [-n 256]
@@ -68,7 +68,7 @@ def run(model, tok, prompt: str, spec: str, k: int, n: int):
 
 def tps_table(args, model, tok) -> None:
     ks = [int(x) for x in args.k.split(",")]
-    configs = [("off", 0)] + [("lookup", k) for k in ks]
+    configs = [("off", 0)] + [("lookup", k) for k in ks] + [("auto", 3)]
     run(model, tok, PROMPT, "off", 1, 16)  # warm-up
     runs: dict[tuple[str, int], list] = {c: [] for c in configs}
     ref = None
@@ -78,7 +78,7 @@ def tps_table(args, model, tok) -> None:
             if spec == "off":
                 ref = toks
             elif toks != ref:
-                raise SystemExit(f"lookup k={k}: reply differs from off")
+                raise SystemExit(f"{spec} k={k}: reply differs from off")
             runs[(spec, k)].append(stats)
     base = statistics.fmean(s.generation_tps for s in runs[("off", 0)])
     print(
