@@ -350,3 +350,34 @@ def test_cli_flags_and_json():
         r = cli(*base, *bad)
         assert r.returncode == 2 and text in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_chat_session_turns_equal_plain(bundled):
+    """A chat session decoding by lookup gives the replies of a plain one over two turns (the
+    second continues from the cache the first left)."""
+    from pocket_mlx.engine.session import ChatSession, Settings
+
+    model, tok = bundled
+    settings = Settings(max_tokens=60)
+
+    drafted = []
+
+    def turns(session):
+        msgs, out = [{"role": "user", "content": COPY}], []
+        for follow in ("Once more, please.", None):
+            text = ""
+            for r, _ in session.generate(msgs, settings, "cpu"):
+                text += r.text
+            drafted.append((r.stats.speculative or {}).get("drafted", 0))
+            out.append(text)
+            if follow:
+                msgs = [
+                    *msgs,
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": follow},
+                ]
+        return out, session.plan_kind
+
+    spec = ChatSession(model, tok, speculative="lookup", num_draft_tokens=3)
+    assert turns(spec) == turns(ChatSession(model, tok))
+    assert sum(drafted) > 0
