@@ -26,6 +26,7 @@ from pocket_mlx.engine.generation import SamplingParams, stream_generate
 from pocket_mlx.engine.loader import load
 from pocket_mlx.engine.speculative import _accept, target_probs
 from pocket_mlx.errors import PocketError
+from pocket_mlx.models import verify
 from pocket_mlx.models.verify import commit, verify_forward
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +71,7 @@ def _prefilled(model, ids):
     return cache
 
 
-def test_verify_rows_are_decode_rows(bundled, path):
+def test_verify_rows_are_decode_rows(bundled, path, monkeypatch):
     """Each row of a K+1-row verify pass has one-token decode's logits, bit for bit; after
     committing n rows the next decode step is the one plain decode takes."""
     model, tok = bundled
@@ -92,6 +93,13 @@ def test_verify_rows_are_decode_rows(bundled, path):
         commit(cache, tape, n)
         nxt = model(mx.array([[seq[n]]]), cache=cache)[0, 0]
         assert mx.array_equal(nxt, ref[n]).item(), (path, k, n)
+    # Where M-row products are not known to be row-exact (the GPU), rows go one by one.
+    monkeypatch.setattr(verify, "batched_rows_exact", lambda: False)
+    cache = _prefilled(model, ids)
+    logits, _, tape = verify_forward(model, mx.array(seq[:4]), cache)
+    assert all(mx.array_equal(logits[i], ref[i]).item() for i in range(4))
+    commit(cache, tape, 2)
+    assert mx.array_equal(model(mx.array([[seq[2]]]), cache=cache)[0, 0], ref[2]).item()
 
 
 def _run(model, tok, prompt, spec="off", k=3, max_tokens=120, raw=False, **sampling):

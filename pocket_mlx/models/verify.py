@@ -45,7 +45,7 @@ def batched_rows_exact() -> bool:
 @dataclass
 class Tape:
     """What a verify pass leaves to commit: per linear layer, the (conv_state, state) after
-    each row; the number of rows fed; the caches as they were before (to roll back)."""
+    each row; the number of rows fed; each layer's cache offset before the pass."""
 
     rows: int
     linear: dict[int, list[tuple[mx.array, mx.array]]] = field(default_factory=dict)
