@@ -389,3 +389,27 @@ def test_chat_session_turns_equal_plain(bundled):
     spec = ChatSession(model, tok, speculative="lookup", num_draft_tokens=3)
     assert turns(spec) == turns(ChatSession(model, tok))
     assert sum(drafted) > 0
+
+
+def test_bench_speculative_flag():
+    r = cli(
+        "bench",
+        "-m",
+        str(ASSET),
+        "-p",
+        "0",
+        "-n",
+        "16",
+        "-r",
+        "1",
+        "-q",
+        "-o",
+        "json",
+        "--speculative",
+        "lookup",
+        "--num-draft-tokens",
+        "2",
+    )
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert [row["speculative"] for row in rows] == ["lookup k=2"] and rows[0]["tps_mean"] > 0

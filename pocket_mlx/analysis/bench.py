@@ -352,7 +352,8 @@ def format_markdown(rows: list[Row]) -> str:
     for r in rows:
         cells = [r.model, units.size(r.size_bytes),
                  f"{units.count(r.params_total)} / {units.count(r.params_active)}",
-                 r.recipe, r.dtype, r.device, str(r.threads), r.kernels, r.test,
+                 r.recipe, r.dtype, r.device, str(r.threads), r.kernels,
+                 r.test + (f" ({r.speculative})" if r.speculative != "off" else ""),
                  _tps(r.tps_mean, r.tps_sd), units.size(r.bytes_per_token),
                  f"{r.gbps:.2f}" if r.gbps is not None else "",
                  f"{100 * r.roofline_fraction:.1f}%" if r.roofline_fraction is not None else ""]
