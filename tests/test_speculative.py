@@ -413,3 +413,12 @@ def test_bench_speculative_flag():
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["rows"]
     assert [row["speculative"] for row in rows] == ["lookup k=2"] and rows[0]["tps_mean"] > 0
+
+
+def test_auto_samples_plainly(bundled):
+    """auto speculates on greedy decoding only: a seeded sampled reply is plain decode's (and
+    so serve's) for the same seed."""
+    model, tok = bundled
+    a, sa = _run(model, tok, COPY, "auto", 3, max_tokens=40, temperature=0.9, seed=5)
+    b, _ = _run(model, tok, COPY, "off", 3, max_tokens=40, temperature=0.9, seed=5)
+    assert a == b and sa.speculative is None

@@ -299,7 +299,8 @@ def stream_generate(
     run = _set_up(model, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling,
                   stop=stop, device=device, system=system, raw=raw, cache=cache,
                   prefill_step=prefill_step, warn=warn, sampling_kwargs=sampling_kwargs)
-    run.drafter, run.spec = _speculation(model, speculative, num_draft_tokens, run.stream)
+    run.drafter, run.spec = _speculation(model, speculative, num_draft_tokens, run.stream,
+                                         run.sampling)
     if run.spec is not None:
         run.stats.speculative = run.spec.to_dict()
     with run.wired:
@@ -432,14 +433,18 @@ def _decode(model, run: _Run, *, prefill_step: int,
     steps.close()
 
 
-def _speculation(model, method: str, k: int,
-                 stream: mx.Stream) -> tuple[Drafter | None, SpecCounts | None]:
+def _speculation(model, method: str, k: int, stream: mx.Stream,
+                 sampling: SamplingParams) -> tuple[Drafter | None, SpecCounts | None]:
     """The drafter and counters of `--speculative METHOD` (None, None: plain decode). `auto`
     decodes plainly where a verify pass cannot batch its rows exactly (not the CPU: see
-    models/verify.py), since it would then cost k + 1 steps."""
+    models/verify.py), since it would then cost k + 1 steps, and when sampling (temperature >
+    0): the rejection rule keeps the distribution but not the draws, and a seeded reply should
+    stay the one plain decode (and `serve`) gives; lookup and mtp, asked by name, sample by it."""
     checked_k = check_num_draft_tokens(k)
     drafter = make_drafter(method, model)
     if drafter is None:
+        return None, None
+    if method == "auto" and sampling.temperature > 0:
         return None, None
     with mx.stream(stream):
         if method == "auto" and not batched_rows_exact():
