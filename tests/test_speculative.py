@@ -298,8 +298,8 @@ def _first_token_counts(logits, drafts, q, draws, temperature=1.0, top_k=0):
 @pytest.mark.parametrize("one_hot", [True, False])
 def test_rejection_rule_keeps_distribution(one_hot):
     """The first token of a pass is distributed as the target p (the sampler's distribution
-    of row 0): for a fixed draft (lookup, q one-hot) and for drafts drawn from a q: chi-square over 2000 draws, 7 degrees of freedom (the
-    0.1% critical value is 24.3)."""
+    of row 0): for a fixed draft (lookup, q one-hot) and for drafts drawn from a q.
+    Chi-square over 2000 draws, 7 degrees of freedom (the 0.1% critical value is 24.3)."""
     V = 8
     logits = mx.array(np.random.default_rng(1).normal(size=(3, V)).astype(np.float32))
     draft = int(mx.argmax(logits[0]).item())  # a likely draft: many accepts and rejects
