@@ -422,3 +422,37 @@ def test_auto_samples_plainly(bundled):
     a, sa = _run(model, tok, COPY, "auto", 3, max_tokens=40, temperature=0.9, seed=5)
     b, _ = _run(model, tok, COPY, "off", 3, max_tokens=40, temperature=0.9, seed=5)
     assert a == b and sa.speculative is None
+
+
+class _Recorder(LookupDrafter):
+    """Lookup drafts, recording what an MTP drafter would be handed (hidden states)."""
+
+    name = "recorder"
+
+    def reset(self) -> None:
+        super().reset()
+        self.prompt_rows, self.kept_rows = 0, 0
+
+    def prompt_hidden(self, hidden: mx.array) -> None:
+        self.prompt_rows += hidden.shape[0]
+        self.width = hidden.shape[1]
+
+    def accepted(self, drafted: int, accepted: int, hidden: mx.array | None = None) -> None:
+        assert hidden.shape[0] == accepted + 1
+        self.kept_rows += hidden.shape[0]
+
+
+def test_drafter_hears_every_hidden_state(bundled, monkeypatch):
+    """A drafter gets the final-norm hidden state of every token fed: the prompt's during
+    prefill (`prompt_hidden`), then each pass's kept rows (`accepted`); the reply is still
+    plain decode's."""
+    model, tok = bundled
+    rec = _Recorder()
+    monkeypatch.setattr(model, "mtp_drafter", lambda: rec, raising=False)
+    ref, _ = _run(model, tok, COPY, max_tokens=40)
+    got, stats = _run(model, tok, COPY, "mtp", 3, max_tokens=40)
+    assert got == ref and stats.speculative["method"] == "recorder"
+    assert rec.width == model.args.hidden_size
+    assert rec.prompt_rows == stats.prompt_tokens - 1
+    # The prompt's last token, then each token yielded but the last (still pending).
+    assert rec.kept_rows == 1 + len(got) - 1

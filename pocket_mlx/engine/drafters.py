@@ -5,7 +5,10 @@ to follow `tokens` (the prompt and the reply so far, the pending token last), `a
 hears how many of them the trunk kept (and the trunk's final-norm hidden states of the rows it
 kept, which an MTP head drafts from), `reset()` forgets a sequence. A drafter that samples its
 drafts from a distribution q sets `last_probs` to q ([k, vocab]) after `draft`; None means
-deterministic drafts (q one-hot), as lookup's are.
+deterministic drafts (q one-hot), as lookup's are. A drafter with a `prompt_hidden(hidden)`
+method gets the prompt's final-norm hidden states during prefill ([n, hidden] per chunk, all
+prompt tokens but the last, whose hidden state comes with the first pass's `accepted`): an MTP
+head fills its own KV cache from them. The MTP head plugs in as `model.mtp_drafter()`.
 
 - `LookupDrafter` (prompt lookup): the longest n-gram (n from `max_ngram` down to
   `min_ngram`) ending the sequence that occurred before; drafts what followed it there.

@@ -240,16 +240,22 @@ def generate_step(
 def prefill(model, ids: list[int], cache: list, *, stream: mx.Stream, prefill_step: int,
             on_prefill: Callable[[int], bool] | None = None,
             points: Sequence[tuple[int, str]] = (),
-            on_point: Callable[[int, str], object] | None = None) -> mx.array | None:
+            on_point: Callable[[int, str], object] | None = None,
+            on_hidden: Callable[[mx.array], object] | None = None) -> mx.array | None:
     """All but the last of `ids` into `cache`, in chunks (see `generate_step`): returns the last
-    token (not fed), or None when `on_prefill` stopped it."""
+    token (not fed), or None when `on_prefill` stopped it. `on_hidden`, when given, gets each
+    chunk's final-norm hidden states [n, hidden] (lazy; an MTP drafter fills its own cache
+    from them), the trunk's forward then stopping before the lm_head."""
     with mx.stream(stream):
         rest = mx.array(ids, mx.uint32)
         done = 0
         points = deque(points)
         while rest.size > 1:
             n = chunk_size(done, rest.size - 1, prefill_step, points[0][0] if points else None)
-            model(rest[:n][None], cache=cache)
+            if on_hidden is not None:
+                on_hidden(model.language_model.model(rest[:n][None], cache)[0])
+            else:
+                model(rest[:n][None], cache=cache)
             mx.eval([a for c in cache for a in cache_arrays(c)])
             rest = rest[n:]
             done += n
@@ -456,11 +462,12 @@ def _speculation(model, method: str, k: int, stream: mx.Stream,
 def _speculative_steps(model, run: _Run, cap: int, *, prefill_step: int, on_prefill,
                        points, on_point) -> Iterator[tuple[int, mx.array]]:
     """`generate_step`'s prefill, then speculative decoding (engine/speculative.py)."""
+    run.drafter.reset()
     rest = prefill(model, run.ids, run.cache, stream=run.stream, prefill_step=prefill_step,
-                   on_prefill=on_prefill, points=points, on_point=on_point)
+                   on_prefill=on_prefill, points=points, on_point=on_point,
+                   on_hidden=getattr(run.drafter, "prompt_hidden", None))
     if rest is None:
         return
-    run.drafter.reset()
     yield from speculative_step(
         model, run.ids, run.cache, rest, drafter=run.drafter,
         num_draft_tokens=run.spec.num_draft_tokens, sampling=run.sampling,
