@@ -456,3 +456,35 @@ def test_drafter_hears_every_hidden_state(bundled, monkeypatch):
     assert rec.prompt_rows == stats.prompt_tokens - 1
     # The prompt's last token, then each token yielded but the last (still pending).
     assert rec.kept_rows == 1 + len(got) - 1
+
+
+def test_sampled_first_token_distribution_on_bundled_model(bundled):
+    """The rejection rule on the bundled model's own verify pass: the lookup drafter's draft
+    for the copy prompt, top-k 4 at temperature 4; over 800 seeded draws the first token
+    follows the sampler's distribution of row 0 (chi-square, 3 degrees of freedom, 0.1%
+    critical value 16.27)."""
+    from pocket_mlx.engine.sampling import sampler_for
+
+    model, tok = bundled
+    ids = tok.encode(EDIT)
+    while not (drafts := LookupDrafter().draft(ids, 3)):
+        ids = ids[:-1]  # back to where the copy's last tokens match the original
+    cache = _prefilled(model, ids)
+    logits, _, _ = verify_forward(model, mx.array([ids[-1], *drafts]), cache)
+    mx.eval(logits)
+    sampling = SamplingParams(temperature=4.0, top_k=4)  # hot: the draft is often rejected
+    sampler = sampler_for(sampling)
+    lp = logits[0:1] - mx.logsumexp(logits[0:1], axis=-1, keepdims=True)
+    p = np.array(target_probs(lp, 4.0, 1.0, 0.0, 4)[0])
+    support = np.flatnonzero(p)
+    assert len(support) == 4 and drafts[0] in support
+    counts = dict.fromkeys(support.tolist(), 0)
+    mx.random.seed(11)
+    n = 800
+    for _ in range(n):
+        out, _ = _accept(logits, [ids[-1], *drafts], ids, False, sampling, sampler, [], 64, None)
+        counts[out[0][0]] += 1  # a token outside the top 4 would raise KeyError
+    got = np.array([counts[t] for t in support.tolist()])
+    chi2 = float(((got - n * p[support]) ** 2 / (n * p[support])).sum())
+    assert (n * p[support]).min() > 5  # a chi-square needs counts to be expected in each bin
+    assert chi2 < 16.27, (chi2, got, n * p[support])
