@@ -32,6 +32,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from pocket_mlx import kernels, units
 from pocket_mlx.engine import devices
+from pocket_mlx.engine.drafters import DEFAULT_NUM_DRAFT_TOKENS
 from pocket_mlx.engine.generation import stream_generate
 from pocket_mlx.models.fusion import unfused_parameters
 from pocket_mlx.system.host import get_platform, total_ram_bytes
@@ -147,7 +148,10 @@ class Runner:
     tg: Callable[[list[int], int], float]
 
 
-def pocket_runner(model, device: str, prefill_step: int = 512) -> Runner:
+def pocket_runner(model, device: str, prefill_step: int = 512, speculative: str = "off",
+                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS) -> Runner:
+    """`speculative` (bench --speculative) applies to tg: random prompt tokens give lookup
+    little to match, so measure it on a copy-heavy prompt (scripts/bench_speculative.py)."""
     tok = NullTokenizer()
 
     def pp(ids: list[int]) -> float:
@@ -157,7 +161,8 @@ def pocket_runner(model, device: str, prefill_step: int = 512) -> Runner:
 
     def tg(ids: list[int], n: int) -> float:
         *_, last = stream_generate(model, tok, ids, max_tokens=n + 1, device=device,
-                                   prefill_step=prefill_step)
+                                   prefill_step=prefill_step, speculative=speculative,
+                                   num_draft_tokens=num_draft_tokens)
         return last.stats.generation_tps
 
     return Runner("pocket-mlx", pp, tg)
@@ -251,6 +256,7 @@ class Row:
     ratio_vs_mlx_lm: float | None = None
     mlx_lm_runs: list[float] | None = None
     bandwidth_runs: list[float] | None = None  # GB/s probed around each tg run (see run_tests)
+    speculative: str = "off"  # bench --speculative (and K) the tg runs decoded with
 
 
 def mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -346,7 +352,8 @@ def format_markdown(rows: list[Row]) -> str:
     for r in rows:
         cells = [r.model, units.size(r.size_bytes),
                  f"{units.count(r.params_total)} / {units.count(r.params_active)}",
-                 r.recipe, r.dtype, r.device, str(r.threads), r.kernels, r.test,
+                 r.recipe, r.dtype, r.device, str(r.threads), r.kernels,
+                 r.test + (f" ({r.speculative})" if r.speculative != "off" else ""),
                  _tps(r.tps_mean, r.tps_sd), units.size(r.bytes_per_token),
                  f"{r.gbps:.2f}" if r.gbps is not None else "",
                  f"{100 * r.roofline_fraction:.1f}%" if r.roofline_fraction is not None else ""]

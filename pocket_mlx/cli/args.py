@@ -148,3 +148,29 @@ def add_distributed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-timeout", type=positive_seconds, default=120.0,
                    metavar="S", help="with --distributed: give up with an error when the other "
                                      "ranks do not connect, or stop answering, for S seconds")
+
+
+def num_draft_tokens(text: str) -> int:
+    from pocket_mlx.engine.drafters import MAX_NUM_DRAFT_TOKENS
+
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if not 1 <= k <= MAX_NUM_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be an integer 1..{MAX_NUM_DRAFT_TOKENS}, "
+                                         f"got {text!r}")
+    return k
+
+
+def add_speculative_args(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    """--speculative and --num-draft-tokens (engine/speculative.py, docs/SPECULATIVE.md)."""
+    from pocket_mlx.engine.drafters import DEFAULT_NUM_DRAFT_TOKENS, METHODS
+
+    p.add_argument("--speculative", choices=list(METHODS), default=default,
+                   help="speculative decoding: lookup = n-gram drafts from the prompt and reply, "
+                        "mtp = the model's multi-token-prediction head, auto = mtp when the "
+                        "model has one, else lookup, backing off while drafts fail; greedy "
+                        "output is the same as off, token for token")
+    p.add_argument("--num-draft-tokens", type=num_draft_tokens, default=DEFAULT_NUM_DRAFT_TOKENS,
+                   metavar="K", help="tokens drafted per verify pass")

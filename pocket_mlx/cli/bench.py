@@ -12,7 +12,7 @@ import sys
 import time
 
 from pocket_mlx import units
-from pocket_mlx.cli.args import add_distributed_args
+from pocket_mlx.cli.args import add_distributed_args, add_speculative_args
 from pocket_mlx.config import read_config, read_pocket_json, recipe_label, weights_bytes
 from pocket_mlx.errors import PocketError
 
@@ -47,6 +47,7 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md",
                    help="table format")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    add_speculative_args(p, default="off")
     add_distributed_args(p)
     p.set_defaults(func=run)
     return p
@@ -72,6 +73,8 @@ def run(args) -> int:
                           "and/or -n N (decode) above 0")
     if args.threads is not None and args.threads < 1:
         raise PocketError(f"--threads must be >= 1, got {args.threads}")
+    if args.distributed and args.speculative != "off":
+        raise PocketError("--speculative does not run with --distributed: drop one of them")
     if args.synthetic_recipe and not args.synthetic:
         raise PocketError("--synthetic-recipe needs --synthetic")
     import mlx.core as mx
@@ -158,7 +161,8 @@ def _measure(args, model, path, name, recipe, size, device, threads, kinfo, log,
         print(f"memory read bandwidth ({device}, {threads} thread(s)): {units.bandwidth(bw)}",
               file=sys.stderr if args.output != "md" else sys.stdout, flush=True)
 
-    runners = [bench.pocket_runner(model, device)]
+    runners = [bench.pocket_runner(model, device, speculative=args.speculative,
+                                   num_draft_tokens=args.num_draft_tokens)]
     if args.vs_mlx_lm:
         runners.append(bench.mlx_lm_runner(bench.mlx_lm_model(path, model), device))
     results = bench.run_tests(runners, vocab=model.args.vocab_size, p=args.n_prompt,
@@ -167,7 +171,9 @@ def _measure(args, model, path, name, recipe, size, device, threads, kinfo, log,
     meta = dict(model=name, size_bytes=size, params_total=stats.params_total,
                 params_active=stats.params_active, recipe=recipe, dtype=shown_dtype,
                 device=device, threads=threads, kernels=kernels.label(kinfo),
-                bytes_per_token=stats.bytes_per_token)
+                bytes_per_token=stats.bytes_per_token,
+                speculative=(f"{args.speculative} k={args.num_draft_tokens}"
+                             if args.speculative != "off" else "off"))
     rows = bench.make_rows(results, meta, bw)
     if args.output == "json":
         print(bench.to_json(rows, bench.machine_info(bw)))

@@ -7,7 +7,12 @@ import json
 import sys
 
 from pocket_mlx.cli import args as argtypes
-from pocket_mlx.cli.args import add_distributed_args, add_model_args, add_sampling_args
+from pocket_mlx.cli.args import (
+    add_distributed_args,
+    add_model_args,
+    add_sampling_args,
+    add_speculative_args,
+)
 from pocket_mlx.errors import PocketError
 from pocket_mlx.units import GB, size
 
@@ -51,6 +56,7 @@ def register(sub) -> argparse.ArgumentParser:
                                         "repeatable (default: stop only at the end-of-text token "
                                         "or --max-tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    add_speculative_args(p)
     add_distributed_args(p)
     p.set_defaults(func=run)
     return p
@@ -61,6 +67,9 @@ def run(args) -> int:
         raise PocketError("--raw has no chat template to put --system in; drop --system, or "
                           "drop --raw, or write the system text into the prompt")
     if args.distributed:
+        if args.speculative not in ("auto", "off"):
+            raise PocketError(f"--speculative {args.speculative} does not run with "
+                              "--distributed (it decodes plainly): drop one of them")
         return run_distributed(args)
     prompt = read_prompt(args)
     sampling = sampling_from_args(args)
@@ -70,7 +79,8 @@ def run(args) -> int:
     text, stats = [], None
     for r in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                              sampling=sampling, stop=args.stop, device=device,
-                             system=args.system, raw=args.raw):
+                             system=args.system, raw=args.raw, speculative=args.speculative,
+                             num_draft_tokens=args.num_draft_tokens):
         stats = r.stats
         if r.text:
             text.append(r.text)
@@ -157,6 +167,9 @@ def report(args, text: str, stats, ranks: dict | None = None) -> None:
             "device": stats.device,
             "finish_reason": stats.finish_reason,
         }
+        if stats.speculative is not None:
+            out["speculative"] = {k: stats.speculative[k] for k in
+                                  ("method", "num_draft_tokens", "drafted", "accepted")}
         if ranks is not None:
             out["distributed"] = ranks
         print(json.dumps(out, ensure_ascii=False))
@@ -166,5 +179,7 @@ def report(args, text: str, stats, ranks: dict | None = None) -> None:
         print(f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s | "
               f"generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s | "
               f"ttft {stats.ttft_s:.3f} s | peak memory {size(stats.peak_memory_gb * GB)} | "
-              f"{stats.device} | {stats.finish_reason}"
+              + (f"{spec['method']}: {spec['accepted']}/{spec['drafted']} drafts accepted | "
+                 if (spec := stats.speculative) else "")
+              + f"{stats.device} | {stats.finish_reason}"
               + (f" | {ranks['mode']} x{ranks['ranks']}" if ranks else ""), file=sys.stderr)

@@ -21,6 +21,12 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 
 from pocket_mlx.engine import devices
+from pocket_mlx.engine.drafters import (
+    DEFAULT_NUM_DRAFT_TOKENS,
+    Drafter,
+    check_num_draft_tokens,
+    make_drafter,
+)
 from pocket_mlx.engine.loader import model_weight_stats, use_device
 from pocket_mlx.engine.params import (
     DEFAULT_MAX_TOKENS,
@@ -39,7 +45,9 @@ from pocket_mlx.engine.params import (
 )
 from pocket_mlx.engine.sampling import Sampler, processors_for, sample, sampler_for
 from pocket_mlx.engine.snapshot_points import chunk_size
+from pocket_mlx.engine.speculative import SpecCounts, speculative_step
 from pocket_mlx.errors import PocketError
+from pocket_mlx.models.verify import batched_rows_exact
 from pocket_mlx.system.memory import wired_limit
 
 
@@ -96,6 +104,7 @@ class GenerationStats:
     prefill_done: int = 0
     finish_reason: str | None = None  # eos | stop | length | context | cancelled
     stop_string: str | None = None  # the stop string that ended the reply (finish_reason stop)
+    speculative: dict | None = None  # SpecCounts.to_dict() when decoding by speculation
 
     @property
     def gbps(self) -> float:
@@ -202,21 +211,11 @@ def generate_step(
         y, logprobs = sample(logits, sampler, processors, history)
         return (share(y) if share is not None else y), logprobs
 
+    rest = prefill(model, ids, cache, stream=stream, prefill_step=prefill_step,
+                   on_prefill=on_prefill, points=points, on_point=on_point)
+    if rest is None:
+        return
     with mx.stream(stream):
-        rest = mx.array(ids, mx.uint32)
-        done = 0
-        points = deque(points)
-        while rest.size > 1:
-            n = chunk_size(done, rest.size - 1, prefill_step, points[0][0] if points else None)
-            prefill_chunk(model, rest[:n], cache)
-            rest = rest[n:]
-            done += n
-            if points and points[0][0] == done:
-                _, kind = points.popleft()
-                if on_point is not None:
-                    on_point(done, kind)
-            if on_prefill is not None and on_prefill(done):
-                return
         y, logprobs = step(rest)
         mx.async_eval(y, logprobs)
     n = 0
@@ -238,6 +237,38 @@ def generate_step(
         y, logprobs = y_next, logprobs_next
 
 
+def prefill(model, ids: list[int], cache: list, *, stream: mx.Stream, prefill_step: int,
+            on_prefill: Callable[[int], bool] | None = None,
+            points: Sequence[tuple[int, str]] = (),
+            on_point: Callable[[int, str], object] | None = None,
+            on_hidden: Callable[[mx.array], object] | None = None) -> mx.array | None:
+    """All but the last of `ids` into `cache`, in chunks (see `generate_step`): returns the last
+    token (not fed), or None when `on_prefill` stopped it. `on_hidden`, when given, gets each
+    chunk's final-norm hidden states [n, hidden] (lazy; an MTP drafter fills its own cache
+    from them), the trunk's forward then stopping before the lm_head."""
+    with mx.stream(stream):
+        rest = mx.array(ids, mx.uint32)
+        done = 0
+        points = deque(points)
+        while rest.size > 1:
+            n = chunk_size(done, rest.size - 1, prefill_step, points[0][0] if points else None)
+            if on_hidden is not None:
+                on_hidden(model.language_model.model(rest[:n][None], cache,
+                                                     eval_layers=True)[0])
+                mx.eval([a for c in cache for a in cache_arrays(c)])
+            else:
+                prefill_chunk(model, rest[:n], cache)
+            rest = rest[n:]
+            done += n
+            if points and points[0][0] == done:
+                _, kind = points.popleft()
+                if on_point is not None:
+                    on_point(done, kind)
+            if on_prefill is not None and on_prefill(done):
+                return None
+    return rest
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -256,6 +287,8 @@ def stream_generate(
     warn: Callable[[str], object] | None = None,
     points: Sequence[tuple[int, str]] = (),
     on_point: Callable[[int, str], object] | None = None,
+    speculative: str = "off",
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
     **sampling_kwargs,
 ) -> Iterator[Response]:
     """Yield `Response`s: text pieces as they decode, each with live stats; the last has
@@ -266,10 +299,17 @@ def stream_generate(
     `device` other than the model's switches it (its float dtype follows, and the cache's
     with it, see `loader.use_device`). `warn` receives one-off warnings (the GPU memory one); default:
     stderr. `points` and `on_point` (positions in the tokens fed) are `generate_step`'s: where
-    prefill ends a chunk and what to do there (store a prompt-cache snapshot)."""
+    prefill ends a chunk and what to do there (store a prompt-cache snapshot). `speculative`
+    (off, lookup, mtp, auto; engine/drafters.py) decodes by speculation, `num_draft_tokens`
+    drafts per pass: the tokens are plain decode's (greedy) or have its distribution; the
+    stats then carry `speculative` (drafted, accepted)."""
     run = _set_up(model, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling,
                   stop=stop, device=device, system=system, raw=raw, cache=cache,
                   prefill_step=prefill_step, warn=warn, sampling_kwargs=sampling_kwargs)
+    run.drafter, run.spec = _speculation(model, speculative, num_draft_tokens, run.stream,
+                                         run.sampling)
+    if run.spec is not None:
+        run.stats.speculative = run.spec.to_dict()
     with run.wired:
         mx.reset_peak_memory()
         yield from _decode(model, run, prefill_step=prefill_step, progress=progress,
@@ -295,6 +335,8 @@ class _Run:
     n: int = 0  # tokens sampled so far, EOS not counted
     t_decode: float | None = None  # when the first token was read
     cancelled_prefill: bool = False  # should_stop ended the prefill
+    drafter: Drafter | None = None  # speculative decoding (engine/speculative.py), or None
+    spec: SpecCounts | None = None
 
 
 def _set_up(model, tokenizer, prompt, *, max_tokens: int, sampling: SamplingParams | None,
@@ -355,11 +397,16 @@ def _decode(model, run: _Run, *, prefill_step: int,
         return run.cancelled_prefill
 
     t0 = time.perf_counter()
-    steps = generate_step(model, ids, run.cache, sampler=sampler_for(run.sampling),
-                          processors=processors_for(run.sampling), max_tokens=cap,
-                          stream=run.stream, prefill_step=prefill_step, on_prefill=on_prefill,
-                          fed=run.fed, history_size=run.sampling.repetition_context,
-                          points=points, on_point=on_point)
+    if run.drafter is not None:
+        steps = _speculative_steps(model, run, cap, prefill_step=prefill_step,
+                                   on_prefill=on_prefill, points=points, on_point=on_point)
+    else:
+        steps = generate_step(model, ids, run.cache, sampler=sampler_for(run.sampling),
+                              processors=processors_for(run.sampling), max_tokens=cap,
+                              stream=run.stream, prefill_step=prefill_step,
+                              on_prefill=on_prefill, fed=run.fed,
+                              history_size=run.sampling.repetition_context, points=points,
+                              on_point=on_point)
     for token, _ in steps:
         if run.t_decode is None:
             run.t_decode = time.perf_counter()
@@ -372,6 +419,8 @@ def _decode(model, run: _Run, *, prefill_step: int,
             stats.finish_reason = "eos"
             break
         run.n += 1
+        if run.spec is not None:
+            stats.speculative = run.spec.to_dict()
         piece, stopped = text.add(token)
         stats.generation_tokens = run.n
         if run.n > 1:
@@ -391,6 +440,43 @@ def _decode(model, run: _Run, *, prefill_step: int,
     steps.close()
 
 
+def _speculation(model, method: str, k: int, stream: mx.Stream,
+                 sampling: SamplingParams) -> tuple[Drafter | None, SpecCounts | None]:
+    """The drafter and counters of `--speculative METHOD` (None, None: plain decode). `auto`
+    decodes plainly where a verify pass cannot batch its rows exactly (not the CPU: see
+    models/verify.py), since it would then cost k + 1 steps, and when sampling (temperature >
+    0): the rejection rule keeps the distribution but not the draws, and a seeded reply should
+    stay the one plain decode (and `serve`) gives; lookup and mtp, asked by name, sample by it."""
+    checked_k = check_num_draft_tokens(k)
+    drafter = make_drafter(method, model)
+    if drafter is None:
+        return None, None
+    if method == "auto" and sampling.temperature > 0:
+        return None, None
+    with mx.stream(stream):
+        if method == "auto" and not batched_rows_exact():
+            return None, None
+    return drafter, SpecCounts(method=drafter.name if method != "auto" else f"auto:{drafter.name}",
+                               num_draft_tokens=checked_k)
+
+
+def _speculative_steps(model, run: _Run, cap: int, *, prefill_step: int, on_prefill,
+                       points, on_point) -> Iterator[tuple[int, mx.array]]:
+    """`generate_step`'s prefill, then speculative decoding (engine/speculative.py)."""
+    run.drafter.reset()
+    rest = prefill(model, run.ids, run.cache, stream=run.stream, prefill_step=prefill_step,
+                   on_prefill=on_prefill, points=points, on_point=on_point,
+                   on_hidden=getattr(run.drafter, "prompt_hidden", None))
+    if rest is None:
+        return
+    yield from speculative_step(
+        model, run.ids, run.cache, rest, drafter=run.drafter,
+        num_draft_tokens=run.spec.num_draft_tokens, sampling=run.sampling,
+        sampler=sampler_for(run.sampling), processors=processors_for(run.sampling),
+        max_tokens=cap, stream=run.stream, counts=run.spec, fed=run.fed,
+        history_size=run.sampling.repetition_context)
+
+
 def _finish(run: _Run) -> Iterator[Response]:
     """The last responses: the text held back (unless a stop string cut it), then the final
     stats with the tokens the cache holds (None after a cancelled prefill: the cache is
@@ -403,6 +489,8 @@ def _finish(run: _Run) -> Iterator[Response]:
     if stats.finish_reason != "stop" and (tail := run.text.flush()):
         yield Response(tail, None, stats)
     stats.phase = "done"
+    if run.spec is not None:
+        stats.speculative = run.spec.to_dict()
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9
     if run.t_decode is not None and run.n > 1:
         stats.generation_tps = (run.n - 1) / (time.perf_counter() - run.t_decode)

@@ -1,0 +1,182 @@
+"""Drafters for speculative decoding: who proposes the tokens the verify pass checks.
+
+A drafter is anything with the `Drafter` protocol: `draft(tokens, k)` proposes up to k tokens
+to follow `tokens` (the prompt and the reply so far, the pending token last), `accepted(...)`
+hears how many of them the trunk kept (and the trunk's final-norm hidden states of the rows it
+kept, which an MTP head drafts from), `reset()` forgets a sequence. A drafter that samples its
+drafts from a distribution q sets `last_probs` to q ([k, vocab]) after `draft`; None means
+deterministic drafts (q one-hot), as lookup's are. A drafter with a `prompt_hidden(hidden)`
+method gets the prompt's final-norm hidden states during prefill ([n, hidden] per chunk, all
+prompt tokens but the last, whose hidden state comes with the first pass's `accepted`): an MTP
+head fills its own KV cache from them. The MTP head plugs in as `model.mtp_drafter()`.
+
+- `LookupDrafter` (prompt lookup): the longest n-gram (n from `max_ngram` down to
+  `min_ngram`) ending the sequence that occurred before; drafts what followed it there.
+- `BackOff` wraps a drafter for `auto`: while drafts keep failing, or drafting passes decode
+  fewer tokens per second than plain decode, it stops asking (plain pipelined decode runs
+  instead) for a number of tokens that doubles with each failure, up to `max_skip`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import mlx.core as mx
+
+from pocket_mlx.errors import PocketError
+
+METHODS = ("auto", "off", "mtp", "lookup")
+DEFAULT_NUM_DRAFT_TOKENS = 3
+MAX_NUM_DRAFT_TOKENS = 8
+
+
+class Drafter(Protocol):
+    name: str
+    last_probs: mx.array | None
+
+    def draft(self, tokens: Sequence[int], k: int) -> list[int]: ...
+
+    def accepted(self, drafted: int, accepted: int, hidden: mx.array | None = None) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class LookupDrafter:
+    """Prompt lookup: n-gram matches over the prompt and the reply. An index from each n-gram
+    to where it last ended is extended as tokens arrive, so a draft costs O(new tokens)."""
+
+    name = "lookup"
+
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 4) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.last_probs = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.index: dict[tuple[int, ...], int] = {}
+        self.tokens: list[int] = []
+
+    def _extend(self, tokens: Sequence[int]) -> None:
+        """Index every n-gram ending before the last token (the last one is the query: its own
+        occurrence must not match itself)."""
+        n = len(self.tokens)
+        if n and (len(tokens) < n or tokens[n - 1] != self.tokens[-1]):
+            self.reset()  # another sequence, or a rewound one
+        start = len(self.tokens)
+        self.tokens.extend(tokens[start:])
+        for end in range(max(start, 1), len(self.tokens)):
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if end >= n:
+                    self.index[tuple(self.tokens[end - n : end])] = end
+
+    def draft(self, tokens: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or len(tokens) < self.min_ngram:
+            return []
+        self._extend(tokens)
+        t = self.tokens
+        for n in range(min(self.max_ngram, len(t) - 1), self.min_ngram - 1, -1):
+            pos = self.index.get(tuple(t[-n:]))
+            if pos is not None and pos < len(t):
+                return t[pos : pos + k]
+        return []
+
+    def accepted(self, drafted: int, accepted: int, hidden: mx.array | None = None) -> None:
+        pass
+
+
+class BackOff:
+    """`auto`'s wrapper: drafts only while drafting pays. It times its passes (`timed`, from
+    the decode loop): decode throughput of drafting passes against that of plain decode, as
+    exponential averages. After a drafting pass that accepted nothing or whose average
+    throughput is below plain decode's, it skips drafting for `skip` tokens (8, 16, 32, ... up
+    to `max_skip`), any pass that pays resets it. Skipped stretches, and the few tokens after
+    a draft found nothing (`idle`), run as plain pipelined decode (`plain_steps`). It starts
+    with `probe` plain tokens, to know plain decode's speed. A verify pass costs more than a
+    one-token step (its MoE routes k + 1 tokens to more experts, and on a CPU the products'
+    work grows with the rows), so drafts that keep failing are a loss."""
+
+    def __init__(self, inner, max_skip: int = 64, idle: int = 4, probe: int = 4) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.max_skip, self.idle, self.probe = max_skip, idle, probe
+        self.reset()
+
+    @property
+    def last_probs(self):
+        return self.inner.last_probs
+
+    def reset(self) -> None:
+        self.skip, self.wait = 0, self.probe
+        self.plain_rate: float | None = None  # tokens/s of plain decode
+        self.draft_rate: float | None = None  # tokens/s of drafting passes
+        self.inner.reset()
+
+    def draft(self, tokens: Sequence[int], k: int) -> list[int]:
+        return [] if self.wait > 0 else self.inner.draft(tokens, k)
+
+    def plain_steps(self) -> int:
+        """Plain tokens to decode now (asked when `draft` gave nothing)."""
+        n, self.wait = max(self.wait, self.idle), 0
+        return n
+
+    def timed(self, rows: int, seconds: float, tokens: int) -> None:
+        rate = tokens / max(seconds, 1e-9)
+        if rows == 1:
+            self.plain_rate = (
+                rate if self.plain_rate is None else 0.7 * self.plain_rate + 0.3 * rate
+            )
+        else:
+            self.draft_rate = (
+                rate if self.draft_rate is None else 0.7 * self.draft_rate + 0.3 * rate
+            )
+
+    def accepted(self, drafted: int, accepted: int, hidden: mx.array | None = None) -> None:
+        self.inner.accepted(drafted, accepted, hidden)
+        if drafted == 0:
+            return
+        slower = (
+            self.plain_rate is not None
+            and self.draft_rate is not None
+            and self.draft_rate < self.plain_rate
+        )
+        if accepted == 0 or slower:
+            self.skip = min(self.max_skip, max(8, 2 * self.skip))
+            self.wait = self.skip
+        else:
+            self.skip = 0
+
+
+def check_num_draft_tokens(k: int) -> int:
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_DRAFT_TOKENS:
+        raise PocketError(f"--num-draft-tokens must be 1..{MAX_NUM_DRAFT_TOKENS}, got {k!r}")
+    return k
+
+
+def mtp_drafter(model):
+    """The model's MTP head as a drafter, or None when it has none. The head itself (models/,
+    branch mtp) exposes `model.mtp_drafter()`; until then no model has one."""
+    make = getattr(model, "mtp_drafter", None)
+    return make() if callable(make) else None
+
+
+def make_drafter(method: str, model) -> Drafter | None:
+    """The drafter of `--speculative METHOD` for `model`, or None (plain decode). `mtp` on a
+    model without a head is a PocketError; `auto` is mtp when there is a head, else lookup,
+    with back-off either way."""
+    if method not in METHODS:
+        raise PocketError(f"--speculative must be one of {', '.join(METHODS)}, got {method!r}")
+    if method == "off":
+        return None
+    if method == "lookup":
+        return LookupDrafter()
+    head = mtp_drafter(model)
+    if method == "mtp":
+        if head is None:
+            raise PocketError(
+                "--speculative mtp: this model has no MTP head (use --speculative lookup or auto)"
+            )
+        return head
+    return BackOff(head if head is not None else LookupDrafter())

@@ -1,0 +1,217 @@
+"""Speculative decoding, measured (docs/SPECULATIVE.md).
+
+Two measurements:
+
+  tok/s (default): `generate`'s decode tok/s with --speculative off against lookup (K in
+  --k) and auto (K = 3), runs interleaved, on a copy-heavy prompt (code to repeat with an edit), greedy; also
+  checks each speculative reply is token-identical to off and reports drafted / accepted.
+
+    python scripts/bench_speculative.py [--model PATH] [--k 2,3,4] [--reps 3] [-n 256]
+
+  --verify-cost: the time of one verify pass of L = k + 1 rows against one one-token decode
+  step (k = 1..--max-k), on any model (the 35B shape: --model synthetic:pocket-35b-e128, run
+  under `flock /work/wt/heavy.lock`), with the experts the L tokens route to (distinct per
+  layer) and the weight bytes that implies against one step's.
+
+    python scripts/bench_speculative.py --verify-cost --model synthetic:pocket-35b-e128
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pocket_mlx import kernels  # noqa: E402
+from pocket_mlx.analysis.bench import cpu_model  # noqa: E402
+from pocket_mlx.engine.generation import stream_generate  # noqa: E402
+from pocket_mlx.engine.loader import load, model_weight_stats  # noqa: E402
+from pocket_mlx.models.verify import commit, verify_forward  # noqa: E402
+
+CODE = """def load_rows(path):
+    rows = []
+    with open(path) as f:
+        for line in f:
+            name, value = line.strip().split(",")
+            rows.append((name, float(value)))
+    return rows
+
+
+def total(rows):
+    return sum(value for _, value in rows)
+
+
+def largest(rows, n=3):
+    return sorted(rows, key=lambda r: r[1], reverse=True)[:n]
+"""
+# Code editing: the module, then the start of its edited copy; the model continues the copy
+# (raw text, no chat template: the bundled model is too small to follow an instruction).
+PROMPT = "# original\n" + CODE + "\n# edited: total renamed to grand_total\n" + CODE[:120]
+
+
+def run(model, tok, prompt: str, spec: str, k: int, n: int):
+    toks, stats = [], None
+    for r in stream_generate(
+        model, tok, prompt, max_tokens=n, speculative=spec, num_draft_tokens=k, raw=True
+    ):
+        if r.token is not None:
+            toks.append(r.token)
+        stats = r.stats
+    return toks, stats
+
+
+def tps_table(args, model, tok) -> None:
+    ks = [int(x) for x in args.k.split(",")]
+    configs = [("off", 0)] + [("lookup", k) for k in ks] + [("auto", 3)]
+    run(model, tok, PROMPT, "off", 1, 16)  # warm-up
+    runs: dict[tuple[str, int], list] = {c: [] for c in configs}
+    ref = None
+    for _ in range(args.reps):
+        for spec, k in configs:
+            toks, stats = run(model, tok, PROMPT, spec, max(k, 1), args.n)
+            if spec == "off":
+                ref = toks
+            elif toks != ref:
+                raise SystemExit(f"{spec} k={k}: reply differs from off")
+            runs[(spec, k)].append(stats)
+    base = statistics.fmean(s.generation_tps for s in runs[("off", 0)])
+    print(
+        f"model {args.model}, CPU {cpu_model()}, kernels {kernels.label()}, "
+        f"{len(ref)} tokens, {args.reps} interleaved runs each\n"
+    )
+    print(
+        "| method | K | decode tok/s | vs off | drafted | accepted | accepted/drafted | "
+        "tokens/pass |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for (spec, k), stats in runs.items():
+        tps = [s.generation_tps for s in stats]
+        m, sd = statistics.fmean(tps), statistics.stdev(tps) if len(tps) > 1 else 0.0
+        sp = stats[-1].speculative
+        if sp is None:
+            print(f"| off | - | {m:.1f} ± {sd:.1f} | 1.00x | - | - | - | 1.00 |")
+            continue
+        rate = sp["accepted"] / sp["drafted"] if sp["drafted"] else 0.0
+        per = stats[-1].generation_tokens / sp["passes"]
+        print(
+            f"| {spec} | {k} | {m:.1f} ± {sd:.1f} | {m / base:.2f}x | {sp['drafted']} | "
+            f"{sp['accepted']} | {100 * rate:.0f}% | {per:.2f} |"
+        )
+
+
+def _distinct_experts(model, cache, rows: mx.array) -> float:
+    """Mean over MoE layers of the distinct experts `rows` route to (observer hook)."""
+    seen: list[int] = []
+    for layer in model.layers:
+        layer.mlp.observer = lambda x, inds, *_: seen.append(len(set(inds.flatten().tolist())))
+    try:
+        logits, _, tape = verify_forward(model, rows, cache)
+        mx.eval(logits)
+        commit(cache, tape, 1)
+    finally:
+        for layer in model.layers:
+            layer.mlp.observer = None
+    return statistics.fmean(seen)
+
+
+def verify_cost(args, model, tok) -> None:
+    ids = tok.encode(CODE) if tok is not None else list(range(1, 200))
+    ids = [i % model.args.vocab_size for i in ids][: args.context]
+    cache = model.make_cache()
+    model(mx.array(ids[:-1])[None], cache=cache)
+    mx.eval([a for c in cache for a in c.arrays])
+    ws = model_weight_stats(model)
+    sw = model.layers[0].mlp.switch_mlp
+    per_expert = (
+        sum(
+            v.nbytes
+            for p in (sw.gate_proj, sw.up_proj, sw.down_proj)
+            for v in p.parameters().values()
+        )
+        // model.args.num_experts
+    )
+    n_layers = len(model.layers)
+    dense = ws.bytes_per_token - n_layers * model.args.num_experts_per_tok * per_expert
+
+    def snapshot():
+        return [
+            (c.offset, getattr(c, "conv_state", None), c.state)
+            if hasattr(c, "conv_state")
+            else (c.offset,)
+            for c in cache
+        ]
+
+    def restore(snap) -> None:
+        for c, s in zip(cache, snap):
+            if len(s) == 3:
+                c.offset, c.conv_state, c.state = s
+            else:
+                c.trim(c.offset - s[0])
+
+    def step_time(L: int) -> float:
+        rows = mx.array([ids[(i * 7) % len(ids)] for i in range(L)], mx.uint32)
+        times = []
+        for _ in range(args.reps):
+            snap = snapshot()
+            t = time.perf_counter()
+            if L == 1:  # the plain decode step
+                mx.eval(model(rows[None], cache=cache))
+            else:
+                logits, _, tape = verify_forward(model, rows, cache)
+                mx.eval(logits)
+                commit(cache, tape, 1)
+            times.append(time.perf_counter() - t)
+            restore(snap)
+        return statistics.median(times)
+
+    step_time(1)
+    one = step_time(1)
+    print(
+        f"model {args.model}, CPU {cpu_model()}, kernels {kernels.label()}, median of {args.reps}\n"
+    )
+    print(
+        f"one-token decode step: {1e3 * one:.1f} ms; weights read per token "
+        f"{ws.bytes_per_token / 1e9:.3f} GB\n"
+    )
+    print(
+        "| k | rows | verify pass ms | vs one step | distinct experts/layer | "
+        "weight bytes vs one step |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    for k in range(1, args.max_k + 1):
+        L = k + 1
+        t = step_time(L)
+        rows = mx.array([ids[(i * 7) % len(ids)] for i in range(L)], mx.uint32)
+        snap = snapshot()
+        e = _distinct_experts(model, cache, rows)
+        restore(snap)
+        bytes_ratio = (dense + n_layers * e * per_expert) / ws.bytes_per_token
+        print(f"| {k} | {L} | {1e3 * t:.1f} | {t / one:.2f}x | {e:.1f} | {bytes_ratio:.2f}x |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="assets/pocket-tiny")
+    ap.add_argument("--k", default="2,3,4", help="draft lengths for lookup (tok/s mode)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("-n", type=int, default=256, help="tokens per reply (tok/s mode)")
+    ap.add_argument("--verify-cost", action="store_true")
+    ap.add_argument("--max-k", type=int, default=5)
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens (verify-cost)")
+    args = ap.parse_args()
+    model, tok = load(args.model, device="cpu", fuse=True)
+    if args.verify_cost:
+        verify_cost(args, model, tok)
+    else:
+        tps_table(args, model, tok)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

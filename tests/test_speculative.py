@@ -1,0 +1,490 @@
+"""Speculative decoding (engine/speculative.py, models/verify.py, engine/drafters.py).
+
+Exactness: the verify pass gives every row the logits of one-token decode bit for bit (CPU
+extension in FAST and EXACT modes, and MLX's own kernels), and greedy speculative output equals
+plain decode token for token on the bundled model, with K = 1..4, on a copy-heavy prompt (many
+accepted drafts) and one whose drafts are mostly rejected. Cost: a rejection commits the cache
+from the pass's tape, never running the trunk again (MoE calls counted through the block's
+observer hook). Sampling: the rejection rule's first token has the target distribution
+(chi-square over many draws). CLI: the flags and the JSON field through a real subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from pocket_mlx import kernels
+from pocket_mlx.engine.drafters import BackOff, LookupDrafter, make_drafter
+from pocket_mlx.engine.generation import SamplingParams, stream_generate
+from pocket_mlx.engine.loader import load
+from pocket_mlx.engine.speculative import _accept, target_probs
+from pocket_mlx.errors import PocketError
+from pocket_mlx.models import verify
+from pocket_mlx.models.verify import commit, verify_forward
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSET = ROOT / "assets" / "pocket-tiny"
+
+CODE = (
+    "def add(a, b):\n    return a + b\n\n\ndef scale(points, k):\n"
+    "    return [(x * k, y * k) for x, y in points]\n\n\nclass Box:\n"
+    "    def __init__(self, w, h):\n        self.w = w\n        self.h = h\n"
+)
+COPY = "Repeat this code exactly, with add renamed to plus:\n\n" + CODE
+EDIT = "# original\n" + CODE + "\n# edited\n" + CODE[:120]  # raw text: the model copies it
+PLAIN = "Write a poem about the sea, the sea, the sea."  # drafts, all rejected
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load(ASSET, device="cpu", fuse=True)
+
+
+@pytest.fixture(params=["fast", "exact", "mlx"])
+def path(request):
+    """The CPU extension in each mode, and MLX's own ops (extension off)."""
+    if request.param != "mlx" and kernels.load_error() is not None:
+        if kernels.required():
+            pytest.fail(kernels.load_error(), pytrace=False)
+        pytest.skip(kernels.load_error())
+    mode = kernels.get_mode()
+    if request.param == "mlx":
+        kernels.set_enabled(False)
+    else:
+        kernels.set_mode(request.param)
+    yield request.param
+    kernels.set_enabled(True)
+    kernels.set_mode(mode)
+
+
+def _prefilled(model, ids):
+    cache = model.make_cache()
+    model(mx.array(ids[:-1])[None], cache=cache)
+    mx.eval([a for c in cache for a in c.arrays])
+    return cache
+
+
+def test_verify_rows_are_decode_rows(bundled, path, monkeypatch):
+    """Each row of a K+1-row verify pass has one-token decode's logits, bit for bit; after
+    committing n rows the next decode step is the one plain decode takes."""
+    model, tok = bundled
+    ids = tok.encode(CODE)
+    seq = [ids[-1], *ids[4:12]]
+    cache = _prefilled(model, ids)
+    ref = []
+    for t in seq:
+        ref.append(model(mx.array([[t]]), cache=cache)[0, 0])
+        mx.eval(ref[-1])
+    for k in (1, 4, 8):
+        cache = _prefilled(model, ids)
+        logits, hidden, tape = verify_forward(model, mx.array(seq[: k + 1]), cache)
+        mx.eval(logits, hidden)
+        assert logits.shape == (k + 1, model.args.vocab_size)
+        for i in range(k + 1):
+            assert mx.array_equal(logits[i], ref[i]).item(), (path, k, i)
+        n = (k + 1) // 2 + 1
+        commit(cache, tape, n)
+        nxt = model(mx.array([[seq[n]]]), cache=cache)[0, 0]
+        assert mx.array_equal(nxt, ref[n]).item(), (path, k, n)
+    # Where M-row products are not known to be row-exact (the GPU), rows go one by one.
+    monkeypatch.setattr(verify, "batched_rows_exact", lambda: False)
+    cache = _prefilled(model, ids)
+    logits, _, tape = verify_forward(model, mx.array(seq[:4]), cache)
+    assert all(mx.array_equal(logits[i], ref[i]).item() for i in range(4))
+    commit(cache, tape, 2)
+    assert mx.array_equal(model(mx.array([[seq[2]]]), cache=cache)[0, 0], ref[2]).item()
+
+
+def _run(model, tok, prompt, spec="off", k=3, max_tokens=120, raw=False, **sampling):
+    toks, stats = [], None
+    for r in stream_generate(
+        model,
+        tok,
+        prompt,
+        max_tokens=max_tokens,
+        speculative=spec,
+        num_draft_tokens=k,
+        raw=raw,
+        sampling=SamplingParams(**sampling),
+    ):
+        if r.token is not None:
+            toks.append(r.token)
+        stats = r.stats
+    return toks, stats
+
+
+@pytest.fixture(scope="module")
+def plain(bundled):
+    model, tok = bundled
+    return {name: _run(model, tok, prompt) for name, prompt in (("copy", COPY), ("plain", PLAIN))}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_lookup_equals_plain_copy_heavy(bundled, plain, k):
+    model, tok = bundled
+    ref, ref_stats = plain["copy"]
+    got, stats = _run(model, tok, COPY, "lookup", k)
+    assert got == ref
+    assert stats.finish_reason == ref_stats.finish_reason
+    s = stats.speculative
+    assert s["method"] == "lookup" and s["num_draft_tokens"] == k
+    assert s["accepted"] >= 10 and s["accepted"] <= s["drafted"]
+    assert s["passes"] < len(got)  # more tokens than trunk passes
+
+
+DOMAINS = {
+    "code": EDIT,
+    "story": "Once upon a time, in a small village by the river,",
+    "qa": "Question: Why is the sky blue?\nAnswer:",
+}
+
+
+@pytest.mark.parametrize("domain", sorted(DOMAINS))
+def test_greedy_lookup_equals_plain_256_tokens(bundled, domain):
+    """The acceptance run: three domains, 256 tokens each (raw text: the bundled model runs
+    to the cap on these), lookup identical to off token for token (~2.5 s each)."""
+    model, tok = bundled
+    ref, _ = _run(model, tok, DOMAINS[domain], max_tokens=256, raw=True)
+    got, stats = _run(model, tok, DOMAINS[domain], "lookup", 3, max_tokens=256, raw=True)
+    assert len(ref) == 256 and got == ref
+    assert stats.speculative["accepted"] > 0
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_lookup_equals_plain_with_rejections(bundled, plain, k):
+    model, tok = bundled
+    ref, _ = plain["plain"]
+    got, stats = _run(model, tok, PLAIN, "lookup", k)
+    assert got == ref
+    s = stats.speculative
+    assert s["drafted"] - s["accepted"] >= 5  # drafts were rejected, output unchanged
+
+
+def test_greedy_auto_and_repetition_penalty_equal_plain(bundled):
+    """auto (back-off) and a repetition penalty (each row's history holds the drafts before
+    it) change nothing either."""
+    model, tok = bundled
+    ref, _ = _run(model, tok, COPY, repetition_penalty=1.3, max_tokens=80)
+    got, stats = _run(model, tok, COPY, "lookup", 4, repetition_penalty=1.3, max_tokens=80)
+    assert got == ref and stats.speculative["drafted"] > 0
+    got, stats = _run(model, tok, COPY, "auto", 3, repetition_penalty=1.3, max_tokens=80)
+    assert got == ref and stats.speculative["method"] == "auto:lookup"
+    ref, _ = _run(model, tok, COPY, max_tokens=80)
+    got, stats = _run(model, tok, COPY, "auto", 3, max_tokens=80)
+    assert got == ref and stats.speculative["passes"] < len(got) + 1
+
+
+def test_rejection_runs_no_second_trunk_pass(bundled):
+    """Every trunk pass calls layer 0's MoE block once (counted by its observer hook): after
+    the prompt there is exactly one call per speculative pass, rejections included, and the
+    rows it saw are the pending token plus the drafts."""
+    model, tok = bundled
+    block = model.layers[0].mlp
+    calls: list[int] = []
+    block.observer = lambda x, *_: calls.append(x.shape[1])
+    try:
+        _, stats = _run(model, tok, PLAIN, "lookup", 4, max_tokens=80)
+    finally:
+        block.observer = None
+    s = stats.speculative
+    assert s["drafted"] > s["accepted"]  # there were rejections
+    decode_calls = calls[-s["passes"] :]
+    assert len(calls) == s["passes"] + 1  # and one call for the prompt's prefill
+    assert sum(decode_calls) == s["passes"] + s["drafted"]
+
+
+def _stopped_after(model, tok, spec, j):
+    """Generate, the caller cancelling after `j` tokens (as the chat's stop key does)."""
+    cache, seen = model.make_cache(), []
+    for r in stream_generate(
+        model,
+        tok,
+        EDIT,
+        raw=True,
+        max_tokens=60,
+        speculative=spec,
+        num_draft_tokens=4,
+        cache=cache,
+        should_stop=lambda: len(seen) >= j,
+    ):
+        if r.token is not None:
+            seen.append(r.token)
+        last = r
+    return cache, seen, last
+
+
+@pytest.mark.parametrize("spec", ["lookup", "auto"])
+def test_early_stop_leaves_cache_as_plain_decode(bundled, spec):
+    """A caller that stops in the middle of a pass's accepted drafts leaves a cache that holds
+    exactly its `fed_tokens` (the pass committed back to the tokens yielded), the same state,
+    bit for bit, as plain decode's."""
+    model, tok = bundled
+    for j in (11, 12, 13, 14):  # stops after 1 or 2 of a pass's 3 accepted drafts
+        cache, seen, last = _stopped_after(model, tok, spec, j)
+        ref_cache, ref_seen, ref = _stopped_after(model, tok, "off", j)
+        assert seen == ref_seen and last.stats.finish_reason == "cancelled"
+        fed, ref_fed = last.fed_tokens, ref.fed_tokens
+        # Plain decode has queued (fed) the last token handed out; speculation has fed it too
+        # when it was an accepted draft, not when it was the pass's own pick: the cache then
+        # holds one token less, and `fed_tokens` says so (a chat prefills it next turn).
+        assert fed in (ref_fed, ref_fed[:-1])
+        assert max(c.offset for c in cache) == len(fed)
+        for t in ref_fed[len(fed) :]:
+            model(mx.array([[t]]), cache=cache)
+        nxt = mx.array([[seen[-1]]])
+        assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=ref_cache)).item()
+
+
+def test_lookup_drafter_matches_ngrams():
+    d = LookupDrafter(min_ngram=2, max_ngram=3)
+    seq = [5, 6, 7, 8, 9, 1, 2, 6, 7]
+    assert d.draft(seq, 3) == [8, 9, 1]  # the last 2-gram (6, 7) occurred before
+    assert d.draft([*seq, 8], 2) == [9, 1]  # (6, 7, 8): the longest match
+    assert d.draft([1, 2, 3, 4], 3) == []  # no repeat, no draft
+    assert d.draft([3, 3], 0) == []
+
+
+def test_back_off_skips_after_failures():
+    b = BackOff(LookupDrafter(), max_skip=16, idle=2, probe=4)
+    seq = [1, 2, 3, 1, 2]
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 4  # probe plain decode's speed first
+    assert b.draft(seq, 2) == [3, 1]
+    b.accepted(2, 0)  # all rejected: 8 plain tokens
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 8
+    assert b.draft(seq, 2) == [3, 1]
+    b.accepted(2, 0)  # again: 16, the cap
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 16
+    b.accepted(2, 0)
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 16
+    b.accepted(2, 2)  # drafts that pay reset it
+    assert b.draft(seq, 2) == [3, 1]
+    b.timed(1, 1.0, 10)  # plain: 10 tok/s
+    b.timed(3, 1.0, 3)  # drafting: 3 tok/s, slower: back off although drafts were accepted
+    b.accepted(2, 2)
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 8
+    assert b.draft([1, 2, 3, 4], 2) == [] and b.plain_steps() == 2  # no match: a few plain
+
+
+def test_mtp_without_head(bundled):
+    model, _ = bundled
+    with pytest.raises(PocketError, match="no MTP head"):
+        make_drafter("mtp", model)
+    assert make_drafter("auto", model).name == "lookup"
+    assert make_drafter("off", model) is None
+
+
+def _first_token_counts(logits, drafts, q, draws, temperature=1.0, top_k=0):
+    sampling = SamplingParams(temperature=temperature, top_k=top_k)
+    from pocket_mlx.engine.sampling import sampler_for
+
+    sampler = sampler_for(sampling)
+    counts = np.zeros(logits.shape[-1])
+    mx.random.seed(7)
+    for _ in range(draws):
+        if q is not None:  # a sampling drafter's drafts are drawn from its q
+            drafts = [int(mx.random.categorical(mx.log(q[i])).item()) for i in range(len(drafts))]
+        out, _ = _accept(logits, [0, *drafts], [0], False, sampling, sampler, [], 64, q)
+        counts[out[0][0]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("one_hot", [True, False])
+def test_rejection_rule_keeps_distribution(one_hot):
+    """The first token of a pass is distributed as the target p (the sampler's distribution
+    of row 0): for a fixed draft (lookup, q one-hot) and for drafts drawn from a q.
+    Chi-square over 2000 draws, 7 degrees of freedom (the 0.1% critical value is 24.3)."""
+    V = 8
+    logits = mx.array(np.random.default_rng(1).normal(size=(3, V)).astype(np.float32))
+    draft = int(mx.argmax(logits[0]).item())  # a likely draft: many accepts and rejects
+    q = (
+        None
+        if one_hot
+        else mx.softmax(
+            mx.array(np.random.default_rng(2).normal(size=(2, V)).astype(np.float32)), axis=-1
+        )
+    )
+    n = 2000
+    counts = _first_token_counts(logits, [draft, 3], q, n)
+    lp = logits[0:1] - mx.logsumexp(logits[0:1], axis=-1, keepdims=True)
+    p = np.array(target_probs(lp, 1.0, 1.0, 0.0, 0)[0])
+    chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+    assert chi2 < 24.3, (chi2, counts, n * p)
+
+
+def test_rejection_rule_respects_filters():
+    """With top-k 2 a draft outside the top 2 is always rejected and no token outside them
+    is ever drawn."""
+    logits = mx.array([[3.0, 2.5, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    counts = _first_token_counts(logits, [2], None, 300, top_k=2)
+    assert counts[2] == 0 and counts[3] == 0 and counts[0] > counts[1] > 0
+
+
+def test_sampled_lookup_runs_and_is_seeded(bundled):
+    model, tok = bundled
+    a, sa = _run(model, tok, COPY, "lookup", 3, max_tokens=60, temperature=0.8, seed=3)
+    b, _ = _run(model, tok, COPY, "lookup", 3, max_tokens=60, temperature=0.8, seed=3)
+    assert a == b and len(a) > 0 and sa.speculative["drafted"] > 0
+
+
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "pocket_mlx", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_flags_and_json():
+    base = ["generate", "-m", str(ASSET), "--prompt", COPY, "--max-tokens", "48", "--json"]
+    off = cli(*base, "--speculative", "off")
+    spec = cli(*base, "--speculative", "lookup", "--num-draft-tokens", "4")
+    assert off.returncode == 0 and spec.returncode == 0, (off.stderr, spec.stderr)
+    o, s = json.loads(off.stdout), json.loads(spec.stdout)
+    assert "speculative" not in o
+    assert s["text"] == o["text"]
+    sp = s["speculative"]
+    assert set(sp) == {"method", "num_draft_tokens", "drafted", "accepted"}
+    assert sp["method"] == "lookup" and sp["num_draft_tokens"] == 4
+    assert 0 < sp["accepted"] <= sp["drafted"]
+    for bad, text in (
+        (["--speculative", "mtp"], "no MTP head"),
+        (["--num-draft-tokens", "0"], "--num-draft-tokens"),
+    ):
+        r = cli(*base, *bad)
+        assert r.returncode == 2 and text in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_chat_session_turns_equal_plain(bundled):
+    """A chat session decoding by lookup gives the replies of a plain one over two turns (the
+    second continues from the cache the first left)."""
+    from pocket_mlx.engine.session import ChatSession, Settings
+
+    model, tok = bundled
+    settings = Settings(max_tokens=60)
+
+    drafted = []
+
+    def turns(session):
+        msgs, out = [{"role": "user", "content": COPY}], []
+        for follow in ("Once more, please.", None):
+            text = ""
+            for r, _ in session.generate(msgs, settings, "cpu"):
+                text += r.text
+            drafted.append((r.stats.speculative or {}).get("drafted", 0))
+            out.append(text)
+            if follow:
+                msgs = [
+                    *msgs,
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": follow},
+                ]
+        return out, session.plan_kind
+
+    spec = ChatSession(model, tok, speculative="lookup", num_draft_tokens=3)
+    assert turns(spec) == turns(ChatSession(model, tok))
+    assert sum(drafted) > 0
+
+
+def test_bench_speculative_flag():
+    r = cli(
+        "bench",
+        "-m",
+        str(ASSET),
+        "-p",
+        "0",
+        "-n",
+        "16",
+        "-r",
+        "1",
+        "-q",
+        "-o",
+        "json",
+        "--speculative",
+        "lookup",
+        "--num-draft-tokens",
+        "2",
+    )
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert [row["speculative"] for row in rows] == ["lookup k=2"] and rows[0]["tps_mean"] > 0
+
+
+def test_auto_samples_plainly(bundled):
+    """auto speculates on greedy decoding only: a seeded sampled reply is plain decode's (and
+    so serve's) for the same seed."""
+    model, tok = bundled
+    a, sa = _run(model, tok, COPY, "auto", 3, max_tokens=40, temperature=0.9, seed=5)
+    b, _ = _run(model, tok, COPY, "off", 3, max_tokens=40, temperature=0.9, seed=5)
+    assert a == b and sa.speculative is None
+
+
+class _Recorder(LookupDrafter):
+    """Lookup drafts, recording what an MTP drafter would be handed (hidden states)."""
+
+    name = "recorder"
+
+    def reset(self) -> None:
+        super().reset()
+        self.prompt_rows, self.kept_rows = 0, 0
+
+    def prompt_hidden(self, hidden: mx.array) -> None:
+        self.prompt_rows += hidden.shape[0]
+        self.width = hidden.shape[1]
+
+    def accepted(self, drafted: int, accepted: int, hidden: mx.array | None = None) -> None:
+        assert hidden.shape[0] == accepted + 1
+        self.kept_rows += hidden.shape[0]
+
+
+def test_drafter_hears_every_hidden_state(bundled, monkeypatch):
+    """A drafter gets the final-norm hidden state of every token fed: the prompt's during
+    prefill (`prompt_hidden`), then each pass's kept rows (`accepted`); the reply is still
+    plain decode's."""
+    model, tok = bundled
+    rec = _Recorder()
+    monkeypatch.setattr(model, "mtp_drafter", lambda: rec, raising=False)
+    ref, _ = _run(model, tok, COPY, max_tokens=40)
+    got, stats = _run(model, tok, COPY, "mtp", 3, max_tokens=40)
+    assert got == ref and stats.speculative["method"] == "recorder"
+    assert rec.width == model.args.hidden_size
+    assert rec.prompt_rows == stats.prompt_tokens - 1
+    # The prompt's last token, then each token yielded but the last (still pending).
+    assert rec.kept_rows == 1 + len(got) - 1
+
+
+def test_sampled_first_token_distribution_on_bundled_model(bundled):
+    """The rejection rule on the bundled model's own verify pass: the lookup drafter's draft
+    for the copy prompt, top-k 4 at temperature 4; over 800 seeded draws the first token
+    follows the sampler's distribution of row 0 (chi-square, 3 degrees of freedom, 0.1%
+    critical value 16.27)."""
+    from pocket_mlx.engine.sampling import sampler_for
+
+    model, tok = bundled
+    ids = tok.encode(EDIT)
+    while not (drafts := LookupDrafter().draft(ids, 3)):
+        ids = ids[:-1]  # back to where the copy's last tokens match the original
+    cache = _prefilled(model, ids)
+    logits, _, _ = verify_forward(model, mx.array([ids[-1], *drafts]), cache)
+    mx.eval(logits)
+    sampling = SamplingParams(temperature=4.0, top_k=4)  # hot: the draft is often rejected
+    sampler = sampler_for(sampling)
+    lp = logits[0:1] - mx.logsumexp(logits[0:1], axis=-1, keepdims=True)
+    p = np.array(target_probs(lp, 4.0, 1.0, 0.0, 4)[0])
+    support = np.flatnonzero(p)
+    assert len(support) == 4 and drafts[0] in support
+    counts = dict.fromkeys(support.tolist(), 0)
+    mx.random.seed(11)
+    n = 800
+    for _ in range(n):
+        out, _ = _accept(logits, [ids[-1], *drafts], ids, False, sampling, sampler, [], 64, None)
+        counts[out[0][0]] += 1  # a token outside the top 4 would raise KeyError
+    got = np.array([counts[t] for t in support.tolist()])
+    chi2 = float(((got - n * p[support]) ** 2 / (n * p[support])).sum())
+    assert (n * p[support]).min() > 5  # a chi-square needs counts to be expected in each bin
+    assert chi2 < 16.27, (chi2, got, n * p[support])
