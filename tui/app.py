@@ -52,7 +52,8 @@ from pocket_mlx.tui.saved import SavedChats
 from pocket_mlx.tui.screens import HelpScreen, OpenScreen, SettingsScreen
 from pocket_mlx.tui.stats_panel import REFRESH_S, StatsPanel
 
-TICK_S = REFRESH_S  # 0.25 s, the UI's one timer: the stats panel redraws every tick (4 Hz, as the spec asks)
+TICK_S = REFRESH_S  # 0.25 s, the UI's one timer: the stats panel redraws every tick (4 Hz: the
+# speeds read as live, and a redraw of one line-API widget costs little next to a decode step)
 TEXT_EVERY = 2  # ...and reply text is appended every 2nd tick (2 Hz): each Markdown append
 # re-parses the last block and re-lays out the screen (once: see conversation.SteadySize), the
 # UI's costliest step. Everything the UI does during a reply happens in one tick, in one batch
