@@ -878,7 +878,7 @@ def test_unexpected_failure_is_a_generic_500_and_the_server_goes_on():
         assert e.value.status_code == 500 and err["type"] == "server_error"
         assert "corrupt" not in err["message"] and "Traceback" not in err["message"]
         failed = [ln for ln in lines if "RuntimeError" in ln]
-        assert len(failed) == 1 and "store index corrupt second line" in failed[0]
+        assert len(failed) == 1 and "store index corrupt; second line" in failed[0]
         # The next request is served.
         r = c.completions.create(model=MODEL, prompt="Once", max_tokens=3, temperature=0)
         assert r.usage.completion_tokens == 3

@@ -16,14 +16,9 @@ import argparse
 import importlib
 import sys
 
-from pocket_mlx.errors import PocketError
+from pocket_mlx.errors import PocketError, one_line
 
 COMMANDS = ["chat", "generate", "serve", "info", "wired", "convert", "shard", "eval_ppl", "bench"]
-
-
-def one_line(message: str) -> str:
-    """`message` on one line: errors go to stderr as exactly one line."""
-    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
 
 
 class _HelpFormatter(argparse.HelpFormatter):

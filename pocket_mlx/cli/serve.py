@@ -22,7 +22,7 @@ from pocket_mlx.engine.params import (
     PROMPT_CACHE_MB,
     SERVE_MAX_CONCURRENCY,
 )
-from pocket_mlx.errors import PocketError
+from pocket_mlx.errors import PocketError, one_line
 
 LAUNCHD_LABEL = "com.pocket-mlx.serve"
 
@@ -232,7 +232,6 @@ def run(args: argparse.Namespace) -> int:
         # MLX may already have run on the engine thread (weights loaded before the tokenizer
         # failed): a normal exit would then abort in MLX's teardown, so end here, exit 2.
         sock.close()
-        from pocket_mlx.cli.main import one_line
         from pocket_mlx.engine.devices import exit_now
 
         print(f"pocket-mlx serve: error: {one_line(e)}", file=sys.stderr)

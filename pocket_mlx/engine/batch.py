@@ -39,6 +39,7 @@ from pocket_mlx.engine.generation import SamplingParams, StopText, cache_arrays
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP
 from pocket_mlx.engine.sampling import processors_for, sample, sampler_for
 from pocket_mlx.engine.snapshot_points import chunk_size, snapshot_points
+from pocket_mlx.errors import one_line
 from pocket_mlx.models.batched import DecodeBatch
 from pocket_mlx.system.memory import release_free_memory
 
@@ -353,7 +354,7 @@ def store_cache(store: SnapshotStore, tokens: list[int], cache: list, kind: str,
         store.store(tokens, cache, kind=kind)
     except Exception as e:  # noqa: BLE001
         log(f"pocket-mlx serve: prompt cache: not stored: {type(e).__name__}: "
-            f"{' '.join(str(e).split())}")
+            f"{one_line(e)}")
 
 
 def decode_lockstep(lockstep, model, tokenizer, ids: list[int], *, uid: int, cache: list,

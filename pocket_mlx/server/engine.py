@@ -50,7 +50,7 @@ from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_pat
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
 from pocket_mlx.engine.prompt_cache import open_store
 from pocket_mlx.engine.worker import EMPTY, ModelWorker
-from pocket_mlx.errors import PocketError
+from pocket_mlx.errors import PocketError, one_line
 from pocket_mlx.server.jobs import (
     Busy,
     Done,
@@ -325,7 +325,7 @@ class Engine:
         if isinstance(e, PocketError):
             return Failed(ApiError(400, str(e), code="invalid_value"))
         self.log(f"pocket-mlx serve: generation failed: {type(e).__name__}: "
-                 f"{' '.join(str(e).split())}")
+                 f"{one_line(e)}")
         return Failed(ApiError(500, "internal error while generating; see the server's log",
                                type="server_error", code="internal_error"))
 

@@ -16,8 +16,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pocket_mlx.errors import one_line
 from pocket_mlx.server.requests import ApiError
-from pocket_mlx.server.state import log, one_line
+from pocket_mlx.server.state import log
 
 
 def error_response(e: ApiError, shape: Callable[[ApiError], dict] = ApiError.body) -> Response:

@@ -15,9 +15,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pocket_mlx.errors import one_line
 from pocket_mlx.server.engine import Busy, Done, Job
 from pocket_mlx.server.requests import ApiError, GenRequest
-from pocket_mlx.server.state import engine, log, one_line, settings
+from pocket_mlx.server.state import engine, log, settings
 from pocket_mlx.server.streaming import collect, sse
 from pocket_mlx.server.tools import CallSplitter, ToolCall, splitter_for
 

@@ -18,11 +18,6 @@ if TYPE_CHECKING:  # the engine module loads MLX; this one is read by every hand
     from pocket_mlx.server.engine import Engine
 
 
-def one_line(text: object) -> str:
-    """A message for the log: a client's text or an exception may hold newlines."""
-    return " ".join(str(text).split())
-
-
 def stderr_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 

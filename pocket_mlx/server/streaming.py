@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from pocket_mlx.errors import one_line
 from pocket_mlx.server.engine import Done, Failed, Job, Piece, Started
-from pocket_mlx.server.state import log, one_line
+from pocket_mlx.server.state import log
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 
