@@ -31,23 +31,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import mlx.core as mx
 
 from pocket_mlx.engine.generation import SamplingParams, StopText, cache_arrays
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP
+from pocket_mlx.engine.prompt_cache import PrefixStore
 from pocket_mlx.engine.sampling import processors_for, sample, sampler_for
 from pocket_mlx.engine.snapshot_points import chunk_size, snapshot_points
 from pocket_mlx.errors import one_line
 from pocket_mlx.models.batched import DecodeBatch
 from pocket_mlx.system.memory import release_free_memory
-
-
-class SnapshotStore(Protocol):
-    """Where caches go: the prompt cache's `store` (engine/prompt_cache.py)."""
-
-    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None: ...
 
 
 @dataclass
@@ -144,7 +138,7 @@ class _Seq:
 class BatchDecoder:
     """The sequences being generated together on the calling thread (the model's owner)."""
 
-    def __init__(self, model, tokenizer, *, stream: mx.Stream, store: SnapshotStore,
+    def __init__(self, model, tokenizer, *, stream: mx.Stream, store: PrefixStore,
                  prefill_step: int = DEFAULT_PREFILL_STEP,
                  log: Callable[[str], object] = lambda line: None) -> None:
         self.model, self.tokenizer, self.stream = model, tokenizer, stream
@@ -346,7 +340,7 @@ class BatchDecoder:
         store_cache(self.store, tokens, cache, kind, self.log)
 
 
-def store_cache(store: SnapshotStore, tokens: list[int], cache: list, kind: str,
+def store_cache(store: PrefixStore, tokens: list[int], cache: list, kind: str,
                 log: Callable[[str], object]) -> None:
     """`store.store(...)`, a failure logged: keeping a cache is an optimisation, a reply that
     is complete does not fail for it (it costs a later prefill)."""
@@ -360,7 +354,7 @@ def store_cache(store: SnapshotStore, tokens: list[int], cache: list, kind: str,
 def decode_lockstep(lockstep, model, tokenizer, ids: list[int], *, uid: int, cache: list,
                     n_cached: int, sampling: SamplingParams, max_tokens: int,
                     stop: Sequence[str] | None, device: str, cancelled: Callable[[], bool],
-                    store: SnapshotStore,
+                    store: PrefixStore,
                     log: Callable[[str], object]) -> Iterator[Token | Finished]:
     """One sequence generated on every rank at once (`serve --distributed`, where every
     forward is collective, so the ranks run one request at a time): `Lockstep.stream_generate`'s

@@ -18,7 +18,7 @@ waiting is dropped from the queue at once.
 
 Prompt cache: engine/prompt_cache.py's store (built once the model is loaded, from
 `prompt_cache_mb` / `prompt_cache_dir`), or any object with its `fetch` / `store` (the
-`PrefixStore` protocol in server/jobs.py; tests plug in their own). `fetch` gives the longest cached
+`PrefixStore` protocol in engine/prompt_cache.py; tests plug in their own). `fetch` gives the longest cached
 prefix of a prompt, `store` keeps the cache after a reply; `cached_tokens` in the usage is
 what `fetch` returned. `NoPromptCache` when it is off.
 
@@ -48,7 +48,7 @@ from pocket_mlx.engine.devices import policy_dtype
 from pocket_mlx.engine.generation import SamplingParams, context_limit
 from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_path, use_device
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
-from pocket_mlx.engine.prompt_cache import open_store
+from pocket_mlx.engine.prompt_cache import NoPromptCache, PrefixStore, open_store
 from pocket_mlx.engine.worker import EMPTY, ModelWorker
 from pocket_mlx.errors import PocketError, one_line
 from pocket_mlx.server.jobs import (
@@ -56,9 +56,7 @@ from pocket_mlx.server.jobs import (
     Done,
     Failed,
     Job,
-    NoPromptCache,
     Piece,
-    PrefixStore,
     Started,
 )
 from pocket_mlx.server.metrics import Metrics
