@@ -16,6 +16,7 @@ import argparse
 import importlib
 import sys
 
+from pocket_mlx.cli.logs import setup_logging
 from pocket_mlx.errors import PocketError, one_line
 
 COMMANDS = ["chat", "generate", "serve", "info", "wired", "convert", "shard", "eval_ppl", "bench"]
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    setup_logging(args.command)
     try:
         return int(args.func(args) or 0)
     except PocketError as e:

@@ -40,7 +40,7 @@ from pocket_mlx.server.auth import RequireApiKey
 from pocket_mlx.server.engine import Engine
 from pocket_mlx.server.errors import RouteOutcome, http_error
 from pocket_mlx.server.requests import ApiError
-from pocket_mlx.server.state import Settings, stderr_line
+from pocket_mlx.server.state import Settings
 
 DEFAULT_MAX_BODY = 8 * 2**20  # bytes; a 2,000-token prompt is ~10 kB of JSON
 
@@ -90,7 +90,6 @@ def create_app(
     api_key: str | None = None,
     cors: str | None = None,
     max_body: int = DEFAULT_MAX_BODY,
-    log: Callable[[str], object] | None = None,
     aliases: Sequence[str] = (),
 ) -> Starlette:
     """The ASGI app serving `engine`'s model. `api_key`: Bearer key required on every endpoint
@@ -114,6 +113,5 @@ def create_app(
         api_key=api_key.encode("utf-8") if api_key else None,
         max_body=max_body,
         aliases=tuple(aliases),
-        log=log or stderr_line,
     )
     return app
