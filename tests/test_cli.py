@@ -103,3 +103,24 @@ def test_offline_repo_id_is_one_line_error(tmp_path):
     r = cli("generate", "--model", "nobody/no-such-model", "--prompt", "hi",
             env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
     assert_one_line_error(r, "nobody/no-such-model")
+
+
+def test_logging_is_set_up_once_with_the_commands_prefix(capsys):
+    """cli/logs.py: a module's logger line reaches stderr as "pocket-mlx COMMAND: message",
+    info included, once however often a command sets it up in one process."""
+    import logging
+
+    from pocket_mlx.cli.logs import ROOT, setup_logging
+
+    root = logging.getLogger(ROOT)
+    handlers, level = list(root.handlers), root.level
+    try:
+        setup_logging("chat")
+        setup_logging("serve")
+        logging.getLogger("pocket_mlx.server.engine").info("prefill req 1: done")
+        logging.getLogger("pocket_mlx.tui.jobs").debug("not shown")
+        logging.getLogger("elsewhere").info("not ours")
+        assert capsys.readouterr().err == "pocket-mlx serve: prefill req 1: done\n"
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)

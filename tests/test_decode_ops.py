@@ -115,7 +115,7 @@ def test_linear_attention_decode_is_one_node_and_matches_mlx(tiny_ckpt, exact_ke
     """One decode token of Gated DeltaNet between its projections (conv, gates, delta rule,
     gated norm) as one node: same output and same caches as MLX's ops, three steps in a row."""
     from pocket_mlx.engine.loader import load
-    from pocket_mlx.models.qwen3_5_moe import LinearAttentionCache
+    from pocket_mlx.models.cache import LinearAttentionCache
 
     model, _ = load(tiny_ckpt, device="cpu", dtype="float32", fuse=fuse)
     mixer = model.layers[0].linear_attn

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import http.client
 import json
+import logging
 import os
 import plistlib
 import shutil
@@ -851,7 +852,7 @@ class BrokenOnceCache:
         return None
 
 
-def test_unexpected_failure_is_a_generic_500_and_the_server_goes_on():
+def test_unexpected_failure_is_a_generic_500_and_the_server_goes_on(caplog):
     import threading
 
     import uvicorn
@@ -859,11 +860,11 @@ def test_unexpected_failure_is_a_generic_500_and_the_server_goes_on():
     from pocket_mlx.server.app import create_app
     from pocket_mlx.server.engine import Engine
 
-    lines: list[str] = []
-    engine = Engine(None, "cpu", max_queue=0, prompt_cache=BrokenOnceCache(), log=lines.append)
+    caplog.set_level(logging.INFO, logger="pocket_mlx")
+    engine = Engine(None, "cpu", max_queue=0, prompt_cache=BrokenOnceCache())
     engine.start()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, log=lines.append), host="127.0.0.1",
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1",
                                            port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -877,8 +878,8 @@ def test_unexpected_failure_is_a_generic_500_and_the_server_goes_on():
         err = e.value.body
         assert e.value.status_code == 500 and err["type"] == "server_error"
         assert "corrupt" not in err["message"] and "Traceback" not in err["message"]
-        failed = [ln for ln in lines if "RuntimeError" in ln]
-        assert len(failed) == 1 and "store index corrupt second line" in failed[0]
+        failed = [r.getMessage() for r in caplog.records if "RuntimeError" in r.getMessage()]
+        assert len(failed) == 1 and "store index corrupt; second line" in failed[0]
         # The next request is served.
         r = c.completions.create(model=MODEL, prompt="Once", max_tokens=3, temperature=0)
         assert r.usage.completion_tokens == 3

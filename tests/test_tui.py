@@ -648,6 +648,47 @@ def test_crash_report_does_not_dump_the_conversation(capsys):
     assert secret not in err  # Textual's own report shows every frame's locals: this one
 
 
+def test_private_textual_overrides_match_the_installed_textual():
+    """tui/textual_private.py overrides private Textual methods: each one's signature there must
+    still be Textual's, and what QuietCrash reads must still exist (a Textual upgrade that
+    changes them fails here, not in a user's terminal)."""
+    import inspect
+
+    from pocket_mlx.tui import textual_private
+
+    for (cls, name), params in textual_private.PRIVATE_API.items():
+        assert tuple(inspect.signature(getattr(cls, name)).parameters) == params, (cls, name)
+    assert isinstance(App()._exit_renderables, list)
+    assert ChatApp._fatal_error is textual_private.QuietCrash._fatal_error
+
+
+def test_no_private_textual_override_outside_textual_private():
+    """Every class of tui/ that defines a private (single-underscore) method a Textual class in
+    its MRO also defines is in tui/textual_private.py, where the test above checks it."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import pocket_mlx.tui as tui
+
+    found = set()
+    for info in pkgutil.iter_modules(tui.__path__):
+        module = importlib.import_module(f"pocket_mlx.tui.{info.name}")
+        for cls in vars(module).values():
+            if not inspect.isclass(cls):
+                continue
+            textual = [b for b in cls.__mro__ if b.__module__.startswith("textual.")]
+            ours = [b for b in cls.__mro__ if b.__module__.startswith("pocket_mlx.tui.")]
+            for k in ours:
+                for name, value in vars(k).items():
+                    if (name.startswith("_") and not name.startswith("__")
+                            and inspect.isfunction(value)
+                            and any(inspect.isfunction(vars(b).get(name)) for b in textual)):
+                        found.add(f"{k.__module__}.{k.__qualname__}.{name}")
+    assert found == {"pocket_mlx.tui.textual_private.QuietCrash._fatal_error",
+                     "pocket_mlx.tui.textual_private.SteadySize._size_updated"}, found
+
+
 # ---- the engine's session, without the UI ----------------------------------------------------
 
 @pytest.fixture(scope="module")

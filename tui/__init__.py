@@ -1,5 +1,6 @@
 """pocket-mlx's terminal chat (Textual). `ChatApp` lives in `app`; imported lazily so that the
-Textual-free parts (`session`, `model_info`) load without Textual."""
+Textual-free parts (`model_info`, `saved`) load without Textual. The chat's model side (the
+session, its settings, the saved conversations) lives in pocket_mlx/engine/."""
 
 from __future__ import annotations
 

@@ -17,8 +17,6 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from rich.segment import Segments
-from rich.traceback import Traceback
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.containers import Horizontal
@@ -51,16 +49,18 @@ from pocket_mlx.tui.prompt import PromptInput
 from pocket_mlx.tui.saved import SavedChats
 from pocket_mlx.tui.screens import HelpScreen, OpenScreen, SettingsScreen
 from pocket_mlx.tui.stats_panel import REFRESH_S, StatsPanel
+from pocket_mlx.tui.textual_private import QuietCrash
 
-TICK_S = REFRESH_S  # 0.25 s, the UI's one timer: the stats panel redraws every tick (4 Hz, as the spec asks)
+TICK_S = REFRESH_S  # 0.25 s, the UI's one timer: the stats panel redraws every tick (4 Hz: the
+# speeds read as live, and a redraw of one line-API widget costs little next to a decode step)
 TEXT_EVERY = 2  # ...and reply text is appended every 2nd tick (2 Hz): each Markdown append
-# re-parses the last block and re-lays out the screen (once: see conversation.SteadySize), the
+# re-parses the last block and re-lays out the screen (once: see textual_private.SteadySize), the
 # UI's costliest step. Everything the UI does during a reply happens in one tick, in one batch
 # (`_tick`), so it costs one compositor pass, not one per source.
 GIL_SWITCH_S = 0.001  # see on_mount
 
 
-class ChatApp(App[None]):
+class ChatApp(QuietCrash, App[None]):
     CSS_PATH = "chat.tcss"
     TITLE = "pocket-mlx chat"
     BINDINGS = KEYS
@@ -135,18 +135,6 @@ class ChatApp(App[None]):
         self.set_interval(TICK_S, self._tick)
         self.engine()
         self._measure()  # served once the model is loaded
-
-    def _fatal_error(self) -> None:
-        """An unexpected exception: Textual's crash report, without its local variables.
-
-        Textual prints a traceback with every frame's locals, which for this app is the whole
-        conversation (messages, replies) dumped on the terminal. Overrides a private Textual
-        method; the code and the error are still shown."""
-        self.bell()
-        traceback = Traceback(show_locals=False, width=None)
-        self._exit_renderables.append(
-            Segments(self.console.render(traceback, self.console.options)))
-        self._close_messages_no_wait()
 
     def on_unmount(self) -> None:
         sys.setswitchinterval(self._switch_interval)

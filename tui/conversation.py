@@ -8,6 +8,8 @@ from textual.widget import Widget
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownBlock
 
+from pocket_mlx.tui.textual_private import SteadySize
+
 FINISH_NOTICES = {
     "cancelled": "■ stopped — the partial reply is kept",
     "length": "■ reached the max-tokens limit ({max_tokens} tokens)",
@@ -19,26 +21,6 @@ def finish_notice(reason: str | None, max_tokens: int | None = None) -> str | No
     """The line shown under a reply that did not end by itself, else None."""
     text = FINISH_NOTICES.get(reason or "")
     return text.format(max_tokens=max_tokens if max_tokens is not None else "?") if text else None
-
-
-class SteadySize:
-    """Mixin for a widget that cannot scroll: when a layout changes its size, it does not ask for
-    another layout.
-
-    Textual stores a widget's new size as a reactive that requests a layout, so every append that
-    makes the reply taller costs two layouts of the whole screen (the second changes nothing: the
-    first already placed everything at the new size). The size is only needed again for
-    scrolling, which these widgets do not do. Private Textual API: falls back to the default if
-    the call does not look as expected."""
-
-    def _size_updated(self, *args, **kwargs):
-        styles = self.styles
-        if styles.overflow_x == "hidden" and styles.overflow_y == "hidden":
-            if len(args) == 4:
-                args = (*args[:3], False)
-            elif len(args) == 3:
-                kwargs["layout"] = False
-        return super()._size_updated(*args, **kwargs)
 
 
 _STEADY: dict[type, type] = {}

@@ -24,7 +24,10 @@ class PromptInput(TextArea):
             self.prompts.append(text)
         self._browse = None
 
-    async def _on_key(self, event: events.Key) -> None:
+    def on_key(self, event: events.Key) -> None:
+        """Enter sends, ctrl+j / shift+enter add a line, Up on the first line and Down on the
+        last walk the history. Runs before `TextArea`'s own key handling (Textual calls the
+        subclass's handler first), which `_consume` skips: Enter would insert a newline."""
         key = event.key
         if key == "enter":
             self._consume(event)
@@ -44,8 +47,6 @@ class PromptInput(TextArea):
         if key == "down" and self._browse is not None and row == self.document.line_count - 1:
             self._consume(event)
             self._recall(+1)
-            return
-        await super()._on_key(event)
 
     @staticmethod
     def _consume(event: events.Key) -> None:

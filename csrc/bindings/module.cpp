@@ -2,10 +2,12 @@
 //   _qkernels.quantized_matmul(x, w, scales, biases, group_size, bits)        (transpose=True)
 //   _qkernels.gather_qmm(x, w, scales, biases, indices, group_size, bits)     (rhs_indices)
 //   _qkernels.gated_delta, rms_norm, causal_conv_silu, rope, moe_route        (decode helpers)
-//   _qkernels.moe_block, linear_attn_step                                     (whole decode blocks)
-// eval_gpu throws: these primitives are for the CPU device only. They live in
-// csrc/bindings/{qmm,gated_delta,decode_ops,blocks}.cpp; this file only binds them (and the
-// core's thread / mode / ISA settings) to Python.
+//   _qkernels.moe_block, moe_block_parts, moe_combine, linear_attn_step       (whole decode blocks)
+//   _qkernels.causal_attention                                                (prefill attention)
+// eval_gpu throws (bindings/common.h): these primitives are for the CPU device only. They live
+// in csrc/bindings/{qmm,gated_delta,decode_ops,blocks,attention}.cpp on the shared primitive
+// base of bindings/common.{h,cpp}; this file only binds them (and the core's thread / mode /
+// ISA settings) to Python.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>

@@ -91,7 +91,7 @@ def run(args) -> int:
     if lockstep is not None and lockstep.g.rank != 0:
         from pocket_mlx.cli.serve import follow
 
-        return follow(args, lockstep, "chat")
+        return follow(args, lockstep)
     app = make_app(args, lockstep)
     app.run()
     from pocket_mlx.engine.devices import exit_now

@@ -16,14 +16,10 @@ import argparse
 import importlib
 import sys
 
-from pocket_mlx.errors import PocketError
+from pocket_mlx.cli.logs import setup_logging
+from pocket_mlx.errors import PocketError, one_line
 
 COMMANDS = ["chat", "generate", "serve", "info", "wired", "convert", "shard", "eval_ppl", "bench"]
-
-
-def one_line(message: str) -> str:
-    """`message` on one line: errors go to stderr as exactly one line."""
-    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -67,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    setup_logging(args.command)
     try:
         return int(args.func(args) or 0)
     except PocketError as e:

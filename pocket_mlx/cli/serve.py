@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -22,7 +23,9 @@ from pocket_mlx.engine.params import (
     PROMPT_CACHE_MB,
     SERVE_MAX_CONCURRENCY,
 )
-from pocket_mlx.errors import PocketError
+from pocket_mlx.errors import PocketError, one_line
+
+log = logging.getLogger(__name__)
 
 LAUNCHD_LABEL = "com.pocket-mlx.serve"
 
@@ -232,20 +235,18 @@ def run(args: argparse.Namespace) -> int:
         # MLX may already have run on the engine thread (weights loaded before the tokenizer
         # failed): a normal exit would then abort in MLX's teardown, so end here, exit 2.
         sock.close()
-        from pocket_mlx.cli.main import one_line
         from pocket_mlx.engine.devices import exit_now
 
-        print(f"pocket-mlx serve: error: {one_line(e)}", file=sys.stderr)
+        log.error(f"error: {one_line(e)}")
         exit_now(e.exit_code)
     app = create_app(engine, api_key=args.api_key, cors=args.cors,
                      max_body=args.max_body_mb * 2**20, aliases=args.alias)
     host = f"[{args.host}]" if ":" in args.host else args.host
     ranks = f" x{lockstep.g.size} ranks ({args.distributed})" if lockstep else ""
     also = f" (also answers to {', '.join(args.alias)})" if args.alias else ""
-    print(f"pocket-mlx serve: {engine.model_id}{also} on {engine.device}{ranks}, context "
-          f"{engine.context} tokens ({engine.context_source}); listening on http://{host}:{args.port}/v1 "
-          f"({'API key required' if args.api_key else 'no API key'})",
-          file=sys.stderr, flush=True)
+    log.info(f"{engine.model_id}{also} on {engine.device}{ranks}, context {engine.context} tokens "
+             f"({engine.context_source}); listening on http://{host}:{args.port}/v1 "
+             f"({'API key required' if args.api_key else 'no API key'})")
     config = uvicorn.Config(app, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
@@ -261,14 +262,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.stop()
         sock.close()
-    print("pocket-mlx serve: stopped", file=sys.stderr, flush=True)
+    log.info("stopped")
     from pocket_mlx.engine.devices import exit_now
 
     exit_now(0)  # MLX ran on the engine thread: skip its teardown (see exit_now)
 
 
-def follow(args: argparse.Namespace, lockstep, command: str = "serve") -> int:
-    """A rank other than 0 under `serve --distributed` (or `chat --distributed`: `command`):
+def follow(args: argparse.Namespace, lockstep) -> int:
+    """A rank other than 0 under `serve --distributed` (or `chat --distributed`):
     load this rank's share, then generate in lockstep with rank 0 until it stops (rank 0
     alone serves HTTP, or runs the chat app, and logs)."""
     from pocket_mlx.engine.distributed import LOAD_TIMEOUT_S
@@ -282,8 +283,7 @@ def follow(args: argparse.Namespace, lockstep, command: str = "serve") -> int:
     def setup(model, tokenizer) -> tuple:
         # Not the worker's `lockstep`: that one is rank 0's side (beats, stop).
         lockstep.ready(model)
-        print(f"pocket-mlx {command}: rank {g.rank} of {g.size} ({args.distributed}) follows "
-              "rank 0", file=sys.stderr, flush=True)
+        log.info(f"rank {g.rank} of {g.size} ({args.distributed}) follows rank 0")
         return model, tokenizer
 
     def serve(state: tuple) -> None:
@@ -297,5 +297,5 @@ def follow(args: argparse.Namespace, lockstep, command: str = "serve") -> int:
                                       fuse=True, shard=lockstep.shard))
     if not worker.run(serve, setup):
         raise worker.error
-    print(f"pocket-mlx {command}: rank {g.rank} stopped", file=sys.stderr, flush=True)
+    log.info(f"rank {g.rank} stopped")
     return 0

@@ -26,6 +26,7 @@ from pocket_mlx.convert import recipes
 from pocket_mlx.convert.writer import atomic_dir, copy_tokenizer, mlx_config, save_weights
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import apply_quantization, build_model
+from pocket_mlx.models.accounting import param_bytes
 from pocket_mlx.paths import BUNDLED_MODEL, cache_dir
 from pocket_mlx.progress import progress as progress_bar
 
@@ -214,7 +215,7 @@ def build(name: str, recipe: str = DEFAULT_RECIPE, *, out: Path | None = None,
     model = build_model(config)
     quant = quantization_for(model, recipe)
     quantize_skeleton(model, quant, mx.bfloat16)
-    total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+    total = param_bytes(model)
     bar = progress_bar(total=total, unit="B", unit_scale=True, desc=f"writing {out.name}",
                        enabled=progress)
     try:

@@ -27,26 +27,24 @@ is stored too (before its `Finished` event, so the client's next turn finds it).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import mlx.core as mx
 
 from pocket_mlx.engine.generation import SamplingParams, StopText, prefill_chunk
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP
+from pocket_mlx.engine.prompt_cache import PrefixStore
 from pocket_mlx.engine.sampling import processors_for, sample, sampler_for
 from pocket_mlx.engine.snapshot_points import chunk_size, snapshot_points
+from pocket_mlx.errors import one_line
 from pocket_mlx.models.batched import DecodeBatch
 from pocket_mlx.system.memory import release_free_memory
 
-
-class SnapshotStore(Protocol):
-    """Where caches go: the prompt cache's `store` (engine/prompt_cache.py)."""
-
-    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None: ...
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -143,11 +141,10 @@ class _Seq:
 class BatchDecoder:
     """The sequences being generated together on the calling thread (the model's owner)."""
 
-    def __init__(self, model, tokenizer, *, stream: mx.Stream, store: SnapshotStore,
-                 prefill_step: int = DEFAULT_PREFILL_STEP,
-                 log: Callable[[str], object] = lambda line: None) -> None:
+    def __init__(self, model, tokenizer, *, stream: mx.Stream, store: PrefixStore,
+                 prefill_step: int = DEFAULT_PREFILL_STEP) -> None:
         self.model, self.tokenizer, self.stream = model, tokenizer, stream
-        self.store, self.prefill_step, self.log = store, prefill_step, log
+        self.store, self.prefill_step = store, prefill_step
         self.prefilling: deque[_Seq] = deque()  # in arrival order; the first one prefills
         self.decoding: list[_Seq] = []  # past their first token
         self.batch = DecodeBatch(model)
@@ -341,25 +338,22 @@ class BatchDecoder:
                         time.perf_counter() - s.t0)
 
     def _store(self, tokens: list[int], cache: list, kind: str) -> None:
-        store_cache(self.store, tokens, cache, kind, self.log)
+        store_cache(self.store, tokens, cache, kind)
 
 
-def store_cache(store: SnapshotStore, tokens: list[int], cache: list, kind: str,
-                log: Callable[[str], object]) -> None:
+def store_cache(store: PrefixStore, tokens: list[int], cache: list, kind: str) -> None:
     """`store.store(...)`, a failure logged: keeping a cache is an optimisation, a reply that
     is complete does not fail for it (it costs a later prefill)."""
     try:
         store.store(tokens, cache, kind=kind)
     except Exception as e:  # noqa: BLE001
-        log(f"pocket-mlx serve: prompt cache: not stored: {type(e).__name__}: "
-            f"{' '.join(str(e).split())}")
+        log.warning(f"prompt cache: not stored: {type(e).__name__}: {one_line(e)}")
 
 
 def decode_lockstep(lockstep, model, tokenizer, ids: list[int], *, uid: int, cache: list,
                     n_cached: int, sampling: SamplingParams, max_tokens: int,
                     stop: Sequence[str] | None, device: str, cancelled: Callable[[], bool],
-                    store: SnapshotStore,
-                    log: Callable[[str], object]) -> Iterator[Token | Finished]:
+                    store: PrefixStore) -> Iterator[Token | Finished]:
     """One sequence generated on every rank at once (`serve --distributed`, where every
     forward is collective, so the ranks run one request at a time): `Lockstep.stream_generate`'s
     responses as this module's events, so the server handles both paths alike."""
@@ -367,7 +361,8 @@ def decode_lockstep(lockstep, model, tokenizer, ids: list[int], *, uid: int, cac
     last, t_token, tail = None, None, ""
     for r in lockstep.stream_generate(model, tokenizer, ids[n_cached:], cache=cache,
                                       max_tokens=max_tokens, sampling=sampling, stop=stop,
-                                      device=device, should_stop=cancelled, warn=log):
+                                      device=device, should_stop=cancelled,
+                                      warn=log.warning):
         last = r
         if r.token is None:  # the text held back, at the end
             tail += r.text
@@ -380,6 +375,6 @@ def decode_lockstep(lockstep, model, tokenizer, ids: list[int], *, uid: int, cac
     # fed_tokens is None only when the cache was left part-way (cancelled in prefill); a
     # reply cancelled while decoding still leaves a cache worth keeping for a retry.
     if last.fed_tokens is not None:
-        store_cache(store, ids[:n_cached] + last.fed_tokens, cache, "end", log)
+        store_cache(store, ids[:n_cached] + last.fed_tokens, cache, "end")
     yield Finished(uid, stats.finish_reason, tail, len(ids), stats.generation_tokens, n_cached,
                    stats.stop_string, stats.generation_tps, time.perf_counter() - t0)

@@ -40,8 +40,10 @@ import sys
 import threading
 import time
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -309,6 +311,35 @@ class _Entry:
 #: Where a snapshot was taken: a chat-template message boundary inside a prompt, every N tokens
 #: of a long prompt, or the end of a prompt/reply (see engine/batch.py's prefill).
 SNAPSHOT_KINDS = ("boundary", "interval", "end")
+
+
+class PrefixStore(Protocol):
+    """A store of model caches keyed by token prefix, shared by all requests: what the server's
+    engine (server/engine.py) and the batch (engine/batch.py) need of `PromptCache`, and what
+    `NoPromptCache` and the tests' own stores offer too."""
+
+    def fetch(self, tokens: Sequence[int]) -> tuple[list | None, int]:
+        """(a cache holding the first `n` tokens of `tokens`, n) for the longest stored prefix
+        with n < len(tokens) (at least one token must be left to prefill), or (None, 0). The
+        caller owns the returned cache and will extend it."""
+        ...
+
+    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None:
+        """Keep `cache`, which holds exactly `tokens`, for later requests; `kind` says where it
+        was taken (boundary | interval | end)."""
+        ...
+
+
+class NoPromptCache:
+    """No reuse: every request prefills its whole prompt (cached_tokens is 0)."""
+
+    def fetch(self, tokens: Sequence[int]) -> tuple[list | None, int]:
+        return None, 0
+
+    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None:
+        return None
+
+
 #: Hits beyond this count no more in eviction: an old prefix hit often once still ages out.
 _HIT_CAP = 4
 #: Prefill stores an "interval" snapshot every this many prompt tokens (see docs/SERVE.md for

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from pocket_mlx.config import text_config
-from pocket_mlx.errors import PocketError
+from pocket_mlx.errors import PocketError, one_line
 
 
 def _read_json(path: Path) -> dict:
@@ -26,7 +26,7 @@ def _token_content(tok) -> str | None:
 def _unreadable(file: Path, e: BaseException) -> PocketError:
     """A tokenizer file its library cannot parse (truncated download, wrong format) as the
     one-line error every command prints with exit 2, instead of the library's traceback."""
-    why = " ".join(str(e).split())[:200] or type(e).__name__
+    why = one_line(e)[:200] or type(e).__name__
     return PocketError(f"{file}: cannot read this tokenizer file ({why}); download the model "
                        "again or replace the file")
 
@@ -172,7 +172,7 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001 - the template is untrusted code; report any failure
             line = getattr(e, "lineno", None)
             at = f" (line {line})" if line else ""
-            msg = " ".join(str(e).split()) or type(e).__name__
+            msg = one_line(e) or type(e).__name__
             raise PocketError(f"chat template {where} failed{at}: {type(e).__name__}: {msg}; "
                               "fix the template (or use generate --raw)") from None
 

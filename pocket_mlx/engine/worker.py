@@ -13,12 +13,15 @@ waits for every rank (`Lockstep.ready`), a worker with no job tells the others o
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from pocket_mlx.errors import PocketError
+from pocket_mlx.errors import PocketError, one_line
+
+log = logging.getLogger(__name__)
 
 #: `get`'s answer when no job came: non-blocking and the queue is empty.
 EMPTY = object()
@@ -32,13 +35,11 @@ class ModelWorker:
     `serve(state)` runs until the worker should stop, taking jobs with `get`."""
 
     def __init__(self, load: Callable[[], tuple[Any, Any]], *, lockstep=None,
-                 poll_s: float | None = None, exit_on_lost: bool = True,
-                 log: Callable[[str], object] = lambda line: None) -> None:
+                 poll_s: float | None = None, exit_on_lost: bool = True) -> None:
         self.load = load
         self.lockstep = lockstep  # rank 0's distributed.Lockstep, or None
         self.poll_s = poll_s  # without lockstep: wake this often to check `stopped`
         self.exit_on_lost = exit_on_lost  # a lost rank ends the process (serve) or raises (chat)
-        self.log = log
         self.jobs: queue.Queue = queue.Queue()
         self.ready = threading.Event()
         self.error: BaseException | None = None  # the load's
@@ -115,7 +116,7 @@ class ModelWorker:
         try:
             self.lockstep.finish(self.model)
         except PocketError as e:  # a rank already gone: nothing left to tell
-            self.log(str(e))
+            log.warning(one_line(e))
 
     # ---- the other threads' side -------------------------------------------------------------
     def put(self, job) -> None:

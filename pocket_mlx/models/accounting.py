@@ -26,7 +26,10 @@ class WeightStats:
     top_k: int
 
 
-def _nbytes(module: nn.Module) -> int:
+def param_bytes(module: nn.Module | None) -> int:
+    """Bytes of `module`'s parameters as stored (0 for no module)."""
+    if module is None:
+        return 0
     return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
 
@@ -86,7 +89,7 @@ def _module_costs(model: nn.Module) -> list[ModuleCost]:
                 p, b = sum(v.size for v in own), sum(v.nbytes for v in own)
                 out.append(ModuleCost(path, m, p, p, b, b))
             continue
-        p, b = _nparams(m), _nbytes(m)
+        p, b = _nparams(m), param_bytes(m)
         if not b:
             continue
         if isinstance(m, (SwitchLinear, QuantizedSwitchLinear)):

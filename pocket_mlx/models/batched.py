@@ -29,8 +29,9 @@ from typing import Any
 import mlx.core as mx
 
 from pocket_mlx.kernels import ops
+from pocket_mlx.models.cache import LinearAttentionCache
 from pocket_mlx.models.fusion import project
-from pocket_mlx.models.qwen3_5_moe import Attention, LinearAttentionCache
+from pocket_mlx.models.qwen3_5_moe import Attention
 
 
 class DecodeBatch:

@@ -1,4 +1,5 @@
-"""The full-attention layers' KV cache: preallocated in steps, trimmable.
+"""The model's per-layer caches: the full-attention layers' KV cache (preallocated in steps,
+trimmable) and the Gated DeltaNet layers' carried state.
 
 Why not mlx-lm's `KVCache` (which this mirrors): importing `mlx_lm.models.cache` runs the
 `mlx_lm` package's `__init__`, which imports `transformers` (~2.3 s), and every generation makes
@@ -38,9 +39,9 @@ class KVCache:
             else:
                 self.keys, self.values = new_k, new_v
         self.offset += keys.shape[2]
-        self.keys[..., prev:self.offset, :] = keys
-        self.values[..., prev:self.offset, :] = values
-        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
     @property
     def arrays(self) -> list[mx.array]:
@@ -62,3 +63,17 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
+
+
+class LinearAttentionCache:
+    """Carried state of one Gated DeltaNet layer: the conv window and the delta-rule state
+    (fixed size whatever the length; not trimmable: the chat rewinds to a snapshot instead)."""
+
+    def __init__(self) -> None:
+        self.conv_state: mx.array | None = None
+        self.state: mx.array | None = None
+        self.offset = 0
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.conv_state, self.state) if a is not None]

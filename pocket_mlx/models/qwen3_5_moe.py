@@ -29,7 +29,7 @@ import mlx.nn as nn
 from pocket_mlx.config import model_type, resolve_layer_types, text_config
 from pocket_mlx.errors import PocketError
 from pocket_mlx.kernels import ops
-from pocket_mlx.models.cache import KVCache
+from pocket_mlx.models.cache import KVCache, LinearAttentionCache
 from pocket_mlx.models.fusion import fuse, project
 from pocket_mlx.models.layers import Embedding, Linear, RMSNorm, SwitchGLU, combine_experts
 from pocket_mlx.models.parallel import ExpertParallelMixin, PipelineMixin, split_evenly
@@ -241,19 +241,6 @@ def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int = 64):
         P = gC[:, :, n] * P + Kd[:, :, n].swapaxes(-1, -2) @ U
     y = mx.stack(ys, axis=2).reshape(B, Hv, N * C, Dv)[:, :, :T].transpose(0, 2, 1, 3)
     return y.astype(dtype), P.swapaxes(-1, -2)
-
-
-class LinearAttentionCache:
-    """Carried state of one Gated DeltaNet layer: the conv window and the delta-rule state."""
-
-    def __init__(self):
-        self.conv_state: mx.array | None = None
-        self.state: mx.array | None = None
-        self.offset = 0
-
-    @property
-    def arrays(self) -> list[mx.array]:
-        return [a for a in (self.conv_state, self.state) if a is not None]
 
 
 class GatedDeltaNet(nn.Module):

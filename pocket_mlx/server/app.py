@@ -1,21 +1,23 @@
-"""The HTTP face of `pocket-mlx serve`: an ASGI app with OpenAI's endpoints.
+"""The HTTP face of `pocket-mlx serve`: an ASGI app with OpenAI's and Anthropic's endpoints.
 
 Why Starlette under uvicorn: a small, standard ASGI stack (two pure-Python packages, no code
 generation), whose `StreamingResponse` sends server-sent events and cancels the stream when the
 client goes away, which is what stops a generation early. FastAPI would add pydantic models and
 OpenAPI pages on top of the same Starlette; the request checking lives in `server/openai.py`
-instead, in the shape of OpenAI's own errors, so nothing here needs it. `http.server` would
-mean threads per connection and hand-written chunked streaming.
+and `server/anthropic.py` instead (making server/requests.py's `GenRequest`, refusing with its
+`ApiError`), in the shape of each API's own errors, so nothing here needs it. `http.server`
+would mean threads per connection and hand-written chunked streaming.
 
 Endpoints: GET /health (no key needed), GET /metrics (Prometheus text), GET /v1/models (and
 /v1/models/{id}), POST /v1/chat/completions and POST /v1/completions (streamed with
 `"stream": true`; server/routes_openai.py), Anthropic's POST /v1/messages and
 /v1/messages/count_tokens (server/routes_anthropic.py), and the browser chat page at GET / and
-/chat (server/page.py, no key needed). Tool calls: server/tools.py. Requests run on the engine thread
-(`server/engine.py`), up to --max-concurrency decoded together; extra requests wait in a
-bounded queue, then get 429 with Retry-After. Every refusal is OpenAI's error object with a
-4xx status and one line on stderr (server/errors.py);
-anything unexpected is a 500 with a generic message (the details go to the log only).
+/chat (server/page.py, no key needed). Tool calls: server/tools.py. Requests run on the model's
+thread (server/engine.py's `Engine`, on engine/worker.py's `ModelWorker`), up to
+--max-concurrency decoded together (engine/batch.py); extra requests wait in a bounded queue,
+then get 429 with Retry-After. Every refusal is the API's error object with a 4xx status and
+one line in the server's log (server/errors.py); anything unexpected is a 500 with a generic
+message (the details go to the log only).
 
 This module only assembles the app: the route table, each route's key check (server/auth.py)
 and error shape, CORS, and `app.state` (engine, metrics, settings) that the handlers read.
@@ -38,7 +40,7 @@ from pocket_mlx.server.auth import RequireApiKey
 from pocket_mlx.server.engine import Engine
 from pocket_mlx.server.errors import RouteOutcome, http_error
 from pocket_mlx.server.requests import ApiError
-from pocket_mlx.server.state import Settings, stderr_line
+from pocket_mlx.server.state import Settings
 
 DEFAULT_MAX_BODY = 8 * 2**20  # bytes; a 2,000-token prompt is ~10 kB of JSON
 
@@ -88,7 +90,6 @@ def create_app(
     api_key: str | None = None,
     cors: str | None = None,
     max_body: int = DEFAULT_MAX_BODY,
-    log: Callable[[str], object] | None = None,
     aliases: Sequence[str] = (),
 ) -> Starlette:
     """The ASGI app serving `engine`'s model. `api_key`: Bearer key required on every endpoint
@@ -112,6 +113,5 @@ def create_app(
         api_key=api_key.encode("utf-8") if api_key else None,
         max_body=max_body,
         aliases=tuple(aliases),
-        log=log or stderr_line,
     )
     return app

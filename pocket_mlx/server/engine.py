@@ -18,7 +18,7 @@ waiting is dropped from the queue at once.
 
 Prompt cache: engine/prompt_cache.py's store (built once the model is loaded, from
 `prompt_cache_mb` / `prompt_cache_dir`), or any object with its `fetch` / `store` (the
-`PrefixStore` protocol in server/jobs.py; tests plug in their own). `fetch` gives the longest cached
+`PrefixStore` protocol in engine/prompt_cache.py; tests plug in their own). `fetch` gives the longest cached
 prefix of a prompt, `store` keeps the cache after a reply; `cached_tokens` in the usage is
 what `fetch` returned. `NoPromptCache` when it is off.
 
@@ -31,7 +31,7 @@ are handled as the batch's), and stopping tells the other ranks to end. No promp
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 import threading
 import time
 from contextlib import ExitStack
@@ -48,17 +48,15 @@ from pocket_mlx.engine.devices import policy_dtype
 from pocket_mlx.engine.generation import SamplingParams, context_limit
 from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_path, use_device
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
-from pocket_mlx.engine.prompt_cache import open_store
+from pocket_mlx.engine.prompt_cache import NoPromptCache, PrefixStore, open_store
 from pocket_mlx.engine.worker import EMPTY, ModelWorker
-from pocket_mlx.errors import PocketError
+from pocket_mlx.errors import PocketError, one_line
 from pocket_mlx.server.jobs import (
     Busy,
     Done,
     Failed,
     Job,
-    NoPromptCache,
     Piece,
-    PrefixStore,
     Started,
 )
 from pocket_mlx.server.metrics import Metrics
@@ -68,6 +66,8 @@ from pocket_mlx.system.host import total_ram_bytes
 from pocket_mlx.system.memory import release_free_memory, resident_bytes, wired_limit
 from pocket_mlx.system.wired import planned_context, serve_ram_bytes
 
+log = logging.getLogger(__name__)
+
 
 class Engine:
     """The loaded model, the request queue and the thread that generates."""
@@ -75,7 +75,7 @@ class Engine:
     def __init__(self, model: str | None = None, device: str | None = None, *,
                  max_concurrency: int = SERVE_MAX_CONCURRENCY, max_queue: int = 8,
                  default_max_tokens: int | None = None, prompt_cache: PrefixStore | None = None,
-                 prompt_cache_mb: int = 0, prompt_cache_dir: Path | None = None, log=None,
+                 prompt_cache_mb: int = 0, prompt_cache_dir: Path | None = None,
                  prefill_step: int = DEFAULT_PREFILL_STEP, distributed=None,
                  ctx_size: int | None = None) -> None:
         if max_concurrency < 1:
@@ -102,9 +102,7 @@ class Engine:
         self.dist = distributed  # rank 0's distributed.Lockstep, or None
         if distributed is not None:
             self.prompt_cache, self._store_args = NoPromptCache(), None
-        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self._worker = ModelWorker(self._load, lockstep=distributed,
-                                   log=lambda line: self.log(f"pocket-mlx serve: {line}"))
+        self._worker = ModelWorker(self._load, lockstep=distributed)
         self._lock = threading.Lock()
         self._admitted = 0  # running + queued
         self._submitted = 0  # jobs ever queued (their ids)
@@ -199,7 +197,7 @@ class Engine:
             with ExitStack() as wired:
                 if self.device == "gpu":  # wire the model's memory while serving
                     wired.enter_context(wired_limit(weight_bytes, self.device,
-                                                    streams=[stream], warn=self.log))
+                                                    streams=[stream], warn=log.warning))
                 if self.dist is not None:
                     self._serve_lockstep()
                 else:
@@ -216,7 +214,7 @@ class Engine:
         """Admit waiting jobs into free slots (blocking only when there is nothing to do),
         then one step of the batch (engine/batch.py), its events to their jobs."""
         batch = BatchDecoder(self.model, self.tokenizer, stream=stream, store=self.prompt_cache,
-                             prefill_step=self.prefill_step, log=self.log)
+                             prefill_step=self.prefill_step)
         jobs: dict[int, Job] = {}  # uid -> job
         stopping = False
         while True:
@@ -259,9 +257,8 @@ class Engine:
                            boundaries=req.boundaries, cancelled=job.cancelled.is_set)
         job.emit(Started(len(ids), n_cached))
         if len(ids) - n_cached > self.prefill_step:
-            self.log(f"pocket-mlx serve: prefill req {job.id}: {len(ids) - n_cached} of "
-                     f"{len(ids)} prompt tokens to prefill ({n_cached} cached), in chunks of "
-                     f"up to {self.prefill_step}")
+            log.info(f"prefill req {job.id}: {len(ids) - n_cached} of {len(ids)} prompt tokens "
+                     f"to prefill ({n_cached} cached), in chunks of up to {self.prefill_step}")
         return uid
 
     def _on_event(self, jobs: dict[int, Job], ev: batch_events.Event) -> None:
@@ -310,22 +307,21 @@ class Engine:
         rate = prefilled / ev.wall_s if ev.wall_s > 0 else 0.0
         left = todo - prefilled
         eta = f", ETA {_duration(left / rate)}" if left and rate else ", done"
-        self.log(f"pocket-mlx serve: prefill req {job.id}: {ev.done}/{ev.total} tokens, chunk "
-                 f"{ev.tokens} in {ev.seconds:.2f} s, {rate:.1f} tok/s{eta}")
+        log.info(f"prefill req {job.id}: {ev.done}/{ev.total} tokens, chunk {ev.tokens} in "
+                 f"{ev.seconds:.2f} s, {rate:.1f} tok/s{eta}")
 
     def _reused(self, n_prompt: int, n_cached: int) -> None:
         """Count a prompt-cache lookup in /metrics, and log a hit with the kind of snapshot."""
         kind = getattr(self.prompt_cache, "last_kind", None) if n_cached else None
         self.metrics.cache_lookup(n_cached, kind)
         if n_cached:
-            self.log(f"pocket-mlx serve: prompt cache: reused {n_cached} of {n_prompt} prompt "
-                     f"tokens ({kind or 'unknown'} snapshot)")
+            log.info(f"prompt cache: reused {n_cached} of {n_prompt} prompt tokens "
+                     f"({kind or 'unknown'} snapshot)")
 
     def _failure(self, e: Exception) -> Failed:
         if isinstance(e, PocketError):
             return Failed(ApiError(400, str(e), code="invalid_value"))
-        self.log(f"pocket-mlx serve: generation failed: {type(e).__name__}: "
-                 f"{' '.join(str(e).split())}")
+        log.error(f"generation failed: {type(e).__name__}: {one_line(e)}")
         return Failed(ApiError(500, "internal error while generating; see the server's log",
                                type="server_error", code="internal_error"))
 
@@ -368,7 +364,7 @@ class Engine:
                         max_tokens=(req.max_tokens or self.default_max_tokens
                                     or max(1, self.context - len(ids))),
                         stop=req.stop, device=self.device, cancelled=job.cancelled.is_set,
-                        store=self.prompt_cache, log=self.log):
+                        store=self.prompt_cache):
                     self._on_event(jobs, ev)
             except Exception as e:  # noqa: BLE001 - one request failed, the server goes on
                 if jobs:  # (not yet released)

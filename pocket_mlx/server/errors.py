@@ -9,6 +9,7 @@ a traceback. What no route answers (404, 405) goes to `http_error`, the app's ha
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
@@ -16,8 +17,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pocket_mlx.errors import one_line
 from pocket_mlx.server.requests import ApiError
-from pocket_mlx.server.state import log, one_line
+
+log = logging.getLogger(__name__)
 
 
 def error_response(e: ApiError, shape: Callable[[ApiError], dict] = ApiError.body) -> Response:
@@ -61,13 +64,12 @@ class RouteOutcome:
         except ApiError as e:
             if started:
                 raise
-            log(request, f"{e.status} {request.method} {request.url.path}: {one_line(e.message)}")
+            log.warning(f"{e.status} {request.method} {request.url.path}: {one_line(e.message)}")
             await error_response(e, self.shape)(scope, receive, counted)
         except Exception as e:  # noqa: BLE001 - never a traceback to the client
             if started:
                 raise
-            log(
-                request,
+            log.error(
                 f"500 {request.method} {request.url.path}: {type(e).__name__}: {one_line(e)}",
             )
             await error_response(internal_error(), self.shape)(scope, receive, counted)
@@ -86,12 +88,11 @@ async def http_error(request: Request, exc: Exception) -> Response:
     elif isinstance(exc, HTTPException):
         e = ApiError(status, one_line(exc.detail), code=None)
     else:
-        log(
-            request,
+        log.error(
             f"500 {request.method} {request.url.path}: {type(exc).__name__}: {one_line(exc)}",
         )
         e = internal_error()
     if status != 500:
-        log(request, f"{e.status} {request.method} {request.url.path}: {e.message}")
+        log.warning(f"{e.status} {request.method} {request.url.path}: {e.message}")
     request.app.state.metrics.request("other", e.status)
     return error_response(e)

@@ -1,6 +1,7 @@
 """What passes between the server's HTTP side and its engine thread (server/engine.py): a
 request's `Job` and the events it receives (`Started`, `Piece`, then `Done` or `Failed`), the
-`Busy` refusal, and the prompt-cache protocol the engine reads and writes.
+`Busy` refusal. (The prompt-cache protocol the engine reads and writes, `PrefixStore`, is
+engine/prompt_cache.py's.)
 
 Why apart from the engine: the HTTP handlers need these types, not the model's thread.
 """
@@ -9,37 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from pocket_mlx.server.requests import ApiError, GenRequest
-
-
-class PrefixStore(Protocol):
-    """A store of model caches keyed by token prefix, shared by all requests: what the engine
-    needs of engine/prompt_cache.py's `PromptCache` (tests plug in their own)."""
-
-    def fetch(self, tokens: Sequence[int]) -> tuple[list | None, int]:
-        """(a cache holding the first `n` tokens of `tokens`, n) for the longest stored prefix
-        with n < len(tokens) (at least one token must be left to prefill), or (None, 0). The
-        caller owns the returned cache and will extend it."""
-        ...
-
-    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None:
-        """Keep `cache`, which holds exactly `tokens`, for later requests; `kind` says where it
-        was taken (boundary | interval | end)."""
-        ...
-
-
-class NoPromptCache:
-    """No reuse: every request prefills its whole prompt (cached_tokens is 0)."""
-
-    def fetch(self, tokens: Sequence[int]) -> tuple[list | None, int]:
-        return None, 0
-
-    def store(self, tokens: Sequence[int], cache: list, kind: str = "end") -> None:
-        return None
 
 
 @dataclass

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pocket_mlx.errors import one_line
 from pocket_mlx.server.engine import Busy, Done, Job
 from pocket_mlx.server.requests import ApiError, GenRequest
-from pocket_mlx.server.state import engine, log, one_line, settings
+from pocket_mlx.server.state import engine, settings
 from pocket_mlx.server.streaming import collect, sse
 from pocket_mlx.server.tools import CallSplitter, ToolCall, splitter_for
+
+log = logging.getLogger(__name__)
 
 TOOLS_OMITTED = "X-Pocket-Tools-Omitted"  # header: how many tools the prompt left out
 FIELDS_IGNORED = "X-Pocket-Fields-Ignored"  # header: request fields left out (not honoured)
@@ -110,8 +114,7 @@ def omitted(request: Request, req: GenRequest) -> dict[str, str]:
     out = {}
     if req.ignored:  # fields for features this server or model lacks (server/openai.py)
         fields = ",".join(ascii(f)[1:-1].replace(",", "%2C") for f in req.ignored)
-        log(
-            request,
+        log.warning(
             f"{where(request, req)}: fields this server does not honour were ignored: "
             f"{one_line(fields)}",
         )
@@ -119,8 +122,7 @@ def omitted(request: Request, req: GenRequest) -> dict[str, str]:
     if not req.tools_omitted:
         return out
     tools = ", ".join(t["function"]["name"] for t in req.tools or [])
-    log(
-        request,
+    log.warning(
         f"{where(request, req)}: this model's chat template renders no tools; "
         f"answered without the {len(req.tools or [])} tool(s) sent ({one_line(tools)})",
     )
@@ -133,12 +135,9 @@ def log_calls(request: Request, split: CallSplitter | None, where: str) -> None:
     if split is None:
         return
     for why in split.failed:
-        log(
-            request, f"{where}: a tool call could not be parsed ({one_line(why)}); returned as text"
-        )
+        log.warning(f"{where}: a tool call could not be parsed ({one_line(why)}); returned as text")
     if split.dropped:
-        log(
-            request,
+        log.warning(
             f"{where}: {split.dropped} tool call(s) past the first dropped "
             "(parallel_tool_calls is false)",
         )

@@ -7,8 +7,6 @@ in the module of its idea and can be read on its own.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,24 +16,14 @@ if TYPE_CHECKING:  # the engine module loads MLX; this one is read by every hand
     from pocket_mlx.server.engine import Engine
 
 
-def one_line(text: object) -> str:
-    """A message for the log: a client's text or an exception may hold newlines."""
-    return " ".join(str(text).split())
-
-
-def stderr_line(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 @dataclass(frozen=True)
 class Settings:
     """`api_key`: the key as bytes (None: no key asked); `max_body`: the largest request body
-    read, in bytes; `aliases`: other model names answered to; `log`: where a log line goes."""
+    read, in bytes; `aliases`: other model names answered to."""
 
     api_key: bytes | None
     max_body: int
     aliases: tuple[str, ...]
-    log: Callable[[str], object]
 
 
 def engine(conn: HTTPConnection) -> Engine:
@@ -44,8 +32,3 @@ def engine(conn: HTTPConnection) -> Engine:
 
 def settings(conn: HTTPConnection) -> Settings:
     return conn.app.state.settings
-
-
-def log(conn: HTTPConnection, line: str) -> None:
-    """One line in the server's log, prefixed as every serve line is."""
-    conn.app.state.settings.log(f"pocket-mlx serve: {line}")

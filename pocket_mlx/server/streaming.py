@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from pocket_mlx.errors import one_line
 from pocket_mlx.server.engine import Done, Failed, Job, Piece, Started
-from pocket_mlx.server.state import log, one_line
+
+log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 
@@ -46,7 +49,7 @@ async def collect(request: Request, job: Job, where: str) -> tuple[str, Done] | 
             if time.perf_counter() - checked >= DISCONNECT_POLL_S:
                 checked = time.perf_counter()
                 if await request.is_disconnected():
-                    log(request, f"{where}: the client went away; stopped")
+                    log.info(f"{where}: the client went away; stopped")
                     return None
             if isinstance(ev, Piece):
                 pieces.append(ev.text)
@@ -55,7 +58,7 @@ async def collect(request: Request, job: Job, where: str) -> tuple[str, Done] | 
                 raise ev.error
             elif isinstance(ev, Done):
                 finished = True
-                log(request, done_line(where, ev, t0))
+                log.info(done_line(where, ev, t0))
                 return "".join(pieces), ev
     finally:
         if not finished:
@@ -75,17 +78,17 @@ async def events(
             ev = await job.events.get()
             if isinstance(ev, Failed):
                 finished = True
-                log(request, f"{ev.error.status} {where}: {one_line(ev.error.message)}")
+                log.warning(f"{ev.error.status} {where}: {one_line(ev.error.message)}")
             elif isinstance(ev, Done):
                 finished = True
-                log(request, done_line(where, ev, t0))
+                log.info(done_line(where, ev, t0))
             yield ev
             if finished:
                 return
     finally:
         if not finished:
             job.cancel()
-            log(request, f"{where}: the client went away; stopped")
+            log.info(f"{where}: the client went away; stopped")
 
 
 def sse(stream: AsyncIterator[str], extra: dict[str, str] | None = None) -> StreamingResponse:

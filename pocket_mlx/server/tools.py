@@ -22,7 +22,6 @@ import importlib
 import importlib.machinery
 import importlib.util
 import json
-import re
 import sys
 import uuid
 from dataclasses import dataclass
@@ -50,7 +49,6 @@ _FORMATS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("<tool_call>", "tool_call.name"), "json_tools"),
 )
 _PACKAGE = "pocket_mlx._mlx_lm_tool_parsers"
-NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
 def detect_format(template: str | None) -> str | None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -15,7 +15,9 @@ from pocket_mlx.engine import devices
 from pocket_mlx.engine.distributed.group import LOAD_TIMEOUT_S, Group, RankLost, lost
 from pocket_mlx.engine.distributed.shard import attach, shard_for
 from pocket_mlx.engine.generation import Response, SamplingParams, stream_generate
-from pocket_mlx.errors import PocketError
+from pocket_mlx.errors import PocketError, one_line
+
+log = logging.getLogger(__name__)
 
 _STOP, _GENERATE, _IDLE = 0, 1, 2
 # Commands go out only on a beat of this period: a rank waiting in MLX's ring receive spins
@@ -61,7 +63,7 @@ class Lockstep:
         except RankLost as e:
             if not exit_on_lost:
                 raise
-            sys.stderr.write(f"pocket-mlx serve: error: {e}\n")
+            log.error(f"error: {one_line(e)}")
             devices.exit_now(e.exit_code)
 
     def ready(self, model) -> None:

@@ -10,29 +10,15 @@ hook), so what a rank does not hold is never read. Then: every rank takes rank 0
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from pocket_mlx.engine.distributed.group import DistributedError, Group
-from pocket_mlx.models.accounting import module_costs
+from pocket_mlx.models.accounting import module_costs, param_bytes
 from pocket_mlx.models.parallel import pipeline_ranges, split_evenly
-
-
-def _nbytes(module: nn.Module | None) -> int:
-    if module is None:
-        return 0
-    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
-
-
-def _ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 1
+from pocket_mlx.system.host import total_ram_bytes
 
 
 def setup_pipeline(model, g: Group) -> None:
@@ -41,8 +27,8 @@ def setup_pipeline(model, g: Group) -> None:
     lm = model.language_model
     m = lm.model
     layers = m.layers
-    tail = _nbytes(m.norm) + _nbytes(lm.get("lm_head"))
-    head = _nbytes(m.embed_tokens)
+    tail = param_bytes(m.norm) + param_bytes(lm.get("lm_head"))
+    head = param_bytes(m.embed_tokens)
     rank = getattr(model, "rank_shard", None)
     if rank is not None:  # per-rank shards: the ranges they were written for (rank_shards.py)
         ranges = [tuple(r) for r in rank["layers_all"]]
@@ -51,8 +37,8 @@ def setup_pipeline(model, g: Group) -> None:
                                    f"fit {g.size} ranks and {len(layers)} layers; write them "
                                    "again")
     else:
-        shares = [row[0] for row in g.gather_floats([float(_ram_bytes())])]
-        ranges = pipeline_ranges([_nbytes(la) for la in layers], head, tail, shares)
+        shares = [row[0] for row in g.gather_floats([float(total_ram_bytes() or 1)])]
+        ranges = pipeline_ranges([param_bytes(la) for la in layers], head, tail, shares)
     model.pipeline(g.group, ranges)
     g.info = {"layers": [list(r) for r in ranges]}
 
@@ -116,7 +102,7 @@ def rank_bytes_per_token(model) -> int:
 
 def rank_report(model, g: Group) -> dict:
     """What each rank holds, measured from its loaded arrays, gathered on every rank."""
-    mine = [float(_nbytes(model)), float(rank_bytes_per_token(model)),
+    mine = [float(param_bytes(model)), float(rank_bytes_per_token(model)),
             float(mx.get_active_memory()), float(getattr(model, "checkpoint_bytes", 0))]
     rows = g.gather_floats(mine)
     return {
