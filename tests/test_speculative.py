@@ -433,7 +433,8 @@ class _Recorder(LookupDrafter):
         super().reset()
         self.prompt_rows, self.kept_rows = 0, 0
 
-    def prompt_hidden(self, hidden: mx.array) -> None:
+    def prompt_hidden(self, hidden: mx.array, tokens: mx.array) -> None:
+        assert tokens.shape == hidden.shape[:1]
         self.prompt_rows += hidden.shape[0]
         self.width = hidden.shape[1]
 

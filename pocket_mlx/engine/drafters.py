@@ -5,11 +5,14 @@ to follow `tokens` (the prompt and the reply so far, the pending token last), `a
 hears how many of them the trunk kept (and the trunk's final-norm hidden states of the rows it
 kept, which an MTP head drafts from), `reset()` forgets a sequence. A drafter that samples its
 drafts from a distribution q sets `last_probs` to q ([k, vocab]) after `draft`; None means
-deterministic drafts (q one-hot), as lookup's are. A drafter with a `prompt_hidden(hidden)`
-method gets the prompt's final-norm hidden states during prefill ([n, hidden] per chunk, all
-prompt tokens but the last, whose hidden state comes with the first pass's `accepted`): an MTP
-head fills its own KV cache from them. The MTP head plugs in as `model.mtp_drafter()`.
+deterministic drafts (q one-hot), as lookup's are. A drafter with a
+`prompt_hidden(hidden, tokens)` method gets the prompt's final-norm hidden states during prefill
+([n, hidden] per chunk with the chunk's token ids [n], all prompt tokens but the last, whose
+hidden state comes with the first pass's `accepted`): an MTP head fills its own KV cache from
+them.
 
+- `MTPDrafter` (engine/mtp_drafter.py): the model's MTP head, depth up to 3; a model may
+  also supply its own as `model.mtp_drafter()`.
 - `LookupDrafter` (prompt lookup): the longest n-gram (n from `max_ngram` down to
   `min_ngram`) ending the sequence that occurred before; drafts what followed it there.
 - `BackOff` wraps a drafter for `auto`: while drafts keep failing, or drafting passes decode
@@ -156,10 +159,16 @@ def check_num_draft_tokens(k: int) -> int:
 
 
 def mtp_drafter(model):
-    """The model's MTP head as a drafter, or None when it has none. The head itself (models/,
-    branch mtp) exposes `model.mtp_drafter()`; until then no model has one."""
+    """The model's MTP head as a drafter (`model.mtp_drafter()` when the model supplies one,
+    else `MTPDrafter` over `model.mtp`), or None when it has no head."""
     make = getattr(model, "mtp_drafter", None)
-    return make() if callable(make) else None
+    if callable(make):
+        return make()
+    if getattr(model, "mtp", None) is None:
+        return None
+    from pocket_mlx.engine.mtp_drafter import MTPDrafter
+
+    return MTPDrafter(model)
 
 
 def make_drafter(method: str, model) -> Drafter | None:

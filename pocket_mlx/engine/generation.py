@@ -244,8 +244,8 @@ def prefill(model, ids: list[int], cache: list, *, stream: mx.Stream, prefill_st
             on_hidden: Callable[[mx.array], object] | None = None) -> mx.array | None:
     """All but the last of `ids` into `cache`, in chunks (see `generate_step`): returns the last
     token (not fed), or None when `on_prefill` stopped it. `on_hidden`, when given, gets each
-    chunk's final-norm hidden states [n, hidden] (lazy; an MTP drafter fills its own cache
-    from them), the trunk's forward then stopping before the lm_head."""
+    chunk's final-norm hidden states [n, hidden] and its token ids [n] (lazy; an MTP drafter
+    fills its own cache from them), the trunk's forward then stopping before the lm_head."""
     with mx.stream(stream):
         rest = mx.array(ids, mx.uint32)
         done = 0
@@ -254,7 +254,7 @@ def prefill(model, ids: list[int], cache: list, *, stream: mx.Stream, prefill_st
             n = chunk_size(done, rest.size - 1, prefill_step, points[0][0] if points else None)
             if on_hidden is not None:
                 on_hidden(model.language_model.model(rest[:n][None], cache,
-                                                     eval_layers=True)[0])
+                                                     eval_layers=True)[0], rest[:n])
                 mx.eval([a for c in cache for a in cache_arrays(c)])
             else:
                 prefill_chunk(model, rest[:n], cache)
