@@ -179,6 +179,53 @@ def test_second_turn_prefills_only_new_tokens():
     assert abs(seen["second"].prompt_tokens - (seen["full"] - seen["held"])) <= 1
 
 
+CODE = ("def add(a, b):\n    return a + b\n\n\ndef scale(points, k):\n"
+        "    return [(x * k, y * k) for x, y in points]\n")
+
+
+def test_panel_shows_accepted_drafts_per_pass(home):
+    """`chat --speculative lookup --num-draft-tokens 3` reaches the session (its replies are
+    drafted), and the panel shows the drafts accepted per trunk pass."""
+    from pocket_mlx.cli.chat import make_app
+    from pocket_mlx.cli.main import build_parser
+    from pocket_mlx.tui.stats_panel import accepted_per_pass
+
+    argv = ["chat", "--model", str(default_model_path()), "-n", "40",
+            "--speculative", "lookup", "--num-draft-tokens", "3"]
+    app = make_app(build_parser().parse_args(argv))
+    seen = {}
+
+    async def main() -> None:
+        async with app.run_test(size=(100, 32)) as pilot:
+            await until(pilot, lambda: app.ready)
+            await send(app, pilot, "Repeat this code exactly:\n\n" + CODE)
+            await pilot.pause(0.3)  # one panel refresh
+            seen.update(text=screen_text(app), rows=dict(app.stats_panel.rows()))
+
+    asyncio.run(main())
+    spec = app.last_stats.speculative
+    assert spec["method"] == "lookup" and spec["num_draft_tokens"] == 3
+    assert 0 < spec["accepted"] <= spec["drafted"]
+    shown = accepted_per_pass(spec)
+    assert shown == f"{spec['accepted'] / spec['passes']:.2f}/pass " \
+                   f"({100 * spec['accepted'] / spec['drafted']:.0f}%)"
+    assert seen["rows"]["accepted"] == shown and "accepted" in seen["text"] and shown in seen["text"]
+
+
+def test_panel_has_no_accepted_row_without_speculation():
+    panel = StatsPanel()
+    panel.stats = GenerationStats(generation_tokens=3)
+    assert "accepted" not in dict(panel.rows())
+
+
+def test_chat_speculative_mtp_without_head_exits_2(home):
+    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "chat", "--model",
+                        str(default_model_path()), "--speculative", "mtp"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "no MTP head" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_stop_mid_reply_keeps_partial(monkeypatch):
     # The real model, slowed to ~100 tokens/s: in float32 with the CPU kernels the tiny model
     # writes 1000 tokens in about a second, less than `pilot.press` may take to return (it waits

@@ -27,6 +27,7 @@ from textual.worker import get_current_worker
 
 from pocket_mlx.engine.conversations import Conversation, ConversationStore
 from pocket_mlx.engine.devices import describe, gpu_available
+from pocket_mlx.engine.drafters import DEFAULT_NUM_DRAFT_TOKENS
 from pocket_mlx.engine.generation import GenerationStats
 from pocket_mlx.engine.params import PROMPT_CACHE_MB
 from pocket_mlx.engine.session import Settings
@@ -69,7 +70,8 @@ class ChatApp(QuietCrash, App[None]):
                  settings: Settings | None = None, conversation: Conversation | None = None,
                  store: ConversationStore | None = None, model_name: str | None = None,
                  path: Path | None = None, prompt_cache_mb: int = PROMPT_CACHE_MB,
-                 distributed=None) -> None:
+                 distributed=None, speculative: str = "off",
+                 num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS) -> None:
         super().__init__()
         # Set once the engine thread ended (under `chat --distributed`: the others were told).
         self.engine_done = threading.Event()
@@ -91,10 +93,12 @@ class ChatApp(QuietCrash, App[None]):
         self._reply: AssistantMessage | None = None
         self._live = LiveReply()
         # The model's side, run by `engine` on a Textual thread worker. `prompt_cache_mb` and
-        # `distributed` (rank 0's Lockstep, the other ranks following it): see ChatEngine.
+        # `distributed` (rank 0's Lockstep, the other ranks following it), `speculative` and
+        # `num_draft_tokens` (chat --speculative, --num-draft-tokens): see ChatEngine.
         self._model = ChatEngine(self.post_message, self._live, self._stop,
                                  model=path or model, device=device, model_name=self.model_name,
-                                 prompt_cache_mb=prompt_cache_mb, distributed=distributed)
+                                 prompt_cache_mb=prompt_cache_mb, distributed=distributed,
+                                 speculative=speculative, num_draft_tokens=num_draft_tokens)
         self._ticks = 0
         self._reply_settings = self.settings
         self._turn: Turn | None = None

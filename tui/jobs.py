@@ -102,8 +102,12 @@ class ChatEngine:
 
     def __init__(self, post: Callable[[Message], object], live: LiveReply,
                  stop: threading.Event, *, model: str | Path | None, device: str,
-                 model_name: str, prompt_cache_mb: int, distributed=None) -> None:
+                 model_name: str, prompt_cache_mb: int, distributed=None,
+                 speculative: str = "off", num_draft_tokens: int = 3) -> None:
         self.post, self.live, self.stop = post, live, stop
+        # Speculative decoding of every reply (chat --speculative; ChatSession), not under
+        # `distributed` (each rank would have to draft alike).
+        self.speculative, self.num_draft_tokens = speculative, num_draft_tokens
         self.model_ref, self.device, self.model_name = model, device, model_name
         # The replies' caches, kept in RAM and written through to the data folder: a resumed
         # conversation (--resume, ctrl+o) continues from its last reply instead of prefilling
@@ -139,7 +143,9 @@ class ChatEngine:
         info = model_info(model, self.model_name)
         if self.distributed is not None:  # no prompt cache: each reply starts fresh on every rank
             return ChatSession(model, tokenizer, lockstep=self.distributed), info
-        return ChatSession(model, tokenizer, prompt_cache=self._prompt_cache(model)), info
+        return ChatSession(model, tokenizer, prompt_cache=self._prompt_cache(model),
+                           speculative=self.speculative,
+                           num_draft_tokens=self.num_draft_tokens), info
 
     def _prompt_cache(self, model) -> PromptCache | None:
         try:

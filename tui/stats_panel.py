@@ -1,4 +1,5 @@
-"""Live throughput panel: phase, speeds, tokens, context, bandwidth, memory, device.
+"""Live throughput panel: phase, speeds, tokens, context, bandwidth, memory, device; with
+speculative decoding on, the drafts accepted per trunk pass.
 
 The app hands it the latest stats (a copy the engine published) and calls `redraw` on its one
 4 Hz tick (REFRESH_S), in the same callback as the reply's text appends; memory is sampled even
@@ -118,6 +119,7 @@ class StatsPanel(Widget):
             ("prefill", f"{s.prompt_tps:,.0f} tok/s" if s and s.prompt_tps else "–"),
             ("decode", f"{s.generation_tps:.1f} tok/s" if s and s.generation_tps else "–"),
             ("tokens", str(s.generation_tokens) if s else "–"),
+            *([("accepted", accepted_per_pass(s.speculative))] if s and s.speculative else []),
             ("context", f"{self.context_used:,} / {self.context_max:,}"),
             ("weights", f"{units.size(bpt)}/tok" if bpt else "–"),
             ("bandwidth", units.bandwidth(s.gbps) if s and s.generation_tps else "–"),
@@ -218,6 +220,14 @@ class StatsPanel(Widget):
     def notify_style_update(self) -> None:
         super().notify_style_update()
         self._style_cache = None
+
+
+def accepted_per_pass(spec: dict) -> str:
+    """Speculative decoding's yield (engine/speculative.py, SpecCounts): drafts accepted per
+    trunk pass, and the share of drafts accepted: `1.52/pass (61%)`."""
+    passes, drafted, accepted = spec.get("passes", 0), spec["drafted"], spec["accepted"]
+    per = f"{accepted / passes:.2f}/pass" if passes else "–"
+    return f"{per} ({100 * accepted / drafted:.0f}%)" if drafted else per
 
 
 def bar(fraction: float, width: int, done: Style, back: Style, base: Style) -> list[Segment]:

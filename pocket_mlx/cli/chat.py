@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from pocket_mlx.cli import args as argtypes
-from pocket_mlx.cli.args import add_distributed_args, add_model_args
+from pocket_mlx.cli.args import add_distributed_args, add_model_args, add_speculative_args
 from pocket_mlx.engine.params import PROMPT_CACHE_MB
 from pocket_mlx.errors import PocketError
 
@@ -40,6 +40,7 @@ def register(sub) -> argparse.ArgumentParser:
                         "in RAM and written to the data folder, so a resumed conversation, or "
                         "a new one with the same system prompt, continues without prefilling "
                         f"it again; 0 = off (default: {PROMPT_CACHE_MB})")
+    add_speculative_args(p)
     add_distributed_args(p)
     p.add_argument("--hostfile", default=None, metavar="FILE",
                    help="with --distributed: start this rank without mlx.launch, which gives "
@@ -87,6 +88,9 @@ def _join(args):
 def run(args) -> int:
     if args.distributed is None and (args.hostfile is not None or args.rank is not None):
         raise PocketError("--hostfile and --rank go with --distributed pipeline|experts")
+    if args.distributed and args.speculative not in ("auto", "off"):
+        raise PocketError(f"--speculative {args.speculative} does not run with --distributed: "
+                          "drop one of them")
     lockstep = _join(args) if args.distributed else None
     if lockstep is not None and lockstep.g.rank != 0:
         from pocket_mlx.cli.serve import follow
@@ -126,6 +130,12 @@ def make_app(args, lockstep=None) -> ChatApp:
         from pocket_mlx.engine.rank_shards import rank_folder
 
         path = rank_folder(path, lockstep.g)
+    if args.speculative == "mtp":  # no head: one line before the UI, as `generate` says it
+        from pocket_mlx.config import read_config, text_config
+
+        if not text_config(read_config(path)).get("mtp_num_hidden_layers"):
+            raise PocketError("--speculative mtp: this model has no MTP head (use --speculative "
+                              "lookup or auto)")
     # A chat template that cannot render fails here too, on one line, not at the first message.
     tokenizer = load_tokenizer(path)
     if tokenizer.chat_template:
@@ -140,4 +150,6 @@ def make_app(args, lockstep=None) -> ChatApp:
     # the ref as given is what new conversations save.
     return ChatApp(model, path=path, device=device, settings=settings, conversation=conv,
                    store=store, model_name=name, prompt_cache_mb=args.prompt_cache_mb,
-                   distributed=lockstep)
+                   distributed=lockstep,
+                   speculative="off" if lockstep is not None else args.speculative,
+                   num_draft_tokens=args.num_draft_tokens)
