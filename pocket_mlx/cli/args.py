@@ -163,14 +163,18 @@ def num_draft_tokens(text: str) -> int:
     return k
 
 
-def add_speculative_args(p: argparse.ArgumentParser, default: str = "auto") -> None:
-    """--speculative and --num-draft-tokens (engine/speculative.py, docs/SPECULATIVE.md)."""
+def add_speculative_args(p: argparse.ArgumentParser, default: str = "auto",
+                         where: str = "") -> None:
+    """--speculative and --num-draft-tokens (engine/speculative.py, docs/SPECULATIVE.md);
+    `where` says when it applies (serve: greedy requests decoding alone)."""
     from pocket_mlx.engine.drafters import DEFAULT_NUM_DRAFT_TOKENS, METHODS
 
     p.add_argument("--speculative", choices=list(METHODS), default=default,
                    help="speculative decoding: lookup = n-gram drafts from the prompt and reply, "
                         "mtp = the model's multi-token-prediction head, auto = mtp when the "
                         "model has one, else lookup, backing off while drafts fail; greedy "
-                        "output is the same as off, token for token")
+                        "output is the same as off, token for token"
+                        + (f"; applies to {where}" if where else "")
+                        + f" (default: {default})")
     p.add_argument("--num-draft-tokens", type=num_draft_tokens, default=DEFAULT_NUM_DRAFT_TOKENS,
                    metavar="K", help="tokens drafted per verify pass")

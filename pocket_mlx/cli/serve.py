@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from pocket_mlx.cli import args as argtypes
-from pocket_mlx.cli.args import add_distributed_args, add_model_args
+from pocket_mlx.cli.args import add_distributed_args, add_model_args, add_speculative_args
 from pocket_mlx.engine.params import (
     DEFAULT_PREFILL_STEP,
     PROMPT_CACHE_MB,
@@ -80,6 +80,8 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-dir", type=Path, default=None, metavar="DIR",
                    help="where colder cache entries go and are found again after a restart "
                         "(default: prompt-cache/ in the data folder, shared with the chat)")
+    add_speculative_args(p, default="off", where="greedy requests, while one is decoding "
+                         "alone (batched steps decode plainly)")
     add_distributed_args(p)
     p.add_argument("--print-launchd", action="store_true",
                    help="print a LaunchAgent plist that runs this server at login (never "
@@ -124,6 +126,9 @@ def check_args(args: argparse.Namespace) -> None:
     elif getattr(args, "distributed", None) and args.max_concurrency != 1:
         raise PocketError(f"--max-concurrency {args.max_concurrency}: under --distributed the "
                           "ranks generate one request at a time in lockstep; use 1")
+    if getattr(args, "distributed", None) and getattr(args, "speculative", "off") != "off":
+        raise PocketError(f"--speculative {args.speculative} does not run with --distributed: "
+                          "drop one of them")
     if getattr(args, "distributed", None) and args.print_launchd:
         raise PocketError("--print-launchd and --distributed: start the ranks with mlx.launch "
                           "(docs/DISTRIBUTED.md), not with launchd")
@@ -228,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
                     max_queue=args.max_queue, default_max_tokens=args.max_tokens,
                     prompt_cache_mb=args.prompt_cache_mb, prompt_cache_dir=args.prompt_cache_dir,
                     distributed=lockstep, ctx_size=args.ctx_size,
-                    prefill_step=args.prefill_step)
+                    prefill_step=args.prefill_step, speculative=args.speculative,
+                    num_draft_tokens=args.num_draft_tokens)
     try:
         engine.start()
     except PocketError as e:

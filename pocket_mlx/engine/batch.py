@@ -19,6 +19,12 @@ Decoding is pipelined as in `generation.generate_step`: the next step is queued 
 still-lazy sampled tokens before they are read, so building a step's graph in Python overlaps
 the previous step's compute.
 
+Speculative decoding (`serve --speculative`, greedy requests only): while exactly one sequence
+is decoding, each step is a verify pass of its drafts instead (engine/speculative.py's greedy
+rule, models/verify.py's row-exact pass: its tokens are still plain decode's); when others
+decode too, every sequence steps in the batch plainly. Such a pass is not pipelined (the
+drafts need the pending token's value), nor is a no-draft pass while `auto` backs off.
+
 Prompt-cache snapshots: prefill ends a chunk at each snapshot point
 (engine/snapshot_points.py) and hands the cache to `store` there; a finished sequence's cache
 is stored too (before its `Finished` event, so the client's next turn finds it).
@@ -35,13 +41,16 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from pocket_mlx.engine.generation import SamplingParams, StopText, prefill_chunk
+from pocket_mlx.engine.drafters import DEFAULT_NUM_DRAFT_TOKENS, make_drafter
+from pocket_mlx.engine.generation import SamplingParams, StopText, cache_arrays, prefill_chunk
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP
 from pocket_mlx.engine.prompt_cache import PrefixStore
 from pocket_mlx.engine.sampling import processors_for, sample, sampler_for
 from pocket_mlx.engine.snapshot_points import chunk_size, snapshot_points
+from pocket_mlx.engine.speculative import _accept
 from pocket_mlx.errors import one_line
 from pocket_mlx.models.batched import DecodeBatch
+from pocket_mlx.models.verify import batched_rows_exact, commit, verify_forward
 from pocket_mlx.system.memory import release_free_memory
 
 log = logging.getLogger(__name__)
@@ -106,7 +115,7 @@ class _Seq:
     def __init__(self, uid: int, ids: list[int], cache: list, n_cached: int,
                  sampling: SamplingParams, max_tokens: int | None, room: int, tokenizer,
                  stop: Sequence[str], boundaries: Sequence[int],
-                 cancelled: Callable[[], bool]) -> None:
+                 cancelled: Callable[[], bool], drafter=None) -> None:
         self.uid, self.ids, self.cache, self.n_cached = uid, ids, cache, n_cached
         self.cancelled = cancelled
         self.rest = mx.array(ids[n_cached:], mx.uint32)  # prompt tokens not yet fed
@@ -132,6 +141,13 @@ class _Seq:
         self.prefilled = 0  # prompt tokens fed so far (past the cached prefix)
         # Positions past the cached prefix where prefill stops a chunk and stores a snapshot.
         self.points = deque(snapshot_points(len(ids), boundaries, n_cached))
+        # Speculative decoding (see the module's docstring), or None.
+        self.drafter = drafter
+        self.seen: list[int] = list(ids)  # prompt and tokens read: what the drafter reads
+        self.synced = True  # the drafter heard every token's hidden state (no batched step)
+        self.plain_left = 0  # passes left without drafts (`auto` backing off)
+        self.spec: tuple | None = None  # the pass to read: (tape, hidden, drafts, accepted)
+        self.drafted = self.accepted = 0
 
     def sample(self, logits: mx.array) -> mx.array:
         """The next token [1] from logits [1, vocab] (lazy), as `generate_step` samples."""
@@ -142,9 +158,13 @@ class BatchDecoder:
     """The sequences being generated together on the calling thread (the model's owner)."""
 
     def __init__(self, model, tokenizer, *, stream: mx.Stream, store: PrefixStore,
-                 prefill_step: int = DEFAULT_PREFILL_STEP) -> None:
+                 prefill_step: int = DEFAULT_PREFILL_STEP, speculative: str = "off",
+                 num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS) -> None:
         self.model, self.tokenizer, self.stream = model, tokenizer, stream
         self.store, self.prefill_step = store, prefill_step
+        self.speculative, self.num_draft_tokens = speculative, num_draft_tokens
+        make_drafter(speculative, model)  # `mtp` on a model without a head: PocketError here
+        self.drafted = self.accepted = 0  # drafts proposed and kept, all sequences
         self.prefilling: deque[_Seq] = deque()  # in arrival order; the first one prefills
         self.decoding: list[_Seq] = []  # past their first token
         self.batch = DecodeBatch(model)
@@ -168,8 +188,20 @@ class BatchDecoder:
         `cancelled()` is checked after every prefill chunk and every token."""
         uid = next(self._uids)
         self.prefilling.append(_Seq(uid, ids, cache, n_cached, sampling, max_tokens, room,
-                                    self.tokenizer, stop, boundaries, cancelled))
+                                    self.tokenizer, stop, boundaries, cancelled,
+                                    self._drafter(sampling)))
         return uid
+
+    def _drafter(self, sampling: SamplingParams):
+        """A drafter for a new sequence, or None: greedy requests only (a sampled one would
+        draw with the global key, not its own seed's), and `auto` only where the verify pass
+        batches its rows exactly (models/verify.py)."""
+        if self.speculative == "off" or sampling.temperature > 0:
+            return None
+        with mx.stream(self.stream):
+            if self.speculative == "auto" and not batched_rows_exact():
+                return None
+        return make_drafter(self.speculative, self.model)
 
     def remove(self, uids: Iterable[int]) -> list[Finished]:
         """End these sequences now, as cancelled (a decoding one's cache is still stored)."""
@@ -233,7 +265,14 @@ class BatchDecoder:
             n = chunk_size(pos, s.rest.size - 1, self.prefill_step,
                            s.points[0][0] if s.points else None)
             t = time.perf_counter()
-            prefill_chunk(self.model, s.rest[:n], s.cache)
+            hook = getattr(s.drafter, "prompt_hidden", None)
+            if hook is not None:  # an MTP head fills its own cache from the trunk's hidden
+                chunk = s.rest[:n]
+                hook(self.model.language_model.model(chunk[None], s.cache, eval_layers=True)[0],
+                     chunk)
+                mx.eval([a for c in s.cache for a in cache_arrays(c)])
+            else:
+                prefill_chunk(self.model, s.rest[:n], s.cache)
             s.rest = s.rest[n:]
             if s.points and s.points[0][0] == pos + n:
                 _, kind = s.points.popleft()
@@ -244,7 +283,12 @@ class BatchDecoder:
             events.append(self._prefilled(s, n, time.perf_counter() - t))
             return False
         t = time.perf_counter()
-        logits = self.model(s.rest[None], cache=s.cache)[:, -1, :]
+        if s.drafter is not None:
+            logits, hidden = self.model(s.rest[None], cache=s.cache, return_hidden=True)
+            s.drafter.accepted(0, 0, hidden[0])
+            logits = logits[:, -1, :]
+        else:
+            logits = self.model(s.rest[None], cache=s.cache)[:, -1, :]
         s.unread = s.sample(logits)
         mx.eval(s.unread)
         events.append(self._prefilled(s, int(s.rest.size), time.perf_counter() - t))
@@ -260,6 +304,12 @@ class BatchDecoder:
         """One decode step for every sequence that needs another token (pipelined: from the
         tokens sampled last step, not yet read). A failed step fails its sequences."""
         feed = [s for s in self.decoding if s.read + 1 < s.limit]
+        spec = None
+        if len(self.decoding) == 1 and feed and feed[0].drafter is not None:
+            spec, feed = feed[0], []  # alone: a verify pass (the batch hands its states back)
+        for s in feed:
+            if s.drafter is not None:
+                s.synced = False  # a batched step: its drafter does not hear this token
         try:
             with mx.stream(self.stream):
                 members = self.batch.set_members(feed)
@@ -277,10 +327,51 @@ class BatchDecoder:
         except Exception as e:  # noqa: BLE001 - the step failed: so do its sequences
             events.extend(Failed(s.uid, e) for s in self.decoding)
             self.decoding, self.batch = [], DecodeBatch(self.model)
+            return
+        if spec is not None:
+            try:
+                with mx.stream(self.stream):
+                    self._speculate(spec)
+                self.batch_size = 1
+            except Exception as e:  # noqa: BLE001 - this sequence fails
+                self.decoding.remove(spec)
+                events.append(Failed(spec.uid, e))
+
+    def _speculate(self, s: _Seq) -> None:
+        """A verify pass over [pending token, drafts] for `s`, decided by the greedy rule; what
+        it yields is read (and the cache committed to it) by `_read`."""
+        d = s.drafter
+        if not s.synced:  # it missed batched steps' hidden states: start it over
+            getattr(d, "inner", d).reset()
+            s.synced = True
+        y = int(s.unread.item())
+        # Tokens this pass may yield after y: all but the last are read now, the last next step.
+        k = min(self.num_draft_tokens, s.limit - s.read - 2)
+        drafts: list[int] = []
+        if k > 0 and s.plain_left > 0:
+            s.plain_left -= 1
+        elif k > 0:
+            drafts = d.draft([*s.seen, y], k)[:k]
+            if not drafts and hasattr(d, "plain_steps"):
+                s.plain_left = d.plain_steps() - 1
+        rows = [y, *drafts]
+        hist = [*s.history.tolist(), y] if s.processors else []
+        t = time.perf_counter()
+        logits, hidden, tape = verify_forward(self.model, mx.array(rows, mx.uint32), s.cache)
+        out, a = _accept(logits, rows, hist, True, None, s.sampler, s.processors, s.keep, None)
+        if (timed := getattr(d, "timed", None)) is not None:
+            timed(len(rows), time.perf_counter() - t, a + 1)
+        s.spec = (tape, hidden, [tok for tok, _ in out[:a]], len(drafts), a)
+        s.next, s.fed_now = mx.array([out[a][0]], mx.uint32), True
+        s.drafted, s.accepted = s.drafted + len(drafts), s.accepted + a
+        self.drafted, self.accepted = self.drafted + len(drafts), self.accepted + a
 
     def _read(self, events: list[Event]) -> None:
         """Read what the previous step sampled; finished sequences leave."""
         for s in list(self.decoding):
+            if s.spec is not None:
+                self._read_pass(s, events)
+                continue
             try:
                 reason = self._take(s, s.unread.item(), events)
                 if reason is not None:
@@ -295,12 +386,43 @@ class BatchDecoder:
                 continue
             s.unread, s.next, s.fed_now = s.next, None, False
 
+    def _read_pass(self, s: _Seq, events: list[Event]) -> None:
+        """Read a verify pass's tokens: the pending one, then the drafts kept, up to where the
+        reply ends; the cache is committed to exactly the rows read (so `fed` says what it
+        holds), and the drafter hears their hidden states."""
+        tape, hidden, kept_drafts, drafted, a = s.spec
+        s.spec = None
+        rows = [int(s.unread.item())]
+        try:
+            reason = self._take(s, rows[0], events)
+            for tok in kept_drafts:
+                if reason is not None:
+                    break
+                rows.append(tok)
+                reason = self._take(s, tok, events)
+            commit(s.cache, tape, len(rows))
+            s.fed_now = False
+            if s.processors:
+                s.history = mx.array([*s.history.tolist(), *rows][-s.keep:], mx.uint32)
+            s.drafter.accepted(drafted, a, hidden[:len(rows)])
+        except Exception as e:  # noqa: BLE001
+            self.decoding.remove(s)
+            events.append(Failed(s.uid, e))
+            return
+        if reason is not None:
+            self.decoding.remove(s)
+            events.append(self._finish(s, reason))
+            return
+        s.unread, s.next = s.next, None
+
     def _take(self, s: _Seq, token: int, events: list[Event]) -> str | None:
         """Account for `s`'s next sampled token (its text as a `Token`); the finish reason when
         this token ends the reply (as `stream_generate` decides), else None."""
         s.read += 1
         if s.fed_now:
             s.fed.append(token)
+        if s.drafter is not None:
+            s.seen.append(token)
         if token in s.eos:
             return "eos"
         now = time.perf_counter()

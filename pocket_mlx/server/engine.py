@@ -45,6 +45,7 @@ from pocket_mlx.engine import batch as batch_events
 from pocket_mlx.engine import devices
 from pocket_mlx.engine.batch import BatchDecoder, decode_lockstep
 from pocket_mlx.engine.devices import policy_dtype
+from pocket_mlx.engine.drafters import DEFAULT_NUM_DRAFT_TOKENS, make_drafter
 from pocket_mlx.engine.generation import SamplingParams, context_limit
 from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_path, use_device
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
@@ -77,7 +78,8 @@ class Engine:
                  default_max_tokens: int | None = None, prompt_cache: PrefixStore | None = None,
                  prompt_cache_mb: int = 0, prompt_cache_dir: Path | None = None,
                  prefill_step: int = DEFAULT_PREFILL_STEP, distributed=None,
-                 ctx_size: int | None = None) -> None:
+                 ctx_size: int | None = None, speculative: str = "off",
+                 num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS) -> None:
         if max_concurrency < 1:
             raise PocketError(f"--max-concurrency {max_concurrency}: must be 1 or more")
         if distributed is not None and max_concurrency != 1:
@@ -94,6 +96,10 @@ class Engine:
         self.ctx_size = ctx_size  # None: the model's window, capped by the memory planner
         self.context_source = ""
         self.prefill_step = prefill_step
+        # `serve --speculative`: greedy requests decode by speculation while alone in the
+        # batch (engine/batch.py); not under --distributed (the lockstep loop decodes plainly).
+        self.speculative = "off" if distributed is not None else speculative
+        self.num_draft_tokens = num_draft_tokens
         self.prompt_cache: PrefixStore = (prompt_cache if prompt_cache is not None
                                           else NoPromptCache())
         # Without a store given, one is built once the model is loaded (it fingerprints it):
@@ -142,6 +148,7 @@ class Engine:
     def _setup(self, model, tokenizer) -> int:
         """After loading: the window, the metrics' weights, the prompt-cache store."""
         self.model, self.tokenizer = model, tokenizer
+        make_drafter(self.speculative, model)  # `mtp` without a head: one line, before serving
         self.model_id = Path(self._path).name
         self.device = self.model.device
         weights = model_weight_stats(self.model)
@@ -214,7 +221,8 @@ class Engine:
         """Admit waiting jobs into free slots (blocking only when there is nothing to do),
         then one step of the batch (engine/batch.py), its events to their jobs."""
         batch = BatchDecoder(self.model, self.tokenizer, stream=stream, store=self.prompt_cache,
-                             prefill_step=self.prefill_step)
+                             prefill_step=self.prefill_step, speculative=self.speculative,
+                             num_draft_tokens=self.num_draft_tokens)
         jobs: dict[int, Job] = {}  # uid -> job
         stopping = False
         while True:
