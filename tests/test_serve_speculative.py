@@ -175,3 +175,27 @@ def test_mtp_head_alone_and_with_others(tmp_path, exact_kernels):
         plain, _, _ = _run(tiny, "off", batch)
         spec, dec, _ = _run(tiny, "mtp", batch)
         assert spec == plain and dec.drafted > 0
+
+
+def test_server_flag_greedy_reply_equals_plain(tmp_path, tiny):
+    """A real `serve --speculative lookup` process: a greedy completion is the one plain
+    decoding gives (the batch's own, in process), and /metrics counts the drafts."""
+    from test_server import Server, scrape
+
+    _, tok = tiny
+    plain, _, _ = _run(tiny, "off", [(tok.encode(EDIT), 40, {})])
+    s = Server(tmp_path / "serve.log", "--speculative", "lookup", "--prompt-cache-mb", "0")
+    try:
+        body = {"prompt": EDIT, "max_tokens": 40, "temperature": 0}
+        status, _, out = s.request("POST", "/v1/completions", body, timeout=60)
+        assert status == 200, out
+        assert out["choices"][0]["text"] == plain[0][0]
+        m = scrape(s)
+        assert 0 < m["pocket_mlx_speculative_accepted_tokens_total"]
+        assert (
+            m["pocket_mlx_speculative_accepted_tokens_total"]
+            <= m["pocket_mlx_speculative_drafted_tokens_total"]
+        )
+    finally:
+        s.stop()
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()

@@ -249,6 +249,8 @@ class Engine:
                 self.metrics.prefill(batch.prefill_s)
             if batch.batch_size:
                 self.metrics.step(batch.batch_size)
+            if batch.drafted:
+                self.metrics.speculative(batch.drafted, batch.accepted)
             for ev in events:
                 self._on_event(jobs, ev)
 

@@ -58,6 +58,7 @@ class Metrics:
         self.planned_ram_bytes = 0  # the memory planner's figure for this server's window
         self.token_latency_max = 0.0  # the longest gap between two tokens of one reply
         self.bytes_per_token = bytes_per_token
+        self.drafted = self.accepted = 0  # speculative decoding's drafts (serve --speculative)
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -104,6 +105,11 @@ class Metrics:
             self.decode_steps += 1
             self.decode_rows += batch_size
             self.batch_size = batch_size
+
+    def speculative(self, drafted: int, accepted: int) -> None:
+        """The batch's running totals of drafts proposed and kept."""
+        with self._lock:
+            self.drafted, self.accepted = drafted, accepted
 
     def reply(self, prompt_tokens: int, completion_tokens: int, decode_tps: float,
               cancelled: bool) -> None:
@@ -171,6 +177,11 @@ class Metrics:
                    "summed (divided by the steps: the mean batch size).", [("", self.decode_rows)])
             metric("decode_batch_size", "gauge", "Sequences in the last decode step.",
                    [("", self.batch_size)])
+            metric("speculative_drafted_tokens_total", "counter", "Tokens drafted by "
+                   "--speculative (verify passes of a request decoding alone).",
+                   [("", self.drafted)])
+            metric("speculative_accepted_tokens_total", "counter", "Drafted tokens the verify "
+                   "passes kept.", [("", self.accepted)])
             metric("prefill_seconds_total", "counter", "Time the engine spent prefilling "
                    "prompts (up to each one's first token); the rest of its busy time decodes.",
                    [("", round(self.prefill_s, 6))])
