@@ -56,8 +56,9 @@ def test_generate_load_reads_the_folder_once(folder, reads):
     from pocket_mlx.cli.main import build_parser
     from pocket_mlx.tui.model_info import model_info
 
-    args = build_parser().parse_args(["generate", "--model", str(folder), "--device", "cpu",
-                                      "-p", "hi"])
+    args = build_parser().parse_args(
+        ["generate", "--model", str(folder), "--device", "cpu", "-p", "hi"]
+    )
     _, model, tokenizer = generate.load_for(args)
     model_info(model)  # the chat header's recipe and size: from the same folder
     assert sorted(reads) == sorted(WATCHED)
@@ -68,8 +69,14 @@ def test_serve_load_reads_the_folder_once(folder, reads, tmp_path):
     from pocket_mlx.server.engine import Engine
 
     # A prompt-cache store too: it fingerprints the weight files when it opens.
-    engine = Engine(str(folder), "cpu", max_queue=0, prompt_cache_mb=8,
-                    prompt_cache_dir=tmp_path / "prompt-cache", log=lambda line: None)
+    engine = Engine(
+        str(folder),
+        "cpu",
+        max_queue=0,
+        prompt_cache_mb=8,
+        prompt_cache_dir=tmp_path / "prompt-cache",
+        log=lambda line: None,
+    )
     engine.start()
     try:
         assert sorted(reads) == sorted(WATCHED)
@@ -84,8 +91,9 @@ def test_chat_reads_the_folder_once(folder, reads, tmp_path, monkeypatch):
     from pocket_mlx.cli.main import build_parser
 
     monkeypatch.setenv("POCKET_MLX_HOME", str(tmp_path / "home"))
-    app = make_app(build_parser().parse_args(["chat", "--model", str(folder),
-                                              "--prompt-cache-mb", "0"]))
+    app = make_app(
+        build_parser().parse_args(["chat", "--model", str(folder), "--prompt-cache-mb", "0"])
+    )
     model, _ = app._model._load()  # what the app's engine thread runs
     assert sorted(reads) == sorted(WATCHED)
     assert model.folder is app.model_path
