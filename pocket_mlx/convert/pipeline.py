@@ -21,7 +21,6 @@ import mlx.core as mx
 
 from pocket_mlx.config import (
     ModelFolder,
-    disk_bytes,
     module_quantization,
     quantization,
     text_config,
@@ -547,7 +546,8 @@ def _write_tensors(tmp: Path, journal: Journal, weights: dict, specs: dict, src_
 
 def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_info,
                  stats, rounding: str = "rtn") -> dict:
-    ws = weight_stats(load_model(tmp, new_cfg, lazy=True))
+    built = ModelFolder(tmp, new_cfg)  # what was just written, its config at hand
+    ws = weight_stats(load_model(built, lazy=True))
     info = {
         "pocket_mlx_version": __version__,
         **source_info(src, path),
@@ -567,7 +567,7 @@ def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_
             "bytes_total": ws.bytes_total,
             "params_total": ws.params_total,
             "params_active": ws.params_active,
-            "size_on_disk": disk_bytes(tmp),
+            "size_on_disk": built.disk_bytes,
         },
     }
     if kept is not None:

@@ -312,11 +312,13 @@ def load_model(folder: ModelFolder | Path, config: dict | None = None, dtype: st
     return model
 
 
-def load(source: ModelFolder | str | os.PathLike | None = None, device: str | None = None,
+def load(path_or_repo: ModelFolder | str | os.PathLike | None = None,
+         device: str | None = None,
          dtype: str | None = None, lazy: bool = False, fuse: bool = False,
          shard: Callable[[nn.Module], None] | None = None):
-    """Load a model and its tokenizer: `(model, tokenizer)`. `source` is a folder already
-    opened (`open_model`: nothing is resolved or read again) or what `--model` names.
+    """Load a model and its tokenizer: `(model, tokenizer)`. `path_or_repo` is what
+    `--model` names, or a folder already opened (`open_model`: nothing is resolved or read
+    again).
 
     `device` ("gpu"/"cpu"/None) is checked and recorded as the model's default generation device;
     weights live in unified memory, so the same model can generate on either. The float dtype
@@ -328,8 +330,8 @@ def load(source: ModelFolder | str | os.PathLike | None = None, device: str | No
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise PocketError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
     device = resolve_device(device)
-    folder = (source if isinstance(source, ModelFolder)
-              else open_model(source, getattr(shard, "group", None)))
+    folder = (path_or_repo if isinstance(path_or_repo, ModelFolder)
+              else open_model(path_or_repo, getattr(shard, "group", None)))
     model = load_model(folder, dtype=dtype or policy_dtype(device), lazy=lazy, fuse=fuse,
                        shard=shard)
     model.device = device
