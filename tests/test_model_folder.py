@@ -75,7 +75,6 @@ def test_serve_load_reads_the_folder_once(folder, reads, tmp_path):
         max_queue=0,
         prompt_cache_mb=8,
         prompt_cache_dir=tmp_path / "prompt-cache",
-        log=lambda line: None,
     )
     engine.start()
     try:
