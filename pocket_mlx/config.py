@@ -1,5 +1,6 @@
 """What a model folder says about itself: one reader each for config.json's text part, its
-layer types, its quantization dict, the tensor bytes of its safetensors, and pocket.json.
+layer types, its quantization dict, the tensor bytes of its safetensors, and pocket.json; and
+`ModelFolder`, a folder read once and handed down the load.
 
 Every module that needs one of these asks here, so a checkpoint is read one way everywhere (the
 loader, `info`, `bench`, `convert`, `wired`, the chat header). Nothing here imports MLX.
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from pocket_mlx.errors import PocketError
@@ -279,8 +282,13 @@ def weights_bytes(folder: Path) -> int:
     """Bytes of tensor data in a folder's weight files (`weight_files`): the model's size as stored, which is
     also what its weights take in memory at the checkpoint's dtypes (the headers are not
     counted). This is the one "size" of a model that `info`, `bench` and the chat show."""
+    return tensor_bytes(weight_files(Path(folder)))
+
+
+def tensor_bytes(files: Iterable[Path]) -> int:
+    """Bytes of tensor data in safetensors `files`, read off their headers."""
     total = 0
-    for file in weight_files(Path(folder)):
+    for file in files:
         _, header = safetensors_header(file)
         total += sum(v["data_offsets"][1] - v["data_offsets"][0]
                      for k, v in header.items() if k != "__metadata__")
@@ -335,3 +343,52 @@ def recipe_label(config: dict, pocket: dict | None = None) -> str:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+# -- a model folder, read once -------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class ModelFolder:
+    """A model folder as one object: its path and config.json read once (`read`), its weight
+    files, pocket.json and sizes read on first use and kept. The loader, `serve`, `chat`,
+    `bench`, `info` and `convert` hand this down instead of the path, so no step resolves the
+    folder or reads its config.json again. `path` is the folder the files are in (under
+    --distributed, this rank's share: engine/rank_shards.py)."""
+
+    path: Path
+    config: dict
+
+    @classmethod
+    def read(cls, path: Path | str) -> ModelFolder:
+        """The folder at `path` with its config.json (`read_config`: one line when it is
+        missing or broken)."""
+        return cls(Path(path), read_config(Path(path)))
+
+    @cached_property
+    def weight_files(self) -> list[Path]:
+        """`weight_files` of the folder: the index's shards, a missing one failing by name."""
+        return weight_files(self.path)
+
+    @cached_property
+    def pocket(self) -> dict:
+        """pocket.json (`read_pocket_json`; {} when absent)."""
+        return read_pocket_json(self.path)
+
+    @cached_property
+    def weights_bytes(self) -> int:
+        """The model's size as stored (see `weights_bytes`)."""
+        return tensor_bytes(self.weight_files)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the weight files on disk (see `disk_bytes`)."""
+        return sum(f.stat().st_size for f in self.weight_files)
+
+    @property
+    def tokenizer_files(self) -> list[Path]:
+        """The folder's tokenizer files (those of TOKENIZER_FILES it has)."""
+        return [f for n in TOKENIZER_FILES if (f := self.path / n).is_file()]
+
+    @property
+    def recipe_label(self) -> str:
+        """`recipe_label` of the folder (config.json and pocket.json)."""
+        return recipe_label(self.config, self.pocket)

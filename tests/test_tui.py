@@ -136,9 +136,10 @@ def test_send_shows_reply_and_stats(home):
 
 
 def test_chat_command_gives_the_app_the_folder_it_resolved(tmp_path, monkeypatch):
-    """cli/chat.py resolves --model (and checks its chat template) before the UI; the app loads
-    that folder and does not resolve the ref again (for synthetic:tiny that would build a model
-    into the cache), while new conversations save the ref as the user gave it."""
+    """cli/chat.py resolves --model and reads the folder (and checks its chat template) before
+    the UI; the app loads that folder and does not resolve the ref again (for synthetic:tiny
+    that would build a model into the cache), while new conversations save the ref as the user
+    gave it."""
     from pocket_mlx.cli.chat import make_app
     from pocket_mlx.cli.main import build_parser
 
@@ -146,7 +147,7 @@ def test_chat_command_gives_the_app_the_folder_it_resolved(tmp_path, monkeypatch
     monkeypatch.setenv("POCKET_MLX_CACHE", str(cache))
     bundled = default_model_path()
     app = make_app(build_parser().parse_args(["chat", "--model", str(bundled), "-n", "4"]))
-    assert app.model_path == bundled and app.model_ref == str(bundled)
+    assert app.model_path.path == bundled and app.model_ref == str(bundled)
 
     async def reply(app, pilot):
         await send(app, pilot, "hi")

@@ -25,6 +25,7 @@ from textual.screen import Screen
 from textual.widgets import Footer
 from textual.worker import get_current_worker
 
+from pocket_mlx.config import ModelFolder
 from pocket_mlx.engine.conversations import Conversation, ConversationStore
 from pocket_mlx.engine.devices import describe, gpu_available
 from pocket_mlx.engine.drafters import DEFAULT_NUM_DRAFT_TOKENS
@@ -69,7 +70,7 @@ class ChatApp(QuietCrash, App[None]):
     def __init__(self, model: str | None = None, *, device: str = "cpu",
                  settings: Settings | None = None, conversation: Conversation | None = None,
                  store: ConversationStore | None = None, model_name: str | None = None,
-                 path: Path | None = None, prompt_cache_mb: int = PROMPT_CACHE_MB,
+                 path: Path | ModelFolder | None = None, prompt_cache_mb: int = PROMPT_CACHE_MB,
                  distributed=None, speculative: str = "off",
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS) -> None:
         super().__init__()

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from textual.message import Message
 
+from pocket_mlx.config import ModelFolder
 from pocket_mlx.engine.generation import GenerationStats
 from pocket_mlx.engine.loader import load
 from pocket_mlx.engine.prompt_cache import PromptCache, open_store
@@ -101,7 +102,8 @@ class ChatEngine:
     stop the reply being written."""
 
     def __init__(self, post: Callable[[Message], object], live: LiveReply,
-                 stop: threading.Event, *, model: str | Path | None, device: str,
+                 stop: threading.Event, *, model: str | Path | ModelFolder | None,
+                 device: str,
                  model_name: str, prompt_cache_mb: int, distributed=None,
                  speculative: str = "off", num_draft_tokens: int = 3) -> None:
         self.post, self.live, self.stop = post, live, stop

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pocket_mlx import units
-from pocket_mlx.config import read_pocket_json, recipe_label, weights_bytes
+from pocket_mlx.config import ModelFolder
 from pocket_mlx.engine.generation import context_limit
 from pocket_mlx.engine.loader import model_weight_stats
 
@@ -34,12 +34,14 @@ class ModelInfo:
 
 
 def model_info(model, name: str | None = None) -> ModelInfo:
-    """The header's facts about a loaded model (its folder is `model.path`)."""
+    """The header's facts about a loaded model (its folder is `model.folder`, read once by the
+    loader; `model.path` for a model loaded otherwise)."""
     path = Path(getattr(model, "path", "."))
-    config = getattr(model, "config", {}) or {}
+    folder = getattr(model, "folder", None)
+    if folder is None:
+        folder = ModelFolder(path, getattr(model, "config", {}) or {})
     ws = model_weight_stats(model)  # the chat's generations reuse it
     return ModelInfo(
         name=name or path.name, params_total=ws.params_total, params_active=ws.params_active,
-        top_k=ws.top_k, recipe=recipe_label(config, read_pocket_json(path)),
-        size_bytes=weights_bytes(path), bytes_per_token=ws.bytes_per_token,
-        context_max=context_limit(model))
+        top_k=ws.top_k, recipe=folder.recipe_label, size_bytes=folder.weights_bytes,
+        bytes_per_token=ws.bytes_per_token, context_max=context_limit(model))

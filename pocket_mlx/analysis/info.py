@@ -17,13 +17,11 @@ import mlx.nn as nn
 from pocket_mlx import kernels
 from pocket_mlx.analysis import distributed_estimate as dist_est
 from pocket_mlx.config import (
+    ModelFolder,
     checkpoint_dtype,
-    disk_bytes,
     dtype_bytes,
-    read_config,
     read_pocket_json,
     recipe_label,
-    weights_bytes,
 )
 from pocket_mlx.convert import synthetic
 from pocket_mlx.convert.recipes import family as recipe_family
@@ -55,6 +53,7 @@ class Source:
     model: nn.Module
     path: Path | None  # None: shapes only, no files
     meta: dict  # pocket.json
+    folder: ModelFolder | None = None  # the folder `path` read once, when there is one
 
 
 def _dtype_of(config: dict) -> mx.Dtype:
@@ -83,10 +82,9 @@ def open_source(model: str | None) -> Source:
             raise PocketError(f"{file} is not valid JSON: {e}") from None
         skel = synthetic.skeleton(config, dtype=_dtype_of(config))
         return Source(str(file), config, skel, None, read_pocket_json(file.parent))
-    path = resolve_model_path(model)
-    config = read_config(path)
-    return Source(str(path), config, load_model(path, config, lazy=True), path,
-                  read_pocket_json(path))
+    folder = ModelFolder.read(resolve_model_path(model))
+    return Source(str(folder.path), folder.config, load_model(folder, lazy=True), folder.path,
+                  folder.pocket, folder)
 
 
 def family(path: str) -> str:
@@ -144,11 +142,11 @@ def describe(model: str | None = None, context: int | None = None,
     total_ram = platform.total_ram_bytes()
     usable = total_ram - default_reserve_bytes(total_ram) if total_ram else None
     disk = None
-    if src.path is not None:
-        disk = disk_bytes(src.path)
+    if src.folder is not None:
+        disk = src.folder.disk_bytes
     # The model's size as stored (tensor bytes): what `bench` and the chat show. A lazy load at
     # the checkpoint's dtypes holds exactly these, so a bare config's skeleton gives the same.
-    size_bytes = weights_bytes(src.path) if src.path is not None else stats.bytes_total
+    size_bytes = src.folder.weights_bytes if src.folder is not None else stats.bytes_total
     bw_source = "--bandwidth" if bandwidth_gbps else None
     if not bandwidth_gbps:
         chip = chips.detect(platform)

@@ -13,7 +13,6 @@ import time
 
 from pocket_mlx import units
 from pocket_mlx.cli.args import add_distributed_args, add_speculative_args
-from pocket_mlx.config import read_config, read_pocket_json, recipe_label, weights_bytes
 from pocket_mlx.errors import PocketError
 
 
@@ -99,7 +98,7 @@ def run(args) -> int:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
             log = lambda s: None  # noqa: E731
 
-    from pocket_mlx.engine.loader import resolve_model_path
+    from pocket_mlx.engine.loader import open_folder, resolve_model_path
 
     if args.synthetic:
         from pocket_mlx.convert import synthetic
@@ -113,13 +112,11 @@ def run(args) -> int:
     else:
         path = resolve_model_path(args.model)
         name = path.name
-        if group is not None:  # per-rank shards (pocket-mlx shard): this rank's folder
-            from pocket_mlx.engine.rank_shards import rank_folder
-
-            path = rank_folder(path, group)
-    config = read_config(path)
-    recipe = recipe_label(config, read_pocket_json(path))
-    size = weights_bytes(path)  # as stored: the model's size whatever --dtype loads it as
+    # Read once and handed to the loader (under --distributed with per-rank shards, pocket-mlx
+    # shard: this rank's folder).
+    folder = open_folder(path, group)
+    recipe = folder.recipe_label
+    size = folder.weights_bytes  # as stored: the model's size whatever --dtype loads it as
 
     threads = bench.set_threads(args.threads)
     kinfo = kernels.info()
@@ -128,7 +125,7 @@ def run(args) -> int:
             "and the pocket kernels are not active")
     t0 = time.perf_counter()
     try:
-        model = load_for(args, path, device,
+        model = load_for(args, folder, device,
                          shard=distributed.shard_for(group) if group else None)
         if group is not None:
             group.barrier(max(distributed.LOAD_TIMEOUT_S, group.timeout),
@@ -136,7 +133,7 @@ def run(args) -> int:
             distributed.attach(model, group)
             log(f"distributed: {args.distributed} over {group.size} ranks")
             name = f"{name} [{args.distributed} x{group.size}, rank 0]"
-        return _measure(args, model, path, name, recipe, size, device, threads, kinfo, log, t0)
+        return _measure(args, model, folder.path, name, recipe, size, device, threads, kinfo, log, t0)
     except RuntimeError as e:  # MLX's ring: a peer closed its connection
         if group is None:
             raise

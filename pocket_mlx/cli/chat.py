@@ -110,7 +110,7 @@ def make_app(args, lockstep=None) -> ChatApp:
     here (one error line before the UI), not started."""
     from pocket_mlx.engine.conversations import ConversationStore
     from pocket_mlx.engine.devices import resolve_device
-    from pocket_mlx.engine.loader import resolve_model_path
+    from pocket_mlx.engine.loader import open_folder, resolve_model_path
     from pocket_mlx.engine.session import Settings
     from pocket_mlx.engine.tokenizer import load_tokenizer
 
@@ -126,18 +126,17 @@ def make_app(args, lockstep=None) -> ChatApp:
     settings.validate()
     model = args.model or (conv.model if conv and conv.model else None)
     path = resolve_model_path(model)  # a bad --model fails here, on one line, before the UI
-    if lockstep is not None:  # per-rank shards (pocket-mlx shard): this rank's folder
-        from pocket_mlx.engine.rank_shards import rank_folder
-
-        path = rank_folder(path, lockstep.g)
+    # Read once (under --distributed: this rank's folder of per-rank shards, pocket-mlx shard);
+    # the app loads this folder as it is.
+    folder = open_folder(path, lockstep.g if lockstep is not None else None)
     if args.speculative == "mtp":  # no head: one line before the UI, as `generate` says it
-        from pocket_mlx.config import read_config, text_config
+        from pocket_mlx.config import text_config
 
-        if not text_config(read_config(path)).get("mtp_num_hidden_layers"):
+        if not text_config(folder.config).get("mtp_num_hidden_layers"):
             raise PocketError("--speculative mtp: this model has no MTP head (use --speculative "
                               "lookup or auto)")
     # A chat template that cannot render fails here too, on one line, not at the first message.
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(folder.path, folder.config)
     if tokenizer.chat_template:
         probe = [{"role": "system", "content": settings.system}] if settings.system else []
         tokenizer.apply_chat_template([*probe, {"role": "user", "content": "hello"}])
@@ -146,9 +145,9 @@ def make_app(args, lockstep=None) -> ChatApp:
 
     name = args.model or (conv.model if conv else None)
     name = str(name).rstrip("/").split("/")[-1] if name else path.name
-    # The folder resolved above, so the app does not resolve (or build, or fetch) it again;
-    # the ref as given is what new conversations save.
-    return ChatApp(model, path=path, device=device, settings=settings, conversation=conv,
+    # The folder resolved and read above, so the app does not resolve (or build, or fetch) it,
+    # nor read its config.json, again; the ref as given is what new conversations save.
+    return ChatApp(model, path=folder, device=device, settings=settings, conversation=conv,
                    store=store, model_name=name, prompt_cache_mb=args.prompt_cache_mb,
                    distributed=lockstep,
                    speculative="off" if lockstep is not None else args.speculative,

@@ -279,7 +279,7 @@ def follow(args: argparse.Namespace, lockstep) -> int:
     load this rank's share, then generate in lockstep with rank 0 until it stops (rank 0
     alone serves HTTP, or runs the chat app, and logs)."""
     from pocket_mlx.engine.distributed import LOAD_TIMEOUT_S
-    from pocket_mlx.engine.loader import load, resolve_model_path
+    from pocket_mlx.engine.loader import load
     from pocket_mlx.engine.worker import ModelWorker
 
     g = lockstep.g
@@ -299,8 +299,8 @@ def follow(args: argparse.Namespace, lockstep) -> int:
             pass
 
     # As the engine loads on rank 0 (server/engine.py), so every rank builds the same model.
-    worker = ModelWorker(lambda: load(str(resolve_model_path(args.model)), device=args.device,
-                                      fuse=True, shard=lockstep.shard))
+    worker = ModelWorker(lambda: load(args.model, device=args.device, fuse=True,
+                                      shard=lockstep.shard))
     if not worker.run(serve, setup):
         raise worker.error
     log.info(f"rank {g.rank} stopped")

@@ -370,20 +370,7 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
     meas = _Measure(model, chunks, sources)
     whole = _Measure(model, *judge) if judge is not None else meas
     edit = _Editor(model, quantizer, sizer.dtypes)
-    kl: dict[tuple[str, Spec], float] = {}
-    # A group is measured at every width one of its modules can take; a module that cannot
-    # take it is measured at the same bits in groups of DEFAULT_GROUP.
-    todo = [(g, s) for g in groups for s in BUDGET_SPECS
-            if any(s in options(sizer, u) for u in groups[g])]
-    for g, s in [t for t in todo if _key(*t) in done_kl]:
-        kl[(g, s)] = done_kl[_key(g, s)]
-    todo = [t for t in todo if _key(*t) not in done_kl]
-    for g, s in progress_bar(todo, desc="measure", unit="group", enabled=progress):
-        edit.quantize({p: s if s in options(sizer, p) else Spec(s.bits) for p in groups[g]})
-        kl[(g, s)] = done_kl[_key(g, s)] = meas.kl(_start_layer(g, L))
-        edit.restore()
-        if save is not None:
-            save("measure")
+    kl = _measure_groups(meas, edit, sizer, groups, L, done_kl, progress, save)
     # With several calibration files (domains), experts are also chosen by reap-max (each
     # domain's own REAP-sum share: what one domain relies on stays), and a build is judged by
     # its worst domain (relative to the least pruned build): the acceptance of a budget is
@@ -401,17 +388,10 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
         specs, spent = _allocate(units, share, group_of, kl, sizer, k, fixed, target)
         if (got := done_tried.get(f"{k}|{crit}")) is None:
             next(bar, None)
-            if kept is not None:
-                edit.prune(kept)
-            prune_kl = whole.kl() if kept is not None else 0.0
-            edit.quantize({**fixed, **specs})
-            real, per_source = whole.kl_by_source()
-            edit.restore()
-            done_tried[f"{k}|{crit}"] = [prune_kl, real, per_source]
+            got = done_tried[f"{k}|{crit}"] = _try_build(whole, edit, kept, {**fixed, **specs})
             if save is not None:
                 save("search")
-        else:
-            prune_kl, real, per_source = got
+        prune_kl, real, per_source = got
         est = prune_kl + sum(share[u] * kl[(group_of[u], s)] for u, s in specs.items())
         tried.append({"experts": k, "criterion": crit if k < E else None, "bytes": spent,
                       "kl_pruning": round(prune_kl, 5), "kl_estimate": round(est, 5),
@@ -430,13 +410,58 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
     rules = [glob_rule(p, s) for p, s in fixed.items()]
     rules += [glob_rule(p, s) for p, s in best["specs"].items()]
     recipe = Recipe(f"auto-{target}B", rules, default=Spec(4))
-    report = {
+    report = _budget_report(target, best, tried, groups, kl, chunks,
+                            judge[0] if judge is not None else chunks)
+    return recipe, (best["experts"] if best["experts"] < E else None), report
+
+
+def _measure_groups(meas: _Measure, edit: _Editor, sizer: Sizer, groups: dict[str, list[str]],
+                    num_layers: int, done_kl: dict, progress: bool,
+                    save: Callable[[str], None] | None) -> dict[tuple[str, Spec], float]:
+    """The KL of each group quantized alone at each width, the rest float: taken from
+    `done_kl` (an interrupted run's) where there, else measured and put there."""
+    kl: dict[tuple[str, Spec], float] = {}
+    # A group is measured at every width one of its modules can take; a module that cannot
+    # take it is measured at the same bits in groups of DEFAULT_GROUP.
+    todo = [(g, s) for g in groups for s in BUDGET_SPECS
+            if any(s in options(sizer, u) for u in groups[g])]
+    for g, s in [t for t in todo if _key(*t) in done_kl]:
+        kl[(g, s)] = done_kl[_key(g, s)]
+    todo = [t for t in todo if _key(*t) not in done_kl]
+    for g, s in progress_bar(todo, desc="measure", unit="group", enabled=progress):
+        edit.quantize({p: s if s in options(sizer, p) else Spec(s.bits) for p in groups[g]})
+        kl[(g, s)] = done_kl[_key(g, s)] = meas.kl(_start_layer(g, num_layers))
+        edit.restore()
+        if save is not None:
+            save("measure")
+    return kl
+
+
+def _try_build(whole: _Measure, edit: _Editor, kept: list[list[int]] | None,
+               specs: dict[str, Spec]) -> list:
+    """[KL of the pruning alone, KL of the complete build, its KL per calibration file] of one
+    candidate build, the model restored afterwards."""
+    if kept is not None:
+        edit.prune(kept)
+    prune_kl = whole.kl() if kept is not None else 0.0
+    edit.quantize(specs)
+    real, per_source = whole.kl_by_source()
+    edit.restore()
+    return [prune_kl, real, per_source]
+
+
+def _budget_report(target: int, best: dict, tried: list[dict], groups: dict[str, list[str]],
+                   kl: dict[tuple[str, Spec], float], chunks: list[list[int]],
+                   judge_chunks: list[list[int]]) -> dict:
+    """pocket.json's account of the search: the chosen build, every candidate, each group's
+    widths and measured KLs."""
+    return {
         "target_bytes": target,
         "bytes": best["bytes"],
         "experts": best["experts"],
         "criterion": best["criterion"],
         "tokens": sum(len(c) for c in chunks),
-        "judge_tokens": sum(len(c) for c in (judge[0] if judge is not None else chunks)),
+        "judge_tokens": sum(len(c) for c in judge_chunks),
         "candidates": [{k: v for k, v in t.items() if k not in ("specs", "kept")}
                        for t in tried],
         "groups": {g: {"bits": sorted({best["specs"][u].bits for u in us}),
@@ -445,4 +470,3 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
                               if (g, s) in kl}}
                    for g, us in groups.items()},
     }
-    return recipe, (best["experts"] if best["experts"] < E else None), report

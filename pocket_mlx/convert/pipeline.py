@@ -20,10 +20,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from pocket_mlx.config import (
-    disk_bytes,
+    ModelFolder,
     module_quantization,
     quantization,
-    read_config,
     text_config,
 )
 from pocket_mlx.convert.budget import Quantizer, Sizer, budget_recipe, check_target
@@ -384,13 +383,59 @@ def convert(src: str, out: Path, opts: ConvertOptions,
     quality report prunes one calibration several ways)."""
     t0 = time.perf_counter()
     out = Path(out)
-    path = resolve_model_path(src)
-    config = read_config(path)
+    folder = ModelFolder.read(resolve_model_path(src))
+    path, config = folder.path, folder.config
     check_tokenizer_files(path)  # a truncated download stops here, not in the written model
     source = build_model(config)
     args = source.args
     dtype = getattr(mx, opts.dtype) if opts.dtype else None
-    kept = None
+    rounding = _check_options(opts, args, stats)
+    # --resume: the temporary folder of a dead run of the same command (convert/resume.py).
+    fp = json.loads(json.dumps(fingerprint(path, opts, __version__)))
+    accept = ((lambda d: (Journal.read(d) or {}).get("fingerprint") == fp) if opts.resume
+              else None)
+    check_out(out, opts.force, keep=accept)  # before any slow step: a bad OUT fails at once
+    weights, src_quant = _checked_source(source, folder, opts, rounding, dtype)
+    with atomic_dir(out, force=opts.force, resume=accept) as tmp:
+        journal = _open_journal(tmp, fp, opts, log)
+        inputs = inputs_for(path, config, opts) if rounding != "rtn" else None
+        plan = _choose_build(folder, args, opts, weights, rounding, inputs, journal, log,
+                             stats, calib_info)
+        stats, calib_info, kept = plan.stats, plan.calib_info, plan.kept
+        text_cfg = text_config(config)
+        if source.mtp is None:  # none stored, whatever the config declares (Model.drop_mtp)
+            text_cfg.pop("mtp_num_hidden_layers", None)
+        if kept is not None:
+            text_cfg["num_experts"] = opts.prune_to
+        target = build_model(mlx_config(text_cfg))
+        specs, notes = plan_quantization(target, opts.recipe)
+        for n in notes:
+            log(f"note: {n}")
+        quant = quantization_dict(specs, opts.recipe)
+        removed = {"config.json": keys} if (keys := strip_remote_code(config)[1]) else {}
+        _write_tensors(tmp, journal, weights, specs, src_quant, args.num_hidden_layers, kept,
+                       dtype, opts, rounding, inputs)
+        del inputs
+        del weights
+        new_cfg = mlx_config(text_cfg, quant)
+        (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2))
+        removed.update(copy_tokenizer(path, tmp))
+        info = _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args,
+                            calib_info, stats, rounding)
+        if plan.auto is not None:
+            info["auto"] = {"target_bpw": opts.auto_bpw, "groups": plan.auto}
+        if plan.budget is not None:
+            info["auto"] = plan.budget
+        info["seconds"] = round(time.perf_counter() - t0, 1)
+        (tmp / "pocket.json").write_text(json.dumps(info, indent=2))
+    if note := remote_code_note(removed):
+        print(note, file=sys.stderr, flush=True)  # stderr: --json keeps stdout to itself
+    return ConvertResult(out, info)
+
+
+def _check_options(opts: ConvertOptions, args, stats: ExpertStats | None) -> str:
+    """The options checked against each other and the source's shape (`args`), before any
+    slow step; returns the rounding method the build uses."""
     if opts.prune_to is not None:
         check_prune_to(opts.prune_to, args.num_experts, args.num_experts_per_tok)
         if opts.criterion not in CRITERIA + ("random",):
@@ -412,15 +457,17 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         raise PocketError(f"--rounding {rounding} needs calibration text: --calib FILE")
     if opts.target_size is not None and opts.prune_to is not None:
         raise PocketError("--target-size chooses the pruning itself: leave out --prune-to")
-    # --resume: the temporary folder of a dead run of the same command (convert/resume.py).
-    fp = json.loads(json.dumps(fingerprint(path, opts, __version__)))
-    accept = ((lambda d: (Journal.read(d) or {}).get("fingerprint") == fp) if opts.resume
-              else None)
-    check_out(out, opts.force, keep=accept)  # before any slow step: a bad OUT fails at once
-    # Names, dtypes and shapes from the headers (nothing read yet): a source with a missing
-    # or malformed tensor fails here, by name, not halfway through the writing.
-    weights = source.sanitize(load_weights(path))
-    src_quant = quantization(config, where=str(path / "config.json"))
+    return rounding
+
+
+def _checked_source(source, folder: ModelFolder, opts: ConvertOptions, rounding: str,
+                    dtype: mx.Dtype | None) -> tuple[dict[str, mx.array], dict | None]:
+    """(the sanitized lazy tensors, the source's quantization dict), checked against the
+    skeleton `source` and the options. Names, dtypes and shapes come from the headers (nothing
+    read yet): a source with a missing or malformed tensor fails here, by name, not halfway
+    through the writing."""
+    weights = source.sanitize(load_weights(folder))
+    src_quant = quantization(folder.config, where=str(folder.path / "config.json"))
     quantize_as_stored(source, src_quant, weights)
     check_shapes(source, weights)
     if rounding != "rtn" and src_quant:
@@ -430,94 +477,100 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         if src_quant:
             raise PocketError("--target-size needs a float source checkpoint (this one is "
                               "quantized): convert from the original weights")
-        check_target(sizer_for(config, weights, dtype), opts.target_size,
-                     args.num_experts_per_tok)  # before the slow steps
-    with atomic_dir(out, force=opts.force, resume=accept) as tmp:
-        journal = Journal(tmp, fp)
-        if opts.resume and (old := Journal.read(tmp)) is not None:
-            journal.data = old
-            w = old.get("write", {}).get("units", 0)
-            log(f"resuming {tmp.name}: {len(old.get('budget', {}).get('kl', {}))} measurements, "
-                f"{len(old.get('budget', {}).get('tried', {}))} candidate builds, "
-                f"{w} write units done")
-        elif opts.resume:
-            log("note: no interrupted run of this command to resume; starting afresh")
-        journal.save()
-        inputs = inputs_for(path, config, opts) if rounding != "rtn" else None
-        auto = None
-        if opts.auto_bpw is not None:
-            opts.recipe, auto = auto_for(path, config, opts)
-        budget = None
-        if opts.target_size is not None:
-            if stats is None and opts.criterion != "random":
-                stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
-                                                         opts.calib_tokens, opts.progress)
-            opts.recipe, opts.prune_to, budget = budget_for(
-                path, config, opts, weights, stats, log, quantizer_for(rounding, inputs),
-                journal)
-            opts.criterion = budget["criterion"] or opts.criterion
-        if opts.prune_to is not None:
-            if stats is None and opts.criterion != "random":
-                for f in opts.calib:  # fail before the slow part
-                    if not Path(f).is_file():
-                        raise PocketError(f"calibration file {f} does not exist")
-                    if Path(f).stat().st_size == 0:
-                        raise PocketError(f"calibration file {f} is empty")
-                stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
-                                                         opts.calib_tokens, opts.progress)
-            kept = select_experts(stats, opts.prune_to, opts.criterion,
-                                  args.num_hidden_layers + args.mtp_num_hidden_layers,
-                                  args.num_experts, opts.seed)
-        text_cfg = text_config(config)
-        if source.mtp is None:  # none stored, whatever the config declares (Model.drop_mtp)
-            text_cfg.pop("mtp_num_hidden_layers", None)
-        if kept is not None:
-            text_cfg["num_experts"] = opts.prune_to
-        target = build_model(mlx_config(text_cfg))
-        specs, notes = plan_quantization(target, opts.recipe)
-        for n in notes:
-            log(f"note: {n}")
-        quant = quantization_dict(specs, opts.recipe)
-        removed = {"config.json": keys} if (keys := strip_remote_code(config)[1]) else {}
-        # About what the build comes to (the source's bytes bound it unless it upcasts):
-        # sizes the shards' header room (writer.header_reserve_for).
-        expected = sum(v.nbytes for v in weights.values())
-        if done := journal.data.get("write"):
-            writer = ShardWriter.resumed(tmp, done["writer"])
-        else:
-            writer = ShardWriter(tmp, opts.shard_bytes, expected_bytes=expected)
+        check_target(sizer_for(folder.config, weights, dtype), opts.target_size,
+                     source.args.num_experts_per_tok)  # before the slow steps
+    return weights, src_quant
 
-        def unit_done(n: int) -> None:
-            journal.data["write"] = {"writer": writer.state(), "units": n}
-            journal.save("write")
 
-        for name, arr in converted_tensors(weights, specs, src_quant, args.num_hidden_layers,
-                                           kept, dtype, opts.progress, rounding, inputs,
-                                           done["units"] if done else 0, unit_done):
-            writer.add(name, arr)
-        writer.close()
-        (tmp / JOURNAL).unlink(missing_ok=True)
-        del inputs
-        del weights
-        new_cfg = mlx_config(text_cfg, quant)
-        (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2))
-        removed.update(copy_tokenizer(path, tmp))
-        info = _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args,
-                            calib_info, stats, rounding)
-        if auto is not None:
-            info["auto"] = {"target_bpw": opts.auto_bpw, "groups": auto}
-        if budget is not None:
-            info["auto"] = budget
-        info["seconds"] = round(time.perf_counter() - t0, 1)
-        (tmp / "pocket.json").write_text(json.dumps(info, indent=2))
-    if note := remote_code_note(removed):
-        print(note, file=sys.stderr, flush=True)  # stderr: --json keeps stdout to itself
-    return ConvertResult(out, info)
+def _open_journal(tmp: Path, fp: dict, opts: ConvertOptions,
+                  log: Callable[[str], None]) -> Journal:
+    """The run's journal in `tmp`: an interrupted run's measurements under --resume."""
+    journal = Journal(tmp, fp)
+    if opts.resume and (old := Journal.read(tmp)) is not None:
+        journal.data = old
+        w = old.get("write", {}).get("units", 0)
+        log(f"resuming {tmp.name}: {len(old.get('budget', {}).get('kl', {}))} measurements, "
+            f"{len(old.get('budget', {}).get('tried', {}))} candidate builds, "
+            f"{w} write units done")
+    elif opts.resume:
+        log("note: no interrupted run of this command to resume; starting afresh")
+    journal.save()
+    return journal
+
+
+@dataclass
+class _Build:
+    """What `_choose_build` decided: the experts kept per layer (None: all), the calibration
+    behind them, and the auto recipe's or the budget search's report for pocket.json."""
+    kept: list[list[int]] | None
+    stats: ExpertStats | None
+    calib_info: list[dict] | None
+    auto: dict | None = None
+    budget: dict | None = None
+
+
+def _choose_build(folder: ModelFolder, args, opts: ConvertOptions, weights: dict,
+                  rounding: str, inputs: dict[str, Inputs] | None, journal: Journal,
+                  log: Callable[[str], None], stats: ExpertStats | None,
+                  calib_info: list[dict] | None) -> _Build:
+    """The recipe (`opts.recipe`, measured for --recipe auto or searched for --target-size)
+    and the experts to keep (`opts.prune_to`, from router statistics unless random)."""
+    path, config = folder.path, folder.config
+    auto = budget = kept = None
+    if opts.auto_bpw is not None:
+        opts.recipe, auto = auto_for(path, config, opts)
+    if opts.target_size is not None:
+        if stats is None and opts.criterion != "random":
+            stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
+                                                     opts.calib_tokens, opts.progress)
+        opts.recipe, opts.prune_to, budget = budget_for(
+            path, config, opts, weights, stats, log, quantizer_for(rounding, inputs),
+            journal)
+        opts.criterion = budget["criterion"] or opts.criterion
+    if opts.prune_to is not None:
+        if stats is None and opts.criterion != "random":
+            for f in opts.calib:  # fail before the slow part
+                if not Path(f).is_file():
+                    raise PocketError(f"calibration file {f} does not exist")
+                if Path(f).stat().st_size == 0:
+                    raise PocketError(f"calibration file {f} is empty")
+            stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
+                                                     opts.calib_tokens, opts.progress)
+        kept = select_experts(stats, opts.prune_to, opts.criterion,
+                              args.num_hidden_layers + args.mtp_num_hidden_layers,
+                              args.num_experts, opts.seed)
+    return _Build(kept, stats, calib_info, auto, budget)
+
+
+def _write_tensors(tmp: Path, journal: Journal, weights: dict, specs: dict, src_quant,
+                   num_layers: int, kept, dtype: mx.Dtype | None, opts: ConvertOptions,
+                   rounding: str, inputs: dict[str, Inputs] | None) -> None:
+    """The converted tensors into shards in `tmp`, a write unit at a time, each recorded in
+    the journal (--resume continues after the last one done)."""
+    # About what the build comes to (the source's bytes bound it unless it upcasts):
+    # sizes the shards' header room (writer.header_reserve_for).
+    expected = sum(v.nbytes for v in weights.values())
+    if done := journal.data.get("write"):
+        writer = ShardWriter.resumed(tmp, done["writer"])
+    else:
+        writer = ShardWriter(tmp, opts.shard_bytes, expected_bytes=expected)
+
+    def unit_done(n: int) -> None:
+        journal.data["write"] = {"writer": writer.state(), "units": n}
+        journal.save("write")
+
+    for name, arr in converted_tensors(weights, specs, src_quant, num_layers,
+                                       kept, dtype, opts.progress, rounding, inputs,
+                                       done["units"] if done else 0, unit_done):
+        writer.add(name, arr)
+    writer.close()
+    (tmp / JOURNAL).unlink(missing_ok=True)
 
 
 def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_info,
                  stats, rounding: str = "rtn") -> dict:
-    ws = weight_stats(load_model(tmp, new_cfg, lazy=True))
+    built = ModelFolder(tmp, new_cfg)  # what was just written, its config at hand
+    ws = weight_stats(load_model(built, lazy=True))
     info = {
         "pocket_mlx_version": __version__,
         **source_info(src, path),
@@ -537,7 +590,7 @@ def _pocket_info(src, path, tmp, new_cfg, opts, specs, notes, kept, args, calib_
             "bytes_total": ws.bytes_total,
             "params_total": ws.params_total,
             "params_active": ws.params_active,
-            "size_on_disk": disk_bytes(tmp),
+            "size_on_disk": built.disk_bytes,
         },
     }
     if kept is not None:

@@ -14,12 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from pocket_mlx.config import (
-    quantization,
-    read_config,
-    safetensors_header,
-    weight_files,
-)
+from pocket_mlx.config import ModelFolder, quantization, safetensors_header
 from pocket_mlx.engine import rank_shards, schemes
 from pocket_mlx.engine.devices import policy_dtype, resolve_device, stream_for
 from pocket_mlx.engine.hub import fetch, parse_repo_id
@@ -53,10 +48,30 @@ def resolve_model_path(path_or_repo: str | os.PathLike | None) -> Path:
     return fetch(*repo)
 
 
-def load_weights(path: Path) -> dict[str, mx.array]:
+def open_folder(path: Path, group=None) -> ModelFolder:
+    """The model folder at a resolved `path` (`resolve_model_path`), read once: under
+    --distributed (`group`), this rank's share of a sharded checkpoint (rank_shards)."""
+    return ModelFolder.read(rank_shards.rank_folder(Path(path), group))
+
+
+def open_model(path_or_repo: str | os.PathLike | None, group=None) -> ModelFolder:
+    """`resolve_model_path` then `open_folder`: what every command loads is this one object."""
+    return open_folder(resolve_model_path(path_or_repo), group)
+
+
+def _folder(source: ModelFolder | Path, config: dict | None = None) -> ModelFolder:
+    """`source` as a ModelFolder: a bare path is read here, unless `config` stands in for its
+    config.json (convert loads what it is writing with the config it wrote)."""
+    if isinstance(source, ModelFolder):
+        return source
+    return ModelFolder(Path(source), config) if config else ModelFolder.read(source)
+
+
+def load_weights(folder: ModelFolder | Path) -> dict[str, mx.array]:
     """The checkpoint's tensors, mapped lazily, from the files of `weight_files` only (an index's
     shards: a stray copy such as consolidated.safetensors beside them is not read)."""
-    files = weight_files(path)
+    folder = _folder(folder)
+    path, files = folder.path, folder.weight_files
     if not files:
         raise PocketError(f"{path} has no *.safetensors weights")
     weights: dict[str, mx.array] = {}
@@ -241,10 +256,11 @@ def use_device(model: nn.Module, device: str, cache: list | None = None) -> bool
     return switched
 
 
-def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
+def load_model(folder: ModelFolder | Path, config: dict | None = None, dtype: str | None = None,
                lazy: bool = False, fuse: bool = False,
                shard: Callable[[nn.Module], None] | None = None) -> nn.Module:
-    """The model of a checkpoint folder, its float parameters cast to `dtype` (see
+    """The model of a checkpoint folder (a ModelFolder, or a path and optionally the config
+    that stands for its config.json), its float parameters cast to `dtype` (see
     `cast_model`). `fuse` (inference only) runs projections that read the same input as one
     matmul (`Model.fuse_projections`); the parameters are then no longer the checkpoint's, so
     converting, calibrating and saving load without it. `shard` (a distributed run, see
@@ -252,16 +268,17 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
     is evaluated, so the rest of the checkpoint is never read. A rank folder of per-rank shards
     (engine/rank_shards.py) holds only that rank's tensors: they are fitted to the skeleton
     (`rank_shards.complete`) and the model remembers the rank's entry (`rank_shard`) for
-    `shard`."""
-    config = config or read_config(path)
+    `shard`. The model keeps the folder (`model.folder`; also `model.path`, `model.config`)."""
+    folder = _folder(folder, config)
+    path, config = folder.path, folder.config
     quant = quantization(config, where=str(path / "config.json"))
     model = build_model(config)
     rank = rank_shards.read_rank(path)
     if rank is not None and shard is None:
         raise PocketError(f"{path} is one rank's share of a sharded checkpoint; it loads only "
                           "under --distributed")
-    files = weight_files(path)
-    weights = model.sanitize(load_weights(path))
+    files = folder.weight_files
+    weights = model.sanitize(load_weights(folder))
     quantize_as_stored(model, quant, weights)
     shapes = rank_shards.complete(weights, rank, model) if rank is not None else None
     check_shapes(model, weights, shapes)
@@ -290,14 +307,18 @@ def load_model(path: Path, config: dict | None = None, dtype: str | None = None,
             mx.eval(layer.parameters())
         mx.eval(model.parameters())
     object.__setattr__(model, "config", config)
+    object.__setattr__(model, "folder", folder)
     model.path = path
     return model
 
 
-def load(path_or_repo: str | os.PathLike | None = None, device: str | None = None,
+def load(path_or_repo: ModelFolder | str | os.PathLike | None = None,
+         device: str | None = None,
          dtype: str | None = None, lazy: bool = False, fuse: bool = False,
          shard: Callable[[nn.Module], None] | None = None):
-    """Load a model and its tokenizer: `(model, tokenizer)`.
+    """Load a model and its tokenizer: `(model, tokenizer)`. `path_or_repo` is what
+    `--model` names, or a folder already opened (`open_model`: nothing is resolved or read
+    again).
 
     `device` ("gpu"/"cpu"/None) is checked and recorded as the model's default generation device;
     weights live in unified memory, so the same model can generate on either. The float dtype
@@ -309,12 +330,11 @@ def load(path_or_repo: str | os.PathLike | None = None, device: str | None = Non
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise PocketError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
     device = resolve_device(device)
-    path = rank_shards.rank_folder(resolve_model_path(path_or_repo),
-                                   getattr(shard, "group", None))
-    config = read_config(path)
-    model = load_model(path, config, dtype=dtype or policy_dtype(device), lazy=lazy, fuse=fuse,
+    folder = (path_or_repo if isinstance(path_or_repo, ModelFolder)
+              else open_model(path_or_repo, getattr(shard, "group", None)))
+    model = load_model(folder, dtype=dtype or policy_dtype(device), lazy=lazy, fuse=fuse,
                        shard=shard)
     model.device = device
     object.__setattr__(model, "dtype_override", dtype)
-    tokenizer = load_tokenizer(path, config)
+    tokenizer = load_tokenizer(folder.path, folder.config)
     return model, tokenizer

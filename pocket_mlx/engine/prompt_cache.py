@@ -250,10 +250,11 @@ def model_fingerprint(model) -> str:
         config = vars(model.args)
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     path = getattr(model, "path", None)
+    folder = getattr(model, "folder", None)  # the loader's ModelFolder: its files, listed once
     files: list[Path] = []
     if path is not None:
         try:
-            files = weight_files(Path(path))
+            files = folder.weight_files if folder is not None else weight_files(Path(path))
         except (OSError, PocketError):
             files = []
     for f in files:

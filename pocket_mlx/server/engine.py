@@ -40,14 +40,20 @@ from pathlib import Path
 import mlx.core as mx
 
 from pocket_mlx import kernels
-from pocket_mlx.config import checkpoint_dtype, dtype_bytes, read_config
+from pocket_mlx.config import checkpoint_dtype, dtype_bytes
 from pocket_mlx.engine import batch as batch_events
 from pocket_mlx.engine import devices
 from pocket_mlx.engine.batch import BatchDecoder, decode_lockstep
 from pocket_mlx.engine.devices import policy_dtype
 from pocket_mlx.engine.drafters import DEFAULT_NUM_DRAFT_TOKENS, make_drafter
 from pocket_mlx.engine.generation import SamplingParams, context_limit
-from pocket_mlx.engine.loader import load, model_weight_stats, resolve_model_path, use_device
+from pocket_mlx.engine.loader import (
+    load,
+    model_weight_stats,
+    open_folder,
+    resolve_model_path,
+    use_device,
+)
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP, SERVE_MAX_CONCURRENCY
 from pocket_mlx.engine.prompt_cache import NoPromptCache, PrefixStore, open_store
 from pocket_mlx.engine.worker import EMPTY, ModelWorker
@@ -141,9 +147,11 @@ class Engine:
 
     def _load(self) -> tuple:
         # The loader resolves the device and creates this thread's stream on first use.
+        # The folder is resolved and read once here; the rest of the load is handed it.
         self._path = resolve_model_path(self.model_ref)
-        return load(str(self._path), device=self.device_name, fuse=True,
-                    shard=self.dist.shard if self.dist else None)
+        shard = self.dist.shard if self.dist else None
+        folder = open_folder(self._path, getattr(shard, "group", None))
+        return load(folder, device=self.device_name, fuse=True, shard=shard)
 
     def _setup(self, model, tokenizer) -> int:
         """After loading: the window, the metrics' weights, the prompt-cache store."""
@@ -152,7 +160,7 @@ class Engine:
         self.model_id = Path(self._path).name
         self.device = self.model.device
         weights = model_weight_stats(self.model)
-        self.context, self.context_source = self._window(self._path, weights.bytes_total)
+        self.context, self.context_source = self._window(model.config, weights.bytes_total)
         self.metrics.bytes_per_token = weights.bytes_per_token
         if self._store_args:
             store = open_store(self.model, *self._store_args)  # (empty: len() is 0)
@@ -164,20 +172,19 @@ class Engine:
         # (Python, MLX, the tokenizer, the web server), measured here rather than guessed.
         rss = resident_bytes()
         base = max(0, rss - weights.bytes_total) if rss is not None else 0
-        self.metrics.planned_ram_bytes = self._planned_ram(self._path, weights.bytes_total) + base
+        self.metrics.planned_ram_bytes = self._planned_ram(model.config, weights.bytes_total) + base
         return weights.bytes_total
 
-    def _planned_ram(self, path: Path, weight_bytes: int) -> int:
+    def _planned_ram(self, config: dict, weight_bytes: int) -> int:
         """What the memory planner says this server holds with one sequence at a full window
         (system/wired.py `serve_ram_bytes`: the weights as loaded, the cache, the prompt
         cache's share), for /metrics (with the process's own base added by the caller):
         compared with the measured peak by bench_serve.py."""
-        config = read_config(path)
         act = policy_dtype(self.device) or checkpoint_dtype(config)
         budget = (self._store_args[0] << 20) if self._store_args else 0
         return serve_ram_bytes(config, self.context, weight_bytes, dtype_bytes(act), budget)
 
-    def _window(self, path: Path, weight_bytes: int) -> tuple[int, str]:
+    def _window(self, config: dict, weight_bytes: int) -> tuple[int, str]:
         """The window served and why: --ctx-size (never past the model's own), else the
         model's own capped by what the memory planner says fits beside the weights (a full
         window must not swap; see system/wired.py `planned_context`)."""
@@ -189,7 +196,6 @@ class Engine:
             return self.ctx_size, "--ctx-size"
         if self.dist is not None:  # each rank holds a share: this rank's RAM says little
             return own, "the model's window"
-        config = read_config(path)
         act = policy_dtype(self.device) or checkpoint_dtype(config)
         budget = (self._store_args[0] << 20) if self._store_args else 0
         n = planned_context(config, own, weight_bytes, total_ram_bytes(), dtype_bytes(act),
