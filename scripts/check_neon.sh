@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the plain C++ core (csrc/core) with its parity test program (test_core.cpp, which compares
-# against a scalar reference written inside the program) and runs it:
+# Builds the plain C++ core (csrc/core) with its parity test program (csrc/tests/test_core.cpp,
+# which compares against a scalar reference written inside the program) and runs it:
 #   1. natively (x86-64: AVX-512 / AVX2 / scalar paths the CPU supports; arm64: NEON + scalar),
 #   2. cross-compiled for arm64 with Debian's aarch64-linux-gnu-g++, under qemu-aarch64 (NEON EXACT,
 #      and FAST with sdot / i8mm usdot) on three emulated CPUs (see neon()).
@@ -10,11 +10,12 @@
 set -u
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CORE="$ROOT/csrc/core"
+TESTS="$ROOT/csrc/tests"
 OUT="${QK_BUILD_DIR:-$ROOT/build/check_core}"
 WHAT="${1:-all}"
 mkdir -p "$OUT"
-SRCS=("$CORE/qkernels.cpp" "$CORE/gated_delta.cpp" "$CORE/norms.cpp" "$CORE/decode_ops.cpp" "$CORE/moe_block.cpp" "$CORE/linear_attn.cpp" "$CORE/qk_avx512.cpp" "$CORE/qk_avx2.cpp" "$CORE/qk_neon.cpp" "$CORE/qk_gemm.cpp" "$CORE/qk_gemm_x86.cpp" "$CORE/attention.cpp" "$CORE/gated_delta_prefill.cpp"
-      "$CORE/test_core.cpp")
+# Every core source (csrc/core holds the library only; CMakeLists.txt lists the same files).
+SRCS=("$CORE"/*.cpp "$TESTS/test_core.cpp")
 FLAGS=(-O2 -std=c++17 -ffp-contract=fast -Wall -Wno-psabi -Wno-maybe-uninitialized -pthread
        -I"$CORE")
 status=0

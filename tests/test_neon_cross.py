@@ -1,4 +1,4 @@
-"""The plain C++ core's own parity program (csrc/core/test_core.cpp), built natively and
+"""The plain C++ core's own parity program (csrc/tests/test_core.cpp), built natively and
 cross-built for arm64 (NEON) and run under qemu-aarch64, via scripts/check_neon.sh.
 Under qemu it runs on three emulated CPUs: `-cpu max` (dotprod + i8mm: the NEON FAST variants
 neon-i8mm and neon-dotprod and plain NEON EXACT, all forced in turn), `-cpu cortex-a76` (dotprod

@@ -18,6 +18,7 @@
 #define PQK_DELTA_NT 1
 #endif
 
+#include "cpu_features.h"
 #include "qkernels.h"
 
 namespace pqk {
@@ -172,7 +173,7 @@ __attribute__((target("avx512f,avx512bw"))) void delta_head_nt(const DeltaArgs& 
 
 bool use_nt(const DeltaArgs& a) {
   // (kMaxDk: the row buffer on the stack; Qwen3.5 uses Dk = 128.)
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  static const bool avx512 = detail::cpu_features().avx512f && detail::cpu_features().avx512bw;
   return avx512 && a.T == 1 && a.Dk >= 16 && a.Dk <= kMaxDk && a.state != a.state_in &&
          reinterpret_cast<uintptr_t>(a.state) % 4 == 0;
 }

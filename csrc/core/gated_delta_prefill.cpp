@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_features.h"
 #include "qkernels.h"
 
 namespace pqk {
@@ -66,7 +67,7 @@ void rows_t(const float* q, const float* k, int64_t qk_stride, const float* v, f
 }  // namespace
 
 bool gated_delta_prefill_ok(int64_t T, int64_t Dk, int64_t Dv) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  static const bool avx512 = cpu_features().avx512f && cpu_features().avx512dq;
   return avx512 && T >= 2 && (Dk == 64 || Dk == 128 || Dk == 256) && Dv % 2 == 0;
 }
 

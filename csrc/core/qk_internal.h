@@ -171,9 +171,6 @@ struct IsaOps {
 };
 
 #if defined(__aarch64__)
-// AArch64 dot-product extensions this CPU has (qk_neon.cpp: getauxval / sysctlbyname).
-enum NeonFeature : int { NEON_DOTPROD = 1, NEON_I8MM = 2 };
-int neon_cpu_features();
 // "neon" (best this CPU runs), "neon-base" (EXACT only), "neon-dotprod", "neon-i8mm"; nullptr
 // when the CPU lacks the extension or the name is none of these.
 const IsaOps* neon_select(const char* name);

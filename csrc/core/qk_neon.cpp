@@ -1,6 +1,6 @@
 // NEON kernels (AArch64: NEON is always present). EXACT runs on any AArch64 CPU; FAST (int8
 // activations) needs the dot-product instructions and comes in two variants, picked at run time
-// by neon_select() from what the CPU reports (neon_cpu_features()):
+// by neon_select() from what the CPU reports (cpu_features.cpp):
 //   neon-dotprod  FEAT_DotProd (Apple M1 on, Cortex-A76/Neoverse-N1 on): `sdot` (vdotq_s32),
 //                 signed x signed, so codes must be < 128: 1/2/4/6-bit codes as they are, 8-bit
 //                 codes as two nibbles (two sdots, the high one shifted by 4).
@@ -18,14 +18,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/auxv.h>
-#endif
-#if defined(__APPLE__)
-#include <sys/sysctl.h>
-#include <sys/types.h>
-#endif
-
+#include "cpu_features.h"
 #include "qk_internal.h"
 #include "qk_shuffle_ctrl.h"
 
@@ -347,32 +340,6 @@ static void rows_fast_mm(const detail::RowsArgs& a) {
 namespace pqk {
 namespace detail {
 
-int neon_cpu_features() {
-  int f = 0;
-#if defined(__linux__)
-#ifndef HWCAP_ASIMDDP
-#define HWCAP_ASIMDDP (1 << 20)
-#endif
-#ifndef HWCAP2_I8MM
-#define HWCAP2_I8MM (1 << 13)
-#endif
-  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
-  if (hw & HWCAP_ASIMDDP) f |= NEON_DOTPROD;
-  if (hw2 & HWCAP2_I8MM) f |= NEON_I8MM;
-#elif defined(__APPLE__)
-  auto has = [](const char* name) {
-    int v = 0;
-    size_t len = sizeof v;
-    return sysctlbyname(name, &v, &len, nullptr, 0) == 0 && v != 0;
-  };
-  if (has("hw.optional.arm.FEAT_DotProd")) f |= NEON_DOTPROD;
-  if (has("hw.optional.arm.FEAT_I8MM")) f |= NEON_I8MM;
-#endif
-  // usdot is only used together with the dot-product path.
-  if (!(f & NEON_DOTPROD)) f &= ~NEON_I8MM;
-  return f;
-}
-
 extern const IsaOps neon_ops;
 extern const IsaOps neon_dotprod_ops;
 extern const IsaOps neon_i8mm_ops;
@@ -385,13 +352,13 @@ const IsaOps neon_i8mm_ops = {"neon", 4, &isa_neon::rows_exact, &isa_neon::i8mm:
                               "neon-i8mm"};
 
 const IsaOps* neon_select(const char* name) {
-  const int f = neon_cpu_features();
+  const CpuFeatures& f = cpu_features();
   const std::string n = name;
   if (n == "neon")
-    return (f & NEON_I8MM) ? &neon_i8mm_ops : (f & NEON_DOTPROD) ? &neon_dotprod_ops : &neon_ops;
+    return f.neon_i8mm ? &neon_i8mm_ops : f.neon_dotprod ? &neon_dotprod_ops : &neon_ops;
   if (n == "neon-base") return &neon_ops;
-  if (n == "neon-dotprod") return (f & NEON_DOTPROD) ? &neon_dotprod_ops : nullptr;
-  if (n == "neon-i8mm") return (f & NEON_I8MM) ? &neon_i8mm_ops : nullptr;
+  if (n == "neon-dotprod") return f.neon_dotprod ? &neon_dotprod_ops : nullptr;
+  if (n == "neon-i8mm") return f.neon_i8mm ? &neon_i8mm_ops : nullptr;
   return nullptr;
 }
 

@@ -1,27 +1,18 @@
-// Driver: ISA dispatch, activation preparation, expert grouping, work splitting, thread pool.
+// Driver: ISA dispatch, activation preparation, expert grouping, work splitting. The thread
+// pool is thread_pool.cpp; what the CPU supports comes from cpu_features.cpp.
 #include "qkernels.h"
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <functional>
-#include <memory>
-#include <mutex>
-#include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
-#if defined(__linux__)
-#include <sched.h>
-#endif
-
+#include "cpu_features.h"
 #include "qk_gemm.h"
 #include "qk_internal.h"
 
@@ -77,18 +68,16 @@ static const IsaOps scalar_ops = {"scalar", 1, &rows_exact_scalar, nullptr, {}};
 // ---------------------------------------------------------------- ISA selection
 static const IsaOps* isa_by_name(const std::string& name) {
 #if defined(__x86_64__) || defined(_M_X64)
-  __builtin_cpu_init();
+  const CpuFeatures& f = cpu_features();
   if (name == "avx512") {
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    {
-      if (!__builtin_cpu_supports("avx512vnni")) return &avx512_ops;
-      return __builtin_cpu_supports("avx512vbmi") ? &avx512vbmi_ops : &avx512vnni_ops;
+    if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq) {
+      if (!f.avx512vnni) return &avx512_ops;
+      return f.avx512vbmi ? &avx512vbmi_ops : &avx512vnni_ops;
     }
     return nullptr;
   }
   if (name == "avx2") {
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &avx2_ops;
+    if (f.avx2 && f.fma) return &avx2_ops;
     return nullptr;
   }
 #endif
@@ -110,16 +99,6 @@ static std::atomic<const IsaOps*> g_isa{nullptr};
 static std::atomic<int> g_mode{MODE_EXACT};
 static std::atomic<int64_t> g_single_bytes{256 * 1024};
 
-// Worker spin before sleeping, microseconds (POCKET_MLX_SPIN_US, default 50).
-static int spin_us() {
-  static const int v = [] {
-    const char* e = std::getenv("POCKET_MLX_SPIN_US");
-    int x = e ? std::atoi(e) : 50;
-    return x < 0 ? 0 : x;
-  }();
-  return v;
-}
-
 static const IsaOps* current_isa() {
   const IsaOps* o = g_isa.load(std::memory_order_acquire);
   if (!o) {
@@ -130,149 +109,6 @@ static const IsaOps* current_isa() {
     g_isa.store(o, std::memory_order_release);
   }
   return o;
-}
-
-// ---------------------------------------------------------------- thread pool
-// Persistent std::thread workers. A job is a number of tasks; tasks are claimed with an atomic
-// counter, the calling thread claims tasks too and only waits for tasks already running.
-class Pool {
- public:
-  ~Pool() { resize(1); }
-
-  int size() {
-    std::lock_guard<std::mutex> g(run_mu_);
-    return nthreads_;
-  }
-
-  void resize(int n) {
-    if (n < 1) n = 1;
-    std::lock_guard<std::mutex> g(run_mu_);
-    if (n == nthreads_) return;
-    stop_workers();
-    nthreads_ = n;
-    stop_ = false;
-    for (int i = 0; i < n - 1; i++) workers_.emplace_back([this] { worker_loop(); });
-  }
-
-  // Runs fn(0..ntasks-1). Runs inline when the pool is busy (another caller) or single.
-  void run(int64_t ntasks, const std::function<void(int64_t)>& fn, bool parallel) {
-    if (ntasks <= 0) return;
-    std::unique_lock<std::mutex> rl(run_mu_, std::try_to_lock);
-    if (!parallel || ntasks == 1 || !rl.owns_lock() || nthreads_ <= 1) {
-      if (rl.owns_lock()) rl.unlock();
-      for (int64_t i = 0; i < ntasks; i++) fn(i);
-      return;
-    }
-    auto job = std::make_shared<Job>();
-    job->fn = &fn;
-    job->ntasks = ntasks;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      job_ = job;
-      gen_.fetch_add(1, std::memory_order_release);
-    }
-    cv_.notify_all();
-    work(*job);
-    // Wait only for tasks other threads have already claimed.
-    int spins = 0;
-    while (job->done.load(std::memory_order_acquire) < ntasks) {
-      if (++spins > 64) std::this_thread::yield();
-    }
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      job_.reset();
-    }
-    if (job->error) std::rethrow_exception(job->error);
-  }
-
- private:
-  struct Job {
-    const std::function<void(int64_t)>* fn = nullptr;
-    int64_t ntasks = 0;
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-    std::exception_ptr error;
-    std::mutex err_mu;
-  };
-
-  static void work(Job& job) {
-    for (;;) {
-      int64_t i = job.next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= job.ntasks) return;
-      try {
-        (*job.fn)(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> g(job.err_mu);
-        if (!job.error) job.error = std::current_exception();
-      }
-      job.done.fetch_add(1, std::memory_order_release);
-    }
-  }
-
-  void worker_loop() {
-    uint64_t seen = gen_.load(std::memory_order_acquire);
-    for (;;) {
-      // Spin briefly (decode calls come back-to-back), then sleep. Bounded by time, not by a
-      // count (PAUSE takes ~10-140 cycles depending on the core): on a 2-core machine a spinning
-      // worker steals the core the caller's graph needs between our calls.
-      const auto t0 = std::chrono::steady_clock::now();
-      const auto limit = std::chrono::microseconds(spin_us());
-      for (int spins = 1; gen_.load(std::memory_order_acquire) == seen && !stop_flag_.load();
-           spins++) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#elif defined(__aarch64__)
-        asm volatile("yield");
-#endif
-        if ((spins & 31) == 0 && std::chrono::steady_clock::now() - t0 > limit) break;
-      }
-      std::shared_ptr<Job> job;
-      {
-        std::unique_lock<std::mutex> g(mu_);
-        cv_.wait(g, [&] { return stop_ || gen_.load(std::memory_order_acquire) != seen; });
-        if (stop_) return;
-        seen = gen_.load(std::memory_order_acquire);
-        job = job_;
-      }
-      if (job) work(*job);
-    }
-  }
-
-  void stop_workers() {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      stop_ = true;
-      stop_flag_.store(true);
-    }
-    cv_.notify_all();
-    for (auto& t : workers_) t.join();
-    workers_.clear();
-    stop_flag_.store(false);
-  }
-
-  std::mutex run_mu_;  // one job at a time; also guards resizing
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::thread> workers_;
-  std::shared_ptr<Job> job_;
-  std::atomic<uint64_t> gen_{0};
-  std::atomic<bool> stop_flag_{false};
-  bool stop_ = false;
-  int nthreads_ = 1;
-};
-
-static Pool& pool() {
-  static Pool* p = [] {
-    Pool* q = new Pool();  // intentionally leaked: no joins during static destruction
-    int n = default_threads();
-    if (const char* env = std::getenv("POCKET_MLX_THREADS")) {
-      int e = std::atoi(env);
-      if (e > 0) n = e;
-    }
-    q->resize(n);
-    return q;
-  }();
-  return *p;
 }
 
 // ---------------------------------------------------------------- activation preparation
@@ -342,42 +178,6 @@ static void prep_row_fast(const float* src, int64_t K, int gs, int W, int bits, 
 using namespace detail;
 
 // ---------------------------------------------------------------- public API
-int default_threads() {
-  int hw = (int)std::thread::hardware_concurrency();
-  if (hw <= 0) hw = 1;
-  int cores = 0;
-#if defined(__linux__)
-  // Physical cores: distinct (package, core) pairs among the CPUs we may run on.
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  bool have_aff = sched_getaffinity(0, sizeof(set), &set) == 0;
-  std::set<std::pair<int, int>> seen;
-  for (int c = 0; c < 1024; c++) {
-    if (have_aff && !CPU_ISSET(c, &set)) continue;
-    std::string base = "/sys/devices/system/cpu/cpu" + std::to_string(c) + "/topology/";
-    std::ifstream fc(base + "core_id"), fp(base + "physical_package_id");
-    int core = -1, pkg = -1;
-    if (!(fc >> core)) {
-      if (c > hw + 64) break;
-      continue;
-    }
-    fp >> pkg;
-    seen.insert({pkg, core});
-  }
-  cores = (int)seen.size();
-  if (have_aff) hw = std::min(hw, (int)CPU_COUNT(&set));
-#endif
-  if (cores <= 0) cores = hw;
-  return std::max(1, std::min(cores, hw));
-}
-
-void set_threads(int n) { pool().resize(n <= 0 ? default_threads() : n); }
-
-void parallel_for(int64_t n, bool single, const std::function<void(int64_t)>& fn) {
-  pool().run(n, fn, !single);
-}
-int get_threads() { return pool().size(); }
-
 void set_mode(int mode) { g_mode.store(mode == MODE_FAST ? MODE_FAST : MODE_EXACT); }
 int get_mode() { return g_mode.load(); }
 
@@ -526,7 +326,7 @@ struct Task {
 // Rows of W per task: ~128 KiB of weights (POCKET_MLX_TASK_KB), but at least 4 tasks per
 // thread when possible. Each task is one sequential stream; with 32 KiB tasks the two
 // threads' streams interleaved so finely that decode-shaped matvecs from DRAM ran ~10-15%
-// slower (csrc/core/bench_core.cpp).
+// slower (csrc/tests/bench_core.cpp).
 static int64_t rows_per_task(int64_t N, int64_t row_bytes, int64_t nseg, int nth) {
   static const int64_t task_bytes = [] {
     const char* e = std::getenv("POCKET_MLX_TASK_KB");
@@ -647,8 +447,7 @@ void gather_qmm(const GatherProblem& p) {
 
   const int64_t K = p.K, G = K / p.group_size;
   const int64_t row_bytes = K * p.bits / 8;
-  Pool& pl = pool();
-  const int nth = pl.size();
+  const int nth = get_threads();
   // Activation rows prepared per pass (bounds the float32 buffer to ~32 MB).
   const int64_t chunk_rows = std::max<int64_t>(MRMAX, ((int64_t)8 << 20) / K / MRMAX * MRMAX);
   PreparedX px(std::min(total, chunk_rows), K, G, fast);
@@ -658,9 +457,8 @@ void gather_qmm(const GatherProblem& p) {
     prepare_chunk(p, g.order, c0, c1, ops->W, px);
     int64_t wbytes = 0;
     const std::vector<Task> tasks = chunk_tasks(g, c0, c1, p.N, row_bytes, nth, wbytes);
-    pl.run((int64_t)tasks.size(),
-           [&](int64_t ti) { run_task(tasks[ti], p, g.order, c0, px, ops); },
-           wbytes >= g_single_bytes.load());
+    parallel_for((int64_t)tasks.size(), wbytes < g_single_bytes.load(),
+                 [&](int64_t ti) { run_task(tasks[ti], p, g.order, c0, px, ops); });
   }
 }
 
