@@ -84,11 +84,12 @@ def collect_stats(model, chunks: list[list[int]], progress: bool = True,
     if sources is not None:
         stats.by_source = np.zeros((max(sources) + 1, len(layers) + n_mtp,
                                     model.args.num_experts))
-    hs = []
-    for c in chunks:
-        h = lm.model.embed_tokens(mx.array(c, mx.int32)[None])
-        mx.eval(h)
-        hs.append(h)
+    hs = [lm.model.embed_tokens(mx.array(c, mx.int32)[None]) for c in chunks]
+    # The MTP head reads the embeddings of tokens t+1+i: slices of the windows' own.
+    emb = [h[:, 1:] for h in hs] if n_mtp else []
+    mx.eval(hs, emb)
+    # Drop the (float32: 2 GB at the 35B's 248320 x 2048) table before the layer loop.
+    lm.model.embed_tokens = None
     for i in progress_bar(range(len(layers)), desc="calibrate", unit="layer",
                           enabled=progress):
         layer = layers[i]
@@ -101,25 +102,25 @@ def collect_stats(model, chunks: list[list[int]], progress: bool = True,
         layers[i] = None  # drop this layer's weights
         del layer
     if n_mtp:
-        _observe_mtp(model, chunks, hs, stats, len(layers), sources)
+        _observe_mtp(model, emb, hs, stats, len(layers), sources)
     return stats
 
 
-def _observe_mtp(model, chunks: list[list[int]], hs: list[mx.array], stats: ExpertStats,
+def _observe_mtp(model, emb: list[mx.array], hs: list[mx.array], stats: ExpertStats,
                  first_row: int, sources: list[int] | None) -> None:
     """REAP statistics of the MTP head's MoE blocks (rows first_row + i), from the trunk's
-    final hidden states `hs` (pre-norm) of each window."""
+    final hidden states `hs` (pre-norm) of each window and the embeddings `emb` of its
+    tokens 1.. (the table itself is gone by now)."""
     lm, mtp = model.language_model, model.mtp
     hs = [lm.model.norm(h) for h in hs]
     for i, layer in enumerate(mtp.layers):
         layer.mlp.observer = stats.observer(first_row + i)
-        for j, (c, h) in enumerate(zip(chunks, hs)):
-            toks = c[i + 1:]
-            if not toks:
+        for j, (e, h) in enumerate(zip(emb, hs)):
+            n = e.shape[1] - i  # tokens t+1+i of the window
+            if n <= 0:
                 continue
             stats.source = sources[j] if sources is not None else 0
-            emb = lm.model.embed_tokens(mx.array(toks, mx.int32)[None])
-            hs[j] = mtp(h[:, :len(toks)], emb, None, step=i)
+            hs[j] = mtp(h[:, :n], e[:, i:], None, step=i)
             mx.eval(hs[j])
         layer.mlp.observer = None
 
