@@ -24,7 +24,7 @@ from pocket_mlx import kernels
 from pocket_mlx.engine.drafters import BackOff, LookupDrafter, make_drafter
 from pocket_mlx.engine.generation import SamplingParams, stream_generate
 from pocket_mlx.engine.loader import load
-from pocket_mlx.engine.speculative import _accept, target_probs
+from pocket_mlx.engine.speculative import accept_drafts, target_probs
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import verify
 from pocket_mlx.models.verify import commit, verify_forward
@@ -290,7 +290,7 @@ def _first_token_counts(logits, drafts, q, draws, temperature=1.0, top_k=0):
     for _ in range(draws):
         if q is not None:  # a sampling drafter's drafts are drawn from its q
             drafts = [int(mx.random.categorical(mx.log(q[i])).item()) for i in range(len(drafts))]
-        out, _ = _accept(logits, [0, *drafts], [0], False, sampling, sampler, [], 64, q)
+        out, _ = accept_drafts(logits, [0, *drafts], [0], False, sampling, sampler, [], 64, q)
         counts[out[0][0]] += 1
     return counts
 
@@ -483,7 +483,7 @@ def test_sampled_first_token_distribution_on_bundled_model(bundled):
     mx.random.seed(11)
     n = 800
     for _ in range(n):
-        out, _ = _accept(logits, [ids[-1], *drafts], ids, False, sampling, sampler, [], 64, None)
+        out, _ = accept_drafts(logits, [ids[-1], *drafts], ids, False, sampling, sampler, [], 64, None)
         counts[out[0][0]] += 1  # a token outside the top 4 would raise KeyError
     got = np.array([counts[t] for t in support.tolist()])
     chi2 = float(((got - n * p[support]) ** 2 / (n * p[support])).sum())

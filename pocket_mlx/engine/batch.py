@@ -47,7 +47,7 @@ from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP
 from pocket_mlx.engine.prompt_cache import PrefixStore
 from pocket_mlx.engine.sampling import processors_for, sample, sampler_for
 from pocket_mlx.engine.snapshot_points import chunk_size, snapshot_points
-from pocket_mlx.engine.speculative import _accept
+from pocket_mlx.engine.speculative import accept_drafts
 from pocket_mlx.errors import one_line
 from pocket_mlx.models.batched import DecodeBatch
 from pocket_mlx.models.verify import batched_rows_exact, commit, verify_forward
@@ -358,7 +358,7 @@ class BatchDecoder:
         hist = [*s.history.tolist(), y] if s.processors else []
         t = time.perf_counter()
         logits, hidden, tape = verify_forward(self.model, mx.array(rows, mx.uint32), s.cache)
-        out, a = _accept(logits, rows, hist, True, None, s.sampler, s.processors, s.keep, None)
+        out, a = accept_drafts(logits, rows, hist, True, None, s.sampler, s.processors, s.keep, None)
         if (timed := getattr(d, "timed", None)) is not None:
             timed(len(rows), time.perf_counter() - t, a + 1)
         s.spec = (tape, hidden, [tok for tok, _ in out[:a]], len(drafts), a)

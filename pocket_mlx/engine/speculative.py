@@ -118,7 +118,7 @@ def speculative_step(
         t0 = time.perf_counter()
         with mx.stream(stream):
             logits, hidden, tape = verify_forward(model, mx.array(rows, mx.uint32), cache)
-            out, a = _accept(logits, rows, tokens, greedy, sampling, sampler, processors, keep, q)
+            out, a = accept_drafts(logits, rows, tokens, greedy, sampling, sampler, processors, keep, q)
         if timed is not None and drafts:
             timed(len(rows), time.perf_counter() - t0, a + 1)
         counts.passes += 1
@@ -206,7 +206,7 @@ def _row_logprobs(logits: mx.array, processors, history: list[int], keep: int) -
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def _accept(
+def accept_drafts(
     logits: mx.array,
     rows: list[int],
     tokens: list[int],
