@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -192,3 +193,41 @@ def kernels_ext():
         pytest.skip(why)
     return kernels
 
+
+
+KERNEL_PATHS = ["fast", "exact", "mlx"]
+
+
+@contextmanager
+def kernel_path(name: str):
+    """The CPU extension in mode `name` ("fast", "exact"), or MLX's own ops ("mlx": extension
+    off), on the CPU stream; the extension's state restored after."""
+    if name != "mlx" and kernels.load_error() is not None:
+        if kernels.required():
+            pytest.fail(kernels.load_error(), pytrace=False)
+        pytest.skip(kernels.load_error())
+    mode = kernels.get_mode()
+    if name == "mlx":
+        kernels.set_enabled(False)
+    else:
+        kernels.set_mode(name)
+    try:
+        with mx.stream(mx.cpu):
+            yield name
+    finally:
+        kernels.set_enabled(True)
+        kernels.set_mode(mode)
+
+
+def speculative_run(model, tok, prompt, spec="off", k=3, max_tokens=120, raw=False,
+                    **sampling) -> tuple[list[int], object]:
+    """(token ids, final stats) of `stream_generate` with `--speculative spec` and K drafts."""
+    from pocket_mlx.engine.generation import SamplingParams, stream_generate
+
+    toks, stats = [], None
+    for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, speculative=spec,
+                             num_draft_tokens=k, raw=raw, sampling=SamplingParams(**sampling)):
+        if r.token is not None:
+            toks.append(r.token)
+        stats = r.stats
+    return toks, stats

@@ -8,8 +8,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from conftest import KERNEL_PATHS, kernel_path
 
-from pocket_mlx import kernels
 from pocket_mlx.engine.loader import load_model
 from pocket_mlx.kernels import ops
 from pocket_mlx.models.batched import DecodeBatch
@@ -47,24 +47,11 @@ def model(tmp_path_factory):
     return m
 
 
-@pytest.fixture(params=["fast", "exact", "mlx"])
+@pytest.fixture(params=KERNEL_PATHS)
 def path(request):
     """The CPU extension in each mode, and MLX's own ops (extension off)."""
-    if request.param != "mlx" and kernels.load_error() is not None:
-        if kernels.required():
-            pytest.fail(kernels.load_error(), pytrace=False)
-        pytest.skip(kernels.load_error())
-    mode = kernels.get_mode()
-    if request.param == "mlx":
-        kernels.set_enabled(False)
-    else:
-        kernels.set_mode(request.param)
-    try:
-        with mx.stream(mx.cpu):
-            yield request.param
-    finally:
-        kernels.set_enabled(True)
-        kernels.set_mode(mode)
+    with kernel_path(request.param) as name:
+        yield name
 
 
 class Seq:

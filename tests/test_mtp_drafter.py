@@ -12,10 +12,10 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import speculative_run
 
 from pocket_mlx.convert import synthetic
 from pocket_mlx.engine.drafters import BackOff, make_drafter
-from pocket_mlx.engine.generation import SamplingParams, stream_generate
 from pocket_mlx.engine.loader import load
 from pocket_mlx.engine.mtp_drafter import MAX_MTP_DEPTH, MTPDrafter
 
@@ -29,20 +29,7 @@ def tiny_mtp(tmp_path_factory):
 
 
 def _run(model, tok, spec="off", k=3, max_tokens=48, **sampling):
-    toks, stats = [], None
-    for r in stream_generate(
-        model,
-        tok,
-        PROMPT,
-        max_tokens=max_tokens,
-        speculative=spec,
-        num_draft_tokens=k,
-        sampling=SamplingParams(**sampling),
-    ):
-        if r.token is not None:
-            toks.append(r.token)
-        stats = r.stats
-    return toks, stats
+    return speculative_run(model, tok, PROMPT, spec, k, max_tokens, **sampling)
 
 
 @pytest.fixture(scope="module")

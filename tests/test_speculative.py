@@ -19,8 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import KERNEL_PATHS, kernel_path, speculative_run
 
-from pocket_mlx import kernels
 from pocket_mlx.engine.drafters import BackOff, LookupDrafter, make_drafter
 from pocket_mlx.engine.generation import SamplingParams, stream_generate
 from pocket_mlx.engine.loader import load
@@ -47,21 +47,11 @@ def bundled():
     return load(ASSET, device="cpu", fuse=True)
 
 
-@pytest.fixture(params=["fast", "exact", "mlx"])
+@pytest.fixture(params=KERNEL_PATHS)
 def path(request):
     """The CPU extension in each mode, and MLX's own ops (extension off)."""
-    if request.param != "mlx" and kernels.load_error() is not None:
-        if kernels.required():
-            pytest.fail(kernels.load_error(), pytrace=False)
-        pytest.skip(kernels.load_error())
-    mode = kernels.get_mode()
-    if request.param == "mlx":
-        kernels.set_enabled(False)
-    else:
-        kernels.set_mode(request.param)
-    yield request.param
-    kernels.set_enabled(True)
-    kernels.set_mode(mode)
+    with kernel_path(request.param) as name:
+        yield name
 
 
 def _prefilled(model, ids):
@@ -102,22 +92,7 @@ def test_verify_rows_are_decode_rows(bundled, path, monkeypatch):
     assert mx.array_equal(model(mx.array([[seq[2]]]), cache=cache)[0, 0], ref[2]).item()
 
 
-def _run(model, tok, prompt, spec="off", k=3, max_tokens=120, raw=False, **sampling):
-    toks, stats = [], None
-    for r in stream_generate(
-        model,
-        tok,
-        prompt,
-        max_tokens=max_tokens,
-        speculative=spec,
-        num_draft_tokens=k,
-        raw=raw,
-        sampling=SamplingParams(**sampling),
-    ):
-        if r.token is not None:
-            toks.append(r.token)
-        stats = r.stats
-    return toks, stats
+_run = speculative_run
 
 
 @pytest.fixture(scope="module")

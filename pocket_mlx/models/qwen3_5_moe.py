@@ -341,7 +341,9 @@ class Attention(nn.Module):
         self.rope_dims = int(self.head_dim * args.partial_rotary_factor)
         self.rope_base = args.rope_theta
 
-    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+    def heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """(q, gate, k, v) of `x` [B, L, hidden]: q, k, v normed and [B, heads, L, dim], the
+        output gate [B, L, heads, dim] (also read by the verify pass, models/verify.py)."""
         B, L, _ = x.shape
         q, k, v = project(self, x, *self.FUSED)
         q, gate = mx.split(q.reshape(B, L, self.n_heads, -1), 2, axis=-1)
@@ -349,7 +351,11 @@ class Attention(nn.Module):
         v = v.reshape(B, L, self.n_kv_heads, -1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(k).transpose(0, 2, 1, 3)
-        v = v.transpose(0, 2, 1, 3)
+        return q, gate, k, v.transpose(0, 2, 1, 3)
+
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        q, gate, k, v = self.heads(x)
         offset = cache.offset if cache is not None else 0
         q = ops.rope(q, self.rope_dims, self.rope_base, offset)
         k = ops.rope(k, self.rope_dims, self.rope_base, offset)

@@ -123,13 +123,7 @@ def _attention_rows(attn, x: mx.array, cache) -> mx.array:
     """Attention.__call__ for L rows of one sequence: projections on all rows, then RoPE, the
     cache update and the attention row by row at each row's own position (as decode)."""
     B, L, _ = x.shape
-    q, k, v = project(attn, x, *attn.FUSED)
-    q, gate = mx.split(q.reshape(B, L, attn.n_heads, -1), 2, axis=-1)
-    k = k.reshape(B, L, attn.n_kv_heads, -1)
-    v = v.reshape(B, L, attn.n_kv_heads, -1)
-    q = attn.q_norm(q).transpose(0, 2, 1, 3)
-    k = attn.k_norm(k).transpose(0, 2, 1, 3)
-    v = v.transpose(0, 2, 1, 3)
+    q, gate, k, v = attn.heads(x)
     outs = []
     for i in range(L):
         row = slice(i, i + 1)
