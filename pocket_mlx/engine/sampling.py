@@ -63,7 +63,9 @@ def categorical_with_key(logprobs: mx.array, key: mx.array, temp: float) -> mx.a
     return mx.random.categorical(logprobs * (1.0 / temp), key=key)
 
 
-def _filters(top_p: float, min_p: float, top_k: int) -> list[Callable[[mx.array], mx.array]]:
+def logit_filters(
+    top_p: float, min_p: float, top_k: int
+) -> list[Callable[[mx.array], mx.array]]:
     filters: list[Callable[[mx.array], mx.array]] = []
     if 0 < top_p < 1:
         filters.append(lambda x: apply_top_p(x, top_p))
@@ -81,7 +83,7 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0,
     filters then change nothing); top_p 1, min_p 0 and top_k 0 are off."""
     if temp == 0:
         return greedy
-    filters = _filters(top_p, min_p, top_k)
+    filters = logit_filters(top_p, min_p, top_k)
 
     def sampler(logprobs: mx.array) -> mx.array:
         for f in filters:
@@ -103,7 +105,7 @@ class KeyedSampler:
             raise ValueError("a keyed sampler draws: temp must be above 0 (greedy draws nothing)")
         self.key = mx.random.key(seed)
         self.temp = temp
-        self.filters = _filters(top_p, min_p, top_k)
+        self.filters = logit_filters(top_p, min_p, top_k)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         for f in self.filters:

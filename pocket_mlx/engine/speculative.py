@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 
 from pocket_mlx.engine.drafters import Drafter
-from pocket_mlx.engine.sampling import _filters, sample
+from pocket_mlx.engine.sampling import logit_filters, sample
 from pocket_mlx.models.verify import commit, verify_forward
 
 
@@ -47,7 +47,7 @@ def target_probs(
 ) -> mx.array:
     """The distribution `sampling.make_sampler` draws from, given log-probabilities [1, V]:
     its filters, then softmax at the temperature."""
-    for f in _filters(top_p, min_p, top_k):
+    for f in logit_filters(top_p, min_p, top_k):
         logprobs = f(logprobs)
     return mx.softmax(logprobs * (1.0 / temperature), axis=-1, precise=True)
 
