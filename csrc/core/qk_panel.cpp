@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
@@ -18,6 +19,14 @@ namespace detail {
 
 extern const PanelKernels panel_kernels_avx512vnni, panel_kernels_avx512, panel_kernels_avx2,
     panel_kernels_portable;
+
+int64_t panel_prefetch() {
+  static const int64_t pf = [] {
+    const char* e = std::getenv("POCKET_MLX_PANEL_PF");
+    return (int64_t)(e ? std::atoll(e) : 1024);
+  }();
+  return pf;
+}
 
 const PanelKernels& panel_kernels() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -63,6 +72,7 @@ inline uint32_t panel_code(uint32_t d, int bits, int c) {
 struct Registry {
   std::shared_mutex mu;
   std::unordered_map<const void*, PanelMatrix> m;
+  std::map<uintptr_t, uintptr_t> ranges;  // MLX weight bytes [start, end) of each matrix
 };
 Registry& registry() {
   static Registry* r = new Registry;  // never destroyed: kernels may run during exit
@@ -178,6 +188,17 @@ const PanelMatrix* panel_find(const void* w) {
   return it == R.m.end() ? nullptr : &it->second;
 }
 
+bool panel_covers(const void* p) {
+  Registry& R = registry();
+  std::shared_lock<std::shared_mutex> lk(R.mu);
+  if (R.ranges.empty()) return false;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = R.ranges.upper_bound(a);
+  if (it == R.ranges.begin()) return false;
+  --it;
+  return a < it->second;
+}
+
 }  // namespace detail
 
 using namespace detail;
@@ -205,6 +226,8 @@ int64_t panel_pack(const QMatrix& q) {
   Registry& R = registry();
   std::unique_lock<std::shared_mutex> lk(R.mu);
   R.m[q.w] = pm;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(q.w);
+  R.ranges[a] = a + (uintptr_t)(q.E * q.N * q.K * q.bits / 8);
   return pm.bytes;
 }
 
@@ -224,6 +247,7 @@ bool panel_release(const void* key) {
   if (it == R.m.end()) return false;
   std::free(const_cast<uint8_t*>(it->second.data));
   R.m.erase(it);
+  R.ranges.erase(reinterpret_cast<uintptr_t>(key));
   return true;
 }
 

@@ -47,6 +47,9 @@ inline bool panel_bits_ok(int bits) { return bits == 2 || bits == 4 || bits == 6
 
 // The registered panel copy of the matrix whose MLX weights start at `w`, or nullptr.
 const PanelMatrix* panel_find(const void* w);
+// True when `p` points into the MLX weights of a registered matrix (whose pages may have been
+// released): a view of packed weights that no kernel can read.
+bool panel_covers(const void* p);
 
 // Arguments of one panel kernel call: rows [p0 * 16, ...) of one expert, panels [p0, p1), mr
 // activation rows (FAST: int8 codes in natural order, scales and sums per group; EXACT: float32
@@ -61,6 +64,7 @@ struct PanelArgs {
   const float* const* xs;
   void* const* out;
   DType odt;
+  int64_t pf;  // software prefetch distance in bytes (panel_prefetch())
 };
 
 typedef void (*PanelFn)(const PanelArgs&);
@@ -71,6 +75,10 @@ struct PanelKernels {
   PanelFn exact;
   bool fast_bits[9];
 };
+
+// Prefetch distance of the panel kernels: POCKET_MLX_PANEL_PF bytes (read once), default measured
+// with bench_core PANEL=1 (csrc/tests/bench_core.cpp).
+int64_t panel_prefetch();
 
 // The panel kernels for the ISA variant in use (isa_variant()).
 const PanelKernels& panel_kernels();

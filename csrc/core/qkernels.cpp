@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -75,6 +76,10 @@ static const IsaOps* isa_by_name(const std::string& name) {
       if (!f.avx512vnni) return &avx512_ops;
       return f.avx512vbmi ? &avx512vbmi_ops : &avx512vnni_ops;
     }
+    return nullptr;
+  }
+  if (name == "avx512-novnni") {  // testing: AVX-512BW kernels on a CPU with VNNI
+    if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq) return &avx512_ops;
     return nullptr;
   }
   if (name == "avx2") {
@@ -464,7 +469,7 @@ static void gather_panels(const GatherProblem& p, const PanelMatrix& pm, const E
       const int8_t* xqs[MRMAX];
       const float *xds[MRMAX], *xfs[MRMAX], *xss[MRMAX];
       void* outs[MRMAX];
-      PanelArgs a{&pm, t.e, t.p0, t.p1, 0, xqs, xds, xfs, xss, outs, p.odt};
+      PanelArgs a{&pm, t.e, t.p0, t.p1, 0, xqs, xds, xfs, xss, outs, p.odt, panel_prefetch()};
       for (int64_t r = t.r0; r < t.r1; r += MRMAX) {
         a.mr = (int)std::min<int64_t>(MRMAX, t.r1 - r);
         for (int m = 0; m < a.mr; m++) {
@@ -493,7 +498,10 @@ void gather_qmm(const GatherProblem& p) {
     if (pm->E == p.E && pm->N == p.N && pm->K == p.K && pm->bits == p.bits &&
         pm->gs == p.group_size && pm->sdt == p.sdt)
       return gather_panels(p, *pm, g, fast_isa);
+    throw std::runtime_error("pocket_mlx: weights packed in the panel layout read with another shape");
   }
+  if (panel_covers(p.w))  // a view into packed weights: their MLX bytes may be gone
+    throw std::runtime_error("pocket_mlx: a view into weights packed in the panel layout");
   const bool fast = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[p.bits];
   // FAST mode: experts (or a plain matrix) with many activation rows go through the GEMM
   // kernels (qk_gemm.cpp: each weight panel unpacked once for all of them); the rest below.

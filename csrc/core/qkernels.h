@@ -100,7 +100,7 @@ const char* isa_variant();
 int fast_bits_mask();
 // Best instruction set this CPU supports (what isa() is unless forced).
 const char* best_isa();
-// Force an instruction set ("avx512", "avx2", "neon" = the best NEON variant, "neon-i8mm",
+// Force an instruction set ("avx512", "avx512-novnni" (AVX-512BW kernels even with VNNI), "avx2", "neon" = the best NEON variant, "neon-i8mm",
 // "neon-dotprod", "neon-base" = NEON EXACT only, "scalar", or "auto"). Returns false if the
 // CPU cannot run it (the setting is then unchanged).
 bool force_isa(const char* name);

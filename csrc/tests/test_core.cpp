@@ -337,7 +337,7 @@ static void run_panel_case(std::mt19937& rng, int bits, int gs, int64_t E, int64
 
 int main(int argc, char** argv) {
   bool quick = false;
-  std::vector<std::string> isas = {"avx512", "avx2", "neon", "neon-dotprod", "neon-base", "scalar"};
+  std::vector<std::string> isas = {"avx512", "avx512-novnni", "avx2", "neon", "neon-dotprod", "neon-base", "scalar"};
   std::string expect;
   std::random_device rd;
   unsigned seed = rd();

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from pocket_mlx import kernels
 from pocket_mlx.config import ModelFolder, quantization, safetensors_header
 from pocket_mlx.engine import rank_shards, schemes
 from pocket_mlx.engine.devices import policy_dtype, resolve_device, stream_for
@@ -233,6 +234,22 @@ def cast_cache(model: nn.Module, cache: list) -> int:
     return n
 
 
+def use_panels(model: nn.Module, device: str) -> dict | None:
+    """The CPU panel layout follows the device (POCKET_MLX_PANELS=1, `kernels.pack_model`):
+    packed for the CPU, unpacked into the MLX layout for the GPU; the weights are never held
+    twice. Returns the conversion's report (also `model.panel_report`), None when nothing
+    changed."""
+    packed = bool(getattr(model, "panel_modules", None))
+    if device == "cpu" and not packed and kernels.panels_wanted():
+        report = {"to": "cpu", **kernels.pack_model(model)}
+    elif device != "cpu" and packed:
+        report = {"to": device, **kernels.unpack_model(model)}
+    else:
+        return None
+    object.__setattr__(model, "panel_report", report)
+    return report
+
+
 def use_device(model: nn.Module, device: str, cache: list | None = None) -> bool:
     """Make `model` the model of `device` under the dtype policy (`devices.policy_dtype`),
     unless `load(..., dtype=...)` fixed its dtype, and `cache` (a conversation's, if given)
@@ -242,6 +259,7 @@ def use_device(model: nn.Module, device: str, cache: list | None = None) -> bool
     `devices.stream_for`). Returns True when parameters were cast."""
     device = resolve_device(device)
     model.device = device
+    use_panels(model, device)
     if getattr(model, "dtype_override", None) is not None or not hasattr(model, "stored_dtypes"):
         return False  # the dtypes never change, so neither do the cache's
     want = policy_dtype(device)
@@ -336,5 +354,7 @@ def load(path_or_repo: ModelFolder | str | os.PathLike | None = None,
                        shard=shard)
     model.device = device
     object.__setattr__(model, "dtype_override", dtype)
+    if not lazy:
+        use_panels(model, device)
     tokenizer = load_tokenizer(folder.path, folder.config)
     return model, tokenizer

@@ -8,6 +8,8 @@ Environment:
   POCKET_MLX_THREADS=N        worker threads (default: physical cores)
   POCKET_MLX_KERNEL_MODE=exact|fast  start mode (default: fast; see set_mode)
   POCKET_MLX_ISA=avx2|scalar|neon-dotprod|...  force an instruction set (testing; see set_isa)
+  POCKET_MLX_PANELS=1         pack the quantized matrices into the CPU panel layout when a model
+                              loads for the CPU (pack_model; one copy of the weights)
   POCKET_MLX_REQUIRE_KERNELS=1  CI: a failed build of the extension fails `pip install`, and the
                               kernel tests fail instead of skipping when it is missing (required())
 """
@@ -15,6 +17,7 @@ Environment:
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -282,3 +285,56 @@ def label(status: dict | None = None) -> str:
     if status.get("mode"):
         text += f", {status['mode']}"
     return text
+
+
+def panels_wanted() -> bool:
+    """POCKET_MLX_PANELS=1: models loaded for the CPU keep their quantized matrices in the panel
+    layout (off by default until the loader's memory behaviour is checked on every platform)."""
+    return (_ext is not None and hasattr(_ext, "panel_pack") and enabled()
+            and os.environ.get("POCKET_MLX_PANELS", "").strip().lower() in ("1", "true", "yes",
+                                                                            "on"))
+
+
+def _panel_modules(model):
+    """The modules whose weights only the extension's matmuls read on the CPU: quantized linear
+    layers and stacked experts (not embeddings, whose rows MLX dequantizes)."""
+    from pocket_mlx.models.layers import QuantizedLinear, QuantizedSwitchLinear
+
+    for _, m in model.named_modules():
+        if (isinstance(m, (QuantizedLinear, QuantizedSwitchLinear)) and "biases" in m
+                and getattr(m, "mode", "affine") == "affine"):
+            yield m
+
+
+def pack_model(model) -> dict:
+    """Packs every quantized matrix the CPU kernels read into the panel layout (the kernels' own
+    CPU layout, csrc/core/qk_panel.h) and hands the MLX copy's pages back to the OS, one matrix
+    at a time, so the weights are in memory once (peak: the weights plus one matrix). Bits the
+    layout does not hold (1/3/5) stay as they are. Returns {"matrices", "bytes", "seconds"}."""
+    t0 = time.perf_counter()
+    n = total = 0
+    packed = list(getattr(model, "panel_modules", []))
+    for m in _panel_modules(model):
+        if any(m is p for p in packed):
+            continue
+        mx.eval(m["weight"], m["scales"], m["biases"])
+        b = _ext.panel_pack(m["weight"], m["scales"], m["biases"], bits=m.bits,
+                            group_size=m.group_size, release=True)
+        if b > 0:
+            packed.append(m)
+            n += 1
+            total += b
+    object.__setattr__(model, "panel_modules", packed)
+    return {"matrices": n, "bytes": total, "seconds": time.perf_counter() - t0}
+
+
+def unpack_model(model) -> dict:
+    """The MLX layout back from the panels (another device is about to run the model): each
+    matrix's arrays are rebuilt and its panels freed, one at a time. Returns {"matrices",
+    "seconds"}."""
+    t0 = time.perf_counter()
+    mods = list(getattr(model, "panel_modules", []))
+    for m in mods:
+        m.weight, m.scales, m.biases = _ext.panel_unpack(m["weight"])
+    object.__setattr__(model, "panel_modules", [])
+    return {"matrices": len(mods), "seconds": time.perf_counter() - t0}
