@@ -62,6 +62,11 @@ inline uint32_t to_panel2(uint32_t v) {
   return kSpread2.t[v & 255] | kSpread2.t[(v >> 8) & 255] << 2 |
          kSpread2.t[(v >> 16) & 255] << 4 | kSpread2.t[v >> 24] << 6;
 }
+// The inverse of spread4: the low nibbles of bytes 0..3 -> nibbles 0..3.
+inline uint32_t compress4(uint32_t v) {
+  v = (v | (v >> 4)) & 0x00FF00FFu;
+  return (v | (v >> 8)) & 0xFFFFu;
+}
 inline uint32_t to_panel4(uint32_t v) { return spread4(v) | spread4(v >> 16) << 4; }
 
 // Code c (0..4S-1) of a panel dword.
@@ -153,24 +158,35 @@ void unpack_panel(const PanelMatrix& pm, int64_t e, int64_t p, uint32_t* w, void
     const int64_t n = p * PANEL_W + r;
     if (n >= N) break;
     uint8_t* wr = wb + n * row_bytes;
-    std::memset(wr, 0, row_bytes);
     for (int64_t g = 0; g < G; g++) {
       const uint8_t* rec = rec0 + g * pm.rec_bytes;
       const uint32_t* cw = reinterpret_cast<const uint32_t*>(rec);
-      for (int64_t j = 0; j < gs; j++) {
-        uint32_t c;
-        if (bits == 6) {
-          const int64_t u = j / 16;
-          const int t = (int)(j % 16), tt = t & 7;
-          c = panel_code(cw[(3 * u + (t >> 3)) * PANEL_W + r], 4, tt) |
-              panel_code(cw[(3 * u + 2) * PANEL_W + r], 2, t) << 4;
-        } else {
-          const int per = 32 / bits;
-          c = panel_code(cw[(j / per) * PANEL_W + r], bits, (int)(j % per));
+      uint8_t* dst = wr + g * gs * bits / 8;
+      if (bits == 6) {
+        for (int64_t u = 0; u < gs / 16; u++) {
+          const uint32_t lo0 = cw[(3 * u) * PANEL_W + r], lo1 = cw[(3 * u + 1) * PANEL_W + r];
+          const uint32_t hi = cw[(3 * u + 2) * PANEL_W + r];
+          for (int j = 0; j < 4; j++) {  // codes 4j..4j+3 -> 3 bytes
+            uint32_t v = 0;
+            for (int i = 0; i < 4; i++) {
+              const int t = 4 * j + i;
+              const uint32_t c = panel_code(t < 8 ? lo0 : lo1, 4, t & 7) | panel_code(hi, 2, t) << 4;
+              v |= c << (6 * i);
+            }
+            uint8_t* d = dst + 12 * u + 3 * j;
+            d[0] = (uint8_t)v;
+            d[1] = (uint8_t)(v >> 8);
+            d[2] = (uint8_t)(v >> 16);
+          }
         }
-        const int64_t bit = (g * gs + j) * bits;
-        uint32_t v = c << (bit & 7);
-        for (int64_t b = bit >> 3; v; b++, v >>= 8) wr[b] |= (uint8_t)v;
+      } else {
+        for (int64_t u = 0; u < gs * bits / 32; u++) {
+          const uint32_t d = cw[u * PANEL_W + r];
+          const uint32_t v = bits == 2 ? to_panel2(d)  // a 4x4 transpose: its own inverse
+                             : bits == 4 ? compress4(d & 0x0F0F0F0Fu) | compress4((d >> 4) & 0x0F0F0F0Fu) << 16
+                                         : d;
+          std::memcpy(dst + 4 * u, &v, 4);
+        }
       }
       std::memcpy(sb + (n * G + g) * ssz, rec + pm.code_bytes + r * ssz, ssz);
       std::memcpy(bb + (n * G + g) * ssz, rec + pm.code_bytes + (PANEL_W + r) * ssz, ssz);
