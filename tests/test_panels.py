@@ -102,7 +102,7 @@ def test_panel_isas_identical():
     try:
         kernels.set_mode("fast")
         outs = []
-        for isa in ("auto", "avx2"):
+        for isa in ("auto", "avx512-novnni", "avx2"):
             if kernels.set_isa(isa):
                 outs.append(np.array(kernels.quantized_matmul(x, w, s, b, group_size=gs,
                                                               bits=bits)))

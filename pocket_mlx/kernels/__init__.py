@@ -238,7 +238,7 @@ def get_mode() -> str:
 
 
 def set_isa(name: str) -> bool:
-    """Force 'avx512' | 'avx2' | 'neon' (the best NEON variant) | 'neon-i8mm' | 'neon-dotprod' |
+    """Force 'avx512' | 'avx512-novnni' (AVX-512BW kernels on a VNNI CPU, for tests) | 'avx2' | 'neon' (the best NEON variant) | 'neon-i8mm' | 'neon-dotprod' |
     'neon-base' (NEON without FAST) | 'scalar' | 'auto'; False if this CPU cannot."""
     return bool(_ext is not None and _ext.force_isa(name))
 
