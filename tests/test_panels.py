@@ -121,7 +121,7 @@ def test_model_with_panels(tiny_ckpt, monkeypatch):
     on random weights a float-order change flips int8 roundings and then routed experts, as it
     does between the row kernels and the GEMM.)"""
     _packable()
-    from pocket_mlx.engine import loader
+    from pocket_mlx.engine import loader, panels
 
     tokens = mx.array([[1, 5, 9, 2, 7, 3]])
     model, _ = loader.load(str(tiny_ckpt), device="cpu")
@@ -139,7 +139,7 @@ def test_model_with_panels(tiny_ckpt, monkeypatch):
     batch = np.array(packed(mx.array([[1], [5], [9]])), dtype=np.float32)
     for i, t in enumerate((1, 5, 9)):
         assert np.array_equal(np.array(packed(mx.array([[t]])), dtype=np.float32), batch[i:i + 1])
-    back = loader.use_panels(packed, "gpu")
+    back = panels.use_panels(packed, "gpu")
     assert back["to"] == "gpu" and back["matrices"] == report["matrices"]
     for k, v in tree_flatten(packed.parameters()):
         assert np.array_equal(_np(v), before[k]), k

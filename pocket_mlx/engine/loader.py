@@ -14,11 +14,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from pocket_mlx import kernels
 from pocket_mlx.config import ModelFolder, quantization, safetensors_header
 from pocket_mlx.engine import rank_shards, schemes
 from pocket_mlx.engine.devices import policy_dtype, resolve_device, stream_for
 from pocket_mlx.engine.hub import fetch, parse_repo_id
+from pocket_mlx.engine.panels import use_panels
 from pocket_mlx.engine.tokenizer import load_tokenizer
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import apply_quantization, build_model
@@ -232,22 +232,6 @@ def cast_cache(model: nn.Module, cache: list) -> int:
                 setattr(c, name, a.astype(dtype))
                 n += 1
     return n
-
-
-def use_panels(model: nn.Module, device: str) -> dict | None:
-    """The CPU panel layout follows the device (POCKET_MLX_PANELS=1, `kernels.pack_model`):
-    packed for the CPU, unpacked into the MLX layout for the GPU; the weights are never held
-    twice. Returns the conversion's report (also `model.panel_report`), None when nothing
-    changed."""
-    packed = bool(getattr(model, "panel_modules", None))
-    if device == "cpu" and not packed and kernels.panels_wanted():
-        report = {"to": "cpu", **kernels.pack_model(model)}
-    elif device != "cpu" and packed:
-        report = {"to": device, **kernels.unpack_model(model)}
-    else:
-        return None
-    object.__setattr__(model, "panel_report", report)
-    return report
 
 
 def use_device(model: nn.Module, device: str, cache: list | None = None) -> bool:

@@ -17,7 +17,6 @@ Environment:
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -295,46 +294,15 @@ def panels_wanted() -> bool:
                                                                             "on"))
 
 
-def _panel_modules(model):
-    """The modules whose weights only the extension's matmuls read on the CPU: quantized linear
-    layers and stacked experts (not embeddings, whose rows MLX dequantizes)."""
-    from pocket_mlx.models.layers import QuantizedLinear, QuantizedSwitchLinear
-
-    for _, m in model.named_modules():
-        if (isinstance(m, (QuantizedLinear, QuantizedSwitchLinear)) and "biases" in m
-                and getattr(m, "mode", "affine") == "affine"):
-            yield m
+def pack_matrix(w, scales, biases, *, bits: int, group_size: int) -> int:
+    """Packs one evaluated quantized matrix into the CPU panel layout (csrc/core/qk_panel.h) and
+    hands its MLX arrays' pages back to the OS: the kernels then read the panels for every call
+    with this `w` (which must not be read any other way until `unpack_matrix`). Returns the bytes
+    of the panels, 0 when not packed (bits 1/3/5, or no panel kernels on this CPU)."""
+    return int(_ext.panel_pack(w, scales, biases, bits=bits, group_size=group_size,
+                               release=True))
 
 
-def pack_model(model) -> dict:
-    """Packs every quantized matrix the CPU kernels read into the panel layout (the kernels' own
-    CPU layout, csrc/core/qk_panel.h) and hands the MLX copy's pages back to the OS, one matrix
-    at a time, so the weights are in memory once (peak: the weights plus one matrix). Bits the
-    layout does not hold (1/3/5) stay as they are. Returns {"matrices", "bytes", "seconds"}."""
-    t0 = time.perf_counter()
-    n = total = 0
-    packed = list(getattr(model, "panel_modules", []))
-    for m in _panel_modules(model):
-        if any(m is p for p in packed):
-            continue
-        mx.eval(m["weight"], m["scales"], m["biases"])
-        b = _ext.panel_pack(m["weight"], m["scales"], m["biases"], bits=m.bits,
-                            group_size=m.group_size, release=True)
-        if b > 0:
-            packed.append(m)
-            n += 1
-            total += b
-    object.__setattr__(model, "panel_modules", packed)
-    return {"matrices": n, "bytes": total, "seconds": time.perf_counter() - t0}
-
-
-def unpack_model(model) -> dict:
-    """The MLX layout back from the panels (another device is about to run the model): each
-    matrix's arrays are rebuilt and its panels freed, one at a time. Returns {"matrices",
-    "seconds"}."""
-    t0 = time.perf_counter()
-    mods = list(getattr(model, "panel_modules", []))
-    for m in mods:
-        m.weight, m.scales, m.biases = _ext.panel_unpack(m["weight"])
-    object.__setattr__(model, "panel_modules", [])
-    return {"matrices": len(mods), "seconds": time.perf_counter() - t0}
+def unpack_matrix(w):
+    """(w, scales, biases) in the MLX layout, new arrays, from the panels of `w`; frees them."""
+    return tuple(_ext.panel_unpack(w))
