@@ -106,6 +106,16 @@ NB_MODULE(_qkernels, m) {
         nb::arg("bytes"));
   m.def("supported", [](int bits, int gs, int64_t K) { return pqk::supported(bits, gs, K); },
         nb::arg("bits"), nb::arg("group_size"), nb::arg("K"));
+  m.def("panel_pack", &panel_pack, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::kw_only(), nb::arg("bits"), nb::arg("group_size"), nb::arg("release") = false,
+        "Packs an evaluated, contiguous quantized matrix into the CPU panel layout (the kernels "
+        "then read it for calls with this w); release: hand the MLX arrays' pages back to the OS "
+        "(they read as zeros or the file's bytes until panel_unpack). Returns the bytes "
+        "allocated, 0 when the layout does not hold these bits or this CPU has no panel kernels.");
+  m.def("panel_unpack", &panel_unpack, nb::arg("w"),
+        "The MLX layout of a packed matrix as new arrays (w, scales, biases); frees the panels.");
+  m.def("panel_release", &panel_release, nb::arg("w"), "Frees the panels of w; False if none.");
+  m.def("panel_bytes", []() { return pqk::panel_bytes_total(); }, "Bytes of all panels.");
   m.attr("MODE_EXACT") = (int)pqk::MODE_EXACT;
   m.attr("MODE_FAST") = (int)pqk::MODE_FAST;
 }

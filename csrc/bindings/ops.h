@@ -56,4 +56,10 @@ mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::arr
                            const std::optional<mx::array>& gate, float scale,
                            mx::StreamOrDevice s);
 
+// Panel layout (bindings/panels.cpp).
+int64_t panel_pack(const mx::array& w, const mx::array& scales, const mx::array& biases, int bits,
+                   int group_size, bool release);
+std::tuple<mx::array, mx::array, mx::array> panel_unpack(const mx::array& w);
+bool panel_release(const mx::array& w);
+
 }  // namespace pocket_ext

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "cpu_features.h"
 #include "qk_gemm.h"
 #include "qk_internal.h"
+#include "qk_panel.h"
 
 namespace pqk {
 namespace detail {
@@ -74,6 +76,10 @@ static const IsaOps* isa_by_name(const std::string& name) {
       if (!f.avx512vnni) return &avx512_ops;
       return f.avx512vbmi ? &avx512vbmi_ops : &avx512vnni_ops;
     }
+    return nullptr;
+  }
+  if (name == "avx512-novnni") {  // testing: AVX-512BW kernels on a CPU with VNNI
+    if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq) return &avx512_ops;
     return nullptr;
   }
   if (name == "avx2") {
@@ -416,10 +422,86 @@ static void run_task(const Task& t, const GatherProblem& p, const std::vector<in
   }
 }
 
+// A matrix packed in the panel layout (qk_panel.h): every row goes through the row-panel kernels,
+// MRMAX activation rows per pass over a task's panels (FAST: the same arithmetic for any number
+// of rows, so batched, speculative-verify and single decode give identical bits). Activations
+// are prepared in natural order (W = 1).
+static void gather_panels(const GatherProblem& p, const PanelMatrix& pm, const ExpertRows& g,
+                          bool fast) {
+  const PanelKernels& pk = panel_kernels();
+  fast = fast && pk.fast && pk.fast_bits[p.bits];
+  const PanelFn fn = fast ? pk.fast : pk.exact;
+  const int64_t total = (int64_t)g.order.size();
+  if (total == 0) return;
+  const int64_t K = p.K, G = K / p.group_size;
+  const int nth = get_threads();
+  const int64_t chunk_rows = std::max<int64_t>(MRMAX, ((int64_t)8 << 20) / K / MRMAX * MRMAX);
+  PreparedX px(std::min(total, chunk_rows), K, G, fast);
+  const int64_t pan_bytes = G * pm.rec_bytes;
+  static const int64_t task_bytes = [] {
+    const char* e = std::getenv("POCKET_MLX_TASK_KB");
+    return (int64_t)(e ? std::atoi(e) : 128) * 1024;
+  }();
+  const size_t osz = p.odt == F32 ? 4 : 2;
+  struct PTask {
+    int64_t e, r0, r1, p0, p1;
+  };
+  for (int64_t c0 = 0; c0 < total; c0 += chunk_rows) {
+    const int64_t c1 = std::min(total, c0 + chunk_rows);
+    prepare_chunk(p, g.order, c0, c1, 1, px);
+    int64_t nseg = 0;
+    for (size_t s = 0; s < g.segs.size(); s++)
+      if (g.segs[s].second < c1 && g.seg_end[s] > c0) nseg++;
+    int64_t np = std::max<int64_t>(1, task_bytes / pan_bytes);
+    if (nseg * ((pm.npan + np - 1) / np) < 4 * nth)
+      np = std::max<int64_t>(1, pm.npan * nseg / (4 * nth));
+    std::vector<PTask> tasks;
+    int64_t wbytes = 0;
+    for (size_t s = 0; s < g.segs.size(); s++) {
+      const int64_t r0 = std::max(g.segs[s].second, c0), r1 = std::min(g.seg_end[s], c1);
+      if (r0 >= r1) continue;
+      wbytes += pm.npan * pan_bytes;
+      for (int64_t q0 = 0; q0 < pm.npan; q0 += np)
+        tasks.push_back({g.segs[s].first, r0, r1, q0, std::min(pm.npan, q0 + np)});
+    }
+    parallel_for((int64_t)tasks.size(), wbytes < g_single_bytes.load(), [&](int64_t ti) {
+      const PTask& t = tasks[ti];
+      const int8_t* xqs[MRMAX];
+      const float *xds[MRMAX], *xfs[MRMAX], *xss[MRMAX];
+      void* outs[MRMAX];
+      PanelArgs a{&pm, t.e, t.p0, t.p1, 0, xqs, xds, xfs, xss, outs, p.odt, panel_prefetch()};
+      for (int64_t r = t.r0; r < t.r1; r += MRMAX) {
+        a.mr = (int)std::min<int64_t>(MRMAX, t.r1 - r);
+        for (int m = 0; m < a.mr; m++) {
+          const int64_t li = px.slot[r + m - c0];
+          xss[m] = px.xsum.data() + li * G;
+          if (fast) {
+            xqs[m] = px.xq.data() + li * K;
+            xds[m] = px.xd.data() + li * (G + 64);
+          } else {
+            xfs[m] = px.x.data() + li * K;
+          }
+          outs[m] = static_cast<uint8_t*>(p.out) + (size_t)g.order[r + m] * p.N * osz;
+        }
+        fn(a);
+      }
+    });
+  }
+}
+
 void gather_qmm(const GatherProblem& p) {
   if (p.nrows <= 0 || p.N <= 0) return;
   const IsaOps* ops = current_isa();
   ExpertRows g = group_rows_by_expert(p);
+  const bool fast_isa = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[p.bits];
+  if (const PanelMatrix* pm = panel_find(p.w)) {
+    if (pm->E == p.E && pm->N == p.N && pm->K == p.K && pm->bits == p.bits &&
+        pm->gs == p.group_size && pm->sdt == p.sdt)
+      return gather_panels(p, *pm, g, fast_isa);
+    throw std::runtime_error("pocket_mlx: weights packed in the panel layout read with another shape");
+  }
+  if (panel_covers(p.w))  // a view into packed weights: their MLX bytes may be gone
+    throw std::runtime_error("pocket_mlx: a view into weights packed in the panel layout");
   const bool fast = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[p.bits];
   // FAST mode: experts (or a plain matrix) with many activation rows go through the GEMM
   // kernels (qk_gemm.cpp: each weight panel unpacked once for all of them); the rest below.

@@ -63,6 +63,25 @@ void qmm(const void* x, DType xdt, int64_t M, const uint32_t* w, const void* sca
          const void* biases, DType sdt, int64_t N, int64_t K, int bits, int group_size, void* out,
          DType odt);
 
+// Panel layout (qk_panel.h): the CPU layout of the row-panel kernels, one record per 16 rows x
+// one group (codes, then scales, then biases), built once from the MLX layout into a 2 MiB
+// aligned buffer (transparent huge pages requested) and registered under m.w: every gather_qmm /
+// qmm / moe_block call with these weights then reads the panels, for any number of rows, in
+// EXACT and FAST mode. Returns the bytes allocated, 0 when not packed (bits 1/3/5, already
+// packed, bad shape): the MLX layout then serves.
+int64_t panel_pack(const QMatrix& m);
+// Writes the MLX layout of the registered matrix `w` back into w / scales / biases (buffers of
+// the MLX shapes; may be the original ones after release_pages). False if `w` is not registered.
+bool panel_unpack(const void* w, uint32_t* w_out, void* scales, void* biases);
+// Frees the panels registered under `w`; false if none.
+bool panel_release(const void* w);
+// Bytes of all registered panels.
+int64_t panel_bytes_total();
+// Returns the whole 4 KiB pages inside [p, p + bytes) to the OS (madvise MADV_DONTNEED: they
+// read as zeros, or the file's bytes, afterwards): the MLX copy of a packed matrix gives its
+// memory back, so one copy of the weights stays. Returns the bytes released.
+int64_t release_pages(void* p, int64_t bytes);
+
 // Thread pool: n <= 0 means the default (physical cores).
 void set_threads(int n);
 int get_threads();
@@ -81,7 +100,7 @@ const char* isa_variant();
 int fast_bits_mask();
 // Best instruction set this CPU supports (what isa() is unless forced).
 const char* best_isa();
-// Force an instruction set ("avx512", "avx2", "neon" = the best NEON variant, "neon-i8mm",
+// Force an instruction set ("avx512", "avx512-novnni" (AVX-512BW kernels even with VNNI), "avx2", "neon" = the best NEON variant, "neon-i8mm",
 // "neon-dotprod", "neon-base" = NEON EXACT only, "scalar", or "auto"). Returns false if the
 // CPU cannot run it (the setting is then unchanged).
 bool force_isa(const char* name);

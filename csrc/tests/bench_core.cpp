@@ -2,7 +2,8 @@
 // copies rotated so nothing stays in cache), the way one decode step reads them. Dev tool:
 //   cmake -S csrc -B build/core -DQK_BUILD_EXTENSION=OFF -DQK_BUILD_TESTS=ON
 //   cmake --build build/core --target bench_core && build/core/bench_core [threads]
-// HOT=1 keeps one copy (in cache: the kernels' compute speed); ONLY=<substring> picks shapes.
+// HOT=1 keeps one copy (in cache: the kernels' compute speed); ONLY=<substring> picks shapes;
+// PANEL=1 runs each shape in the MLX layout, then packed in the panel layout (qk_panel.h).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -32,6 +33,8 @@ int main(int argc, char** argv) {
       {"4b 2048->512 (shared gate)", 4, 64, 1, 512, 2048, 1, true},
       {"8b 2048->128 (router)", 8, 64, 1, 128, 2048, 1, true},
       {"6b 2048->248320 (lm_head)", 6, 64, 1, 248320, 2048, 1, true},
+      {"4b 2048->2048 x64 rows (prefill)", 4, 64, 1, 2048, 2048, 64, false},
+      {"2b 4x(2048->512) x32 rows (prefill)", 2, 64, 4, 512, 2048, 128, true},
   };
   if (!std::getenv("HOT")) {  // plain streaming read with the same pool, for reference
     const int64_t n = (int64_t)1 << 27;  // 1 GiB of uint64
@@ -86,6 +89,24 @@ int main(int argc, char** argv) {
     }
     // Bytes actually read per call: the experts used.
     const int64_t used = (s.E > 1 ? s.rows : 1) * s.N * (row_bytes + 4 * G);
+    const bool panel = std::getenv("PANEL") != nullptr;
+    for (int layout = 0; layout < (panel ? 2 : 1); layout++) {
+    if (layout == 1) {  // pack every copy, then drop the MLX copy (one copy in memory)
+      for (int c = 0; c < copies; c++) {
+        pqk::QMatrix q;
+        q.w = reinterpret_cast<const uint32_t*>(w[c].data());
+        q.scales = sc[c].data();
+        q.biases = bi[c].data();
+        q.sdt = pqk::BF16;
+        q.E = s.E;
+        q.N = s.N;
+        q.K = s.K;
+        q.bits = s.bits;
+        q.group_size = s.gs;
+        pqk::panel_pack(q);
+        pqk::release_pages(w[c].data(), wbytes);
+      }
+    }
     double best = 1e9, total = 0;
     int calls = 0;
     const int inner = copies == 1 ? 200 : 1;
@@ -116,8 +137,10 @@ int main(int argc, char** argv) {
       total += dt;
       calls += copies;
     }
-    std::printf("%-30s %8.1f us/call  %6.1f GB/s  (%d copies)\n", s.name, best * 1e6,
-                used / best / 1e9, copies);
+    std::printf("%-30s %8.1f us/call  %6.1f GB/s  (%d copies)%s\n", s.name, best * 1e6,
+                used / best / 1e9, copies, layout ? " panel" : "");
+    }
+    for (int c = 0; c < copies; c++) pqk::panel_release(w[c].data());
   }
   return 0;
 }

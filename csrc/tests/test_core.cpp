@@ -80,6 +80,19 @@ static float out_val(const std::vector<uint8_t>& o, DType dt, size_t i) {
 }
 
 static int failures = 0, checks = 0;
+// Second pass: the weights are packed in the panel layout (panel_pack) before each product.
+static bool g_panel = false;
+
+// Packs the matrix when g_panel (bits the layout holds); released by the returned guard.
+struct PanelGuard {
+  const void* w = nullptr;
+  PanelGuard(const QMatrix& q) {
+    if (g_panel && panel_pack(q) > 0) w = q.w;
+  }
+  ~PanelGuard() {
+    if (w) panel_release(w);
+  }
+};
 
 static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, int64_t E,
                      int64_t N, int64_t K, int64_t R, bool gathered, const char* isa_name,
@@ -120,7 +133,10 @@ static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, 
   p.group_size = gs;
   p.out = out.data();
   p.odt = odt;
-  gather_qmm(p);
+  {
+    PanelGuard pg(p);
+    gather_qmm(p);
+  }
   // Reference: plain bit extraction, double accumulation. FAST requested for bits the ISA has no
   // FAST kernel for (fast_bits_mask(), what kernels.info() reports) must give EXACT's result;
   // where the mask says FAST runs, a float32 output must show int8 rounding somewhere.
@@ -214,6 +230,16 @@ static void run_rows_case(std::mt19937& rng, int bits, int gs, int64_t N, int64_
   b.fill(N * (K / gs), BF16, rng, -0.1f, 0.1f);
   x.fill(M * K, F32, rng, -1.f, 1.f);
   std::vector<float> all(M * N), one(N);
+  QMatrix q;
+  q.w = w.data();
+  q.scales = s.ptr();
+  q.biases = b.ptr();
+  q.sdt = BF16;
+  q.N = N;
+  q.K = K;
+  q.bits = bits;
+  q.group_size = gs;
+  PanelGuard pg(q);
   qmm(x.ptr(), F32, M, w.data(), s.ptr(), b.ptr(), BF16, N, K, bits, gs, all.data(), F32);
   bool bad = false;
   for (int64_t r = 0; r < M && !bad; r++) {
@@ -231,9 +257,87 @@ static void run_rows_case(std::mt19937& rng, int bits, int gs, int64_t N, int64_
   }
 }
 
+// Panel layout: unpacking gives back the MLX bytes; FAST rows of a B-row product (B = 1..20, so
+// past the 8 rows of one kernel pass and the GEMM's threshold) equal that row alone, bit for bit.
+static void run_panel_case(std::mt19937& rng, int bits, int gs, int64_t E, int64_t N, int64_t K,
+                           DType sdt, const char* isa_name) {
+  const int64_t G = K / gs, words = K * bits / 32;
+  std::vector<uint32_t> w(E * N * words);
+  for (auto& v : w) v = rng();
+  Buf s, b;
+  s.fill(E * N * G, sdt, rng, 0.001f, 0.02f);
+  b.fill(E * N * G, sdt, rng, -0.1f, 0.1f);
+  QMatrix q;
+  q.w = w.data();
+  q.scales = s.ptr();
+  q.biases = b.ptr();
+  q.sdt = sdt;
+  q.E = E;
+  q.N = N;
+  q.K = K;
+  q.bits = bits;
+  q.group_size = gs;
+  if (panel_pack(q) <= 0) {  // x86 SIMD builds only; "scalar" and NEON keep the MLX layout
+#if defined(__x86_64__)
+    if (std::string(isa_variant()) != "scalar") {
+      failures++;
+      std::printf("FAIL panel isa=%s bits=%d: not packed\n", isa_name, bits);
+    }
+#endif
+    checks++;
+    return;
+  }
+  checks++;
+  const size_t ssz = sdt == F32 ? 4 : 2;
+  std::vector<uint32_t> w2(w.size(), 0);
+  std::vector<uint8_t> s2(E * N * G * ssz), b2(E * N * G * ssz);
+  bool bad = !panel_unpack(w.data(), w2.data(), s2.data(), b2.data()) || w2 != w ||
+             std::memcmp(s2.data(), s.ptr(), s2.size()) || std::memcmp(b2.data(), b.ptr(), b2.size());
+  if (bad) std::printf("FAIL panel unpack isa=%s bits=%d gs=%d\n", isa_name, bits, gs);
+  set_mode(MODE_FAST);
+  const int64_t M = 20;
+  Buf x;
+  x.fill(M * K, F32, rng, -1.f, 1.f);
+  std::vector<int32_t> ex(M);
+  std::vector<int64_t> off(M);
+  for (int64_t r = 0; r < M; r++) {
+    ex[r] = (int32_t)(rng() % 2);  // two experts: up to ~20 rows each
+    off[r] = r * K;
+  }
+  GatherProblem p;
+  static_cast<QMatrix&>(p) = q;
+  p.x = x.ptr();
+  p.xdt = F32;
+  p.xrow_off = off.data();
+  p.expert = ex.data();
+  p.odt = F32;
+  std::vector<float> all(M * N), one(N);
+  for (int64_t B : {M, (int64_t)8, (int64_t)3}) {
+    p.nrows = B;
+    p.out = all.data();
+    gather_qmm(p);
+    for (int64_t r = 0; r < B && !bad; r++) {
+      GatherProblem p1 = p;
+      p1.nrows = 1;
+      p1.xrow_off = off.data() + r;
+      p1.expert = ex.data() + r;
+      p1.out = one.data();
+      gather_qmm(p1);
+      if (std::memcmp(one.data(), all.data() + r * N, N * sizeof(float))) {
+        bad = true;
+        std::printf("FAIL panel rows isa=%s bits=%d gs=%d B=%lld row %lld differs from alone\n",
+                    isa_name, bits, gs, (long long)B, (long long)r);
+      }
+    }
+  }
+  set_mode(MODE_EXACT);
+  panel_release(w.data());
+  if (bad) failures++;
+}
+
 int main(int argc, char** argv) {
   bool quick = false;
-  std::vector<std::string> isas = {"avx512", "avx2", "neon", "neon-dotprod", "neon-base", "scalar"};
+  std::vector<std::string> isas = {"avx512", "avx512-novnni", "avx2", "neon", "neon-dotprod", "neon-base", "scalar"};
   std::string expect;
   std::random_device rd;
   unsigned seed = rd();
@@ -321,6 +425,29 @@ int main(int argc, char** argv) {
         run_rows_case(rng, bits, 64, 1 + rng() % 70, 64 * (1 + rng() % 9), 2 + rng() % 12,
                       isa_name, fast);
   }
+  // The same cases again with the weights in the panel layout (x86 SIMD builds pack; elsewhere
+  // panel_pack declines and the MLX layout serves), then the panel-only checks.
+  g_panel = true;
+  force_isa("auto");
+  {
+    for (const std::string& isa_s : isas) {
+      const char* isa_name = isa_s.c_str();
+      if (!force_isa(isa_name)) continue;
+      std::printf("panel layout, isa %s (variant %s)\n", isa_name, isa_variant());
+      for (int bits : {2, 4, 6, 8})
+        for (int gs : {32, 64, 128}) {
+          const DType sdt = dts[rng() % 3];
+          const int64_t K = gs * (1 + rng() % (quick ? 5 : 9));
+          run_case(rng, bits, gs, F32, sdt, 1, 1 + rng() % 40, K, 1 + rng() % 12, false, isa_name, 2);
+          run_case(rng, bits, gs, BF16, sdt, 5, 1 + rng() % 40, K, 1 + rng() % 20, true, isa_name, 2);
+          run_case(rng, bits, gs, F32, sdt, 1, 1 + rng() % 40, K, 1 + rng() % 12, false, isa_name, 2, true);
+          run_case(rng, bits, gs, BF16, sdt, 4, 1 + rng() % 40, K, 1 + rng() % 20, true, isa_name, 1, true);
+          run_rows_case(rng, bits, gs, 1 + rng() % 70, K, 2 + rng() % 12, isa_name, true);
+          run_panel_case(rng, bits, gs, 2, 1 + rng() % 50, K, sdt, isa_name);
+        }
+    }
+  }
+  g_panel = false;
   force_isa("auto");
   std::printf("%d/%d cases passed\n", checks - failures, checks);
   return failures ? 1 : 0;

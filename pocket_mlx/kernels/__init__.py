@@ -8,6 +8,8 @@ Environment:
   POCKET_MLX_THREADS=N        worker threads (default: physical cores)
   POCKET_MLX_KERNEL_MODE=exact|fast  start mode (default: fast; see set_mode)
   POCKET_MLX_ISA=avx2|scalar|neon-dotprod|...  force an instruction set (testing; see set_isa)
+  POCKET_MLX_PANELS=1         pack the quantized matrices into the CPU panel layout when a model
+                              loads for the CPU (pack_model; one copy of the weights)
   POCKET_MLX_REQUIRE_KERNELS=1  CI: a failed build of the extension fails `pip install`, and the
                               kernel tests fail instead of skipping when it is missing (required())
 """
@@ -235,7 +237,7 @@ def get_mode() -> str:
 
 
 def set_isa(name: str) -> bool:
-    """Force 'avx512' | 'avx2' | 'neon' (the best NEON variant) | 'neon-i8mm' | 'neon-dotprod' |
+    """Force 'avx512' | 'avx512-novnni' (AVX-512BW kernels on a VNNI CPU, for tests) | 'avx2' | 'neon' (the best NEON variant) | 'neon-i8mm' | 'neon-dotprod' |
     'neon-base' (NEON without FAST) | 'scalar' | 'auto'; False if this CPU cannot."""
     return bool(_ext is not None and _ext.force_isa(name))
 
@@ -282,3 +284,25 @@ def label(status: dict | None = None) -> str:
     if status.get("mode"):
         text += f", {status['mode']}"
     return text
+
+
+def panels_wanted() -> bool:
+    """POCKET_MLX_PANELS=1: models loaded for the CPU keep their quantized matrices in the panel
+    layout (off by default until the loader's memory behaviour is checked on every platform)."""
+    return (_ext is not None and hasattr(_ext, "panel_pack") and enabled()
+            and os.environ.get("POCKET_MLX_PANELS", "").strip().lower() in ("1", "true", "yes",
+                                                                            "on"))
+
+
+def pack_matrix(w, scales, biases, *, bits: int, group_size: int) -> int:
+    """Packs one evaluated quantized matrix into the CPU panel layout (csrc/core/qk_panel.h) and
+    hands its MLX arrays' pages back to the OS: the kernels then read the panels for every call
+    with this `w` (which must not be read any other way until `unpack_matrix`). Returns the bytes
+    of the panels, 0 when not packed (bits 1/3/5, or no panel kernels on this CPU)."""
+    return int(_ext.panel_pack(w, scales, biases, bits=bits, group_size=group_size,
+                               release=True))
+
+
+def unpack_matrix(w):
+    """(w, scales, biases) in the MLX layout, new arrays, from the panels of `w`; frees them."""
+    return tuple(_ext.panel_unpack(w))

@@ -1,0 +1,99 @@
+// The panel layout from Python (core/qk_panel.h): pack a quantized matrix of MLX arrays into the
+// CPU row-panel layout (its MLX pages then handed back to the OS: one copy of the weights), and
+// unpack it into fresh MLX arrays for another device.
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "bindings/common.h"
+#include "bindings/ops.h"
+
+namespace pocket_ext {
+namespace {
+
+// The MLX arrays of every packed matrix stay referenced while packed: their buffer address is
+// the registry's key, so it must not be freed and reused by another array.
+std::mutex g_mu;
+std::unordered_map<const void*, std::vector<mx::array>>& held() {
+  static auto* m = new std::unordered_map<const void*, std::vector<mx::array>>;
+  return *m;
+}
+
+void check_ready(const mx::array& a, const char* what) {
+  if (!a.is_available()) throw std::invalid_argument(std::string("panel_pack: ") + what + " is not evaluated");
+  if (!a.flags().row_contiguous)
+    throw std::invalid_argument(std::string("panel_pack: ") + what + " is not contiguous");
+}
+
+}  // namespace
+
+int64_t panel_pack(const mx::array& w, const mx::array& scales, const mx::array& biases, int bits,
+                   int group_size, bool release) {
+  if (w.ndim() != 2 && w.ndim() != 3) throw std::invalid_argument("panel_pack: w must be 2-D or 3-D");
+  if (w.dtype() != mx::uint32) throw std::invalid_argument("panel_pack: w must be uint32");
+  if (scales.dtype() != biases.dtype() || scales.shape() != biases.shape())
+    throw std::invalid_argument("panel_pack: scales and biases differ in dtype or shape");
+  check_ready(w, "w");
+  check_ready(scales, "scales");
+  check_ready(biases, "biases");
+  pqk::QMatrix q;
+  q.w = w.data<uint32_t>();
+  q.scales = scales.data<uint8_t>();
+  q.biases = biases.data<uint8_t>();
+  q.sdt = to_pqk(scales.dtype());
+  q.E = w.ndim() == 3 ? w.shape(0) : 1;
+  q.N = w.shape(-2);
+  q.K = (int64_t)w.shape(-1) * 32 / bits;
+  q.bits = bits;
+  q.group_size = group_size;
+  if (scales.shape(-1) * group_size != q.K || scales.size() != (size_t)(q.E * q.N * (q.K / group_size)))
+    throw std::invalid_argument("panel_pack: scales do not match w");
+  const int64_t bytes = pqk::panel_pack(q);
+  if (bytes <= 0) return 0;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    held()[q.w] = {w, scales, biases};
+  }
+  if (release) {
+    pqk::release_pages(const_cast<uint32_t*>(q.w), w.nbytes());
+    pqk::release_pages(const_cast<void*>(q.scales), scales.nbytes());
+    pqk::release_pages(const_cast<void*>(q.biases), biases.nbytes());
+  }
+  return bytes;
+}
+
+std::tuple<mx::array, mx::array, mx::array> panel_unpack(const mx::array& w) {
+  std::vector<mx::array> arrs;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto it = held().find(w.data<uint32_t>());
+    if (it == held().end()) throw std::invalid_argument("panel_unpack: w is not packed");
+    arrs = it->second;
+  }
+  std::vector<mx::array> out;
+  for (const mx::array& a : arrs) {
+    mx::array n(mx::allocator::malloc(a.nbytes()), a.shape(), a.dtype());
+    out.push_back(n);
+  }
+  const void* key = arrs[0].data<uint32_t>();
+  pqk::panel_unpack(key, out[0].data<uint32_t>(), out[1].data<uint8_t>(), out[2].data<uint8_t>());
+  pqk::panel_release(key);
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    held().erase(key);
+  }
+  return {out[0], out[1], out[2]};
+}
+
+bool panel_release(const mx::array& w) {
+  const void* key = w.data<uint32_t>();
+  const bool r = pqk::panel_release(key);
+  std::lock_guard<std::mutex> lk(g_mu);
+  held().erase(key);
+  return r;
+}
+
+}  // namespace pocket_ext

@@ -1,0 +1,145 @@
+"""CPU panel layout (csrc/core/qk_panel*): matrices packed from MLX arrays give FAST's
+int8-activation result and EXACT's float result, the same bits for a row alone and inside a B-row
+product (B = 1..20), unpack back to the MLX bytes, and a model loaded with POCKET_MLX_PANELS=1
+generates what it generates without them and converts back for another device."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from pocket_mlx import kernels
+from tests.test_kernels import _cpu_and_defaults, _fast_ref, _quantized, _x  # noqa: F401
+
+
+def _np(a):
+    """Bytes-exact numpy view (bfloat16 as its 16-bit pattern)."""
+    return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
+
+
+def _packable():
+    if not hasattr(kernels._ext, "panel_pack"):
+        pytest.skip("extension without panels")
+
+
+def _pack(w, s, b, bits, gs, release=False):
+    n = kernels._ext.panel_pack(w, s, b, bits=bits, group_size=gs, release=release)
+    if n == 0:
+        pytest.skip("no panel kernels on this CPU")
+    return n
+
+
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
+@pytest.mark.parametrize("bits", [2, 4, 6, 8])
+def test_panel_plain(isa, bits):
+    _packable()
+    if not kernels.set_isa(isa):
+        pytest.skip(f"{isa} not available")
+    for gs, sdt in ((64, mx.bfloat16), (32, mx.float16), (128, mx.float32)):
+        N, K = 37, gs * 5
+        w, s, b = _quantized((N, K), gs, bits, sdt)
+        x = _x((20, K), mx.float32)
+        mx.eval(w, s, b, x)
+        wc, sc, bc = mx.array(w), mx.array(s), mx.array(b)  # keep copies: release=True below
+        mx.eval(wc, sc, bc)
+        _pack(w, s, b, bits, gs, release=True)
+        try:
+            kernels.set_mode("exact")
+            ref = np.array(mx.quantized_matmul(x, wc, sc, bc, transpose=True, group_size=gs,
+                                               bits=bits))
+            got = np.array(kernels.quantized_matmul(x, w, s, b, group_size=gs, bits=bits))
+            assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+            if bits in kernels.info()["fast_bits"]:
+                kernels.set_mode("fast")
+                want = np.array(_fast_ref(x, wc, sc.astype(mx.float32), bc.astype(mx.float32),
+                                          gs, bits))
+                all_rows = np.array(kernels.quantized_matmul(x, w, s, b, group_size=gs, bits=bits))
+                assert np.abs(all_rows - want).max() <= 1e-4 * np.abs(want).max()
+                for B in (1, 2, 3, 5, 8, 9, 20):
+                    part = np.array(kernels.quantized_matmul(x[:B], w, s, b, group_size=gs,
+                                                             bits=bits))
+                    assert np.array_equal(part, all_rows[:B]), (bits, gs, B)
+        finally:
+            w2, s2, b2 = kernels._ext.panel_unpack(w)
+        assert np.array_equal(np.array(w2), np.array(wc))
+        assert np.array_equal(np.array(s2.astype(mx.float32)), np.array(sc.astype(mx.float32)))
+        assert np.array_equal(np.array(b2.astype(mx.float32)), np.array(bc.astype(mx.float32)))
+
+
+def test_panel_gather_rows_identical():
+    """Gathered experts (decode, speculative verify, batched): each token's rows equal the same
+    token alone, and the k experts of a token may share its activation row."""
+    _packable()
+    bits, gs, E, N, K = 2, 64, 6, 48, 256
+    w, s, b = _quantized((E, N, K), gs, bits, mx.bfloat16)
+    x = _x((12, 1, 1, K), mx.float32)
+    idx = mx.array(np.random.default_rng(0).integers(0, E, (12, 4)).astype(np.uint32))
+    mx.eval(w, s, b, x, idx)
+    ref = np.array(kernels.gather_qmm(x, w, s, b, idx, group_size=gs, bits=bits))
+    _pack(w, s, b, bits, gs)
+    try:
+        kernels.set_mode("fast")
+        all_rows = np.array(kernels.gather_qmm(x, w, s, b, idx, group_size=gs, bits=bits))
+        assert np.abs(all_rows - ref).max() <= 0.05 * np.abs(ref).max()  # FAST vs EXACT
+        for t in range(12):
+            one = np.array(kernels.gather_qmm(x[t:t + 1], w, s, b, idx[t:t + 1], group_size=gs,
+                                              bits=bits))
+            assert np.array_equal(one, all_rows[t:t + 1])
+    finally:
+        kernels._ext.panel_release(w)
+
+
+def test_panel_isas_identical():
+    """FAST gives the same bits on every x86 build (the int8 dot products are exact in each)."""
+    _packable()
+    bits, gs, N, K = 4, 64, 40, 512
+    w, s, b = _quantized((N, K), gs, bits, mx.bfloat16)
+    x = _x((3, K), mx.float32)
+    mx.eval(w, s, b, x)
+    _pack(w, s, b, bits, gs)
+    try:
+        kernels.set_mode("fast")
+        outs = []
+        for isa in ("auto", "avx512-novnni", "avx2"):
+            if kernels.set_isa(isa):
+                outs.append(np.array(kernels.quantized_matmul(x, w, s, b, group_size=gs,
+                                                              bits=bits)))
+        for o in outs[1:]:
+            assert np.array_equal(o, outs[0])
+    finally:
+        kernels._ext.panel_release(w)
+
+
+def test_model_with_panels(tiny_ckpt, monkeypatch):
+    """The tiny pocket-2bit model (2-bit experts, 4-bit attention, 6-bit lm_head, 8-bit routers)
+    loaded for the CPU with POCKET_MLX_PANELS=1: its matrices are packed, EXACT computes the
+    logits it computes without panels (up to float summation order), FAST gives each sequence
+    of a batched decode step the bits it gets alone, and unpacking for another device gives back
+    the checkpoint's arrays bit for bit. (FAST logits are not compared with the unpacked model:
+    on random weights a float-order change flips int8 roundings and then routed experts, as it
+    does between the row kernels and the GEMM.)"""
+    _packable()
+    from pocket_mlx.engine import loader, panels
+
+    tokens = mx.array([[1, 5, 9, 2, 7, 3]])
+    model, _ = loader.load(str(tiny_ckpt), device="cpu")
+    kernels.set_mode("exact")
+    ref = np.array(model(tokens), dtype=np.float32)
+    before = {k: _np(v) for k, v in tree_flatten(model.parameters())}
+    del model
+    monkeypatch.setenv("POCKET_MLX_PANELS", "1")
+    packed, _ = loader.load(str(tiny_ckpt), device="cpu")
+    report = packed.panel_report
+    assert report["to"] == "cpu" and report["matrices"] > 0 and report["bytes"] > 0
+    got = np.array(packed(tokens), dtype=np.float32)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+    kernels.set_mode("fast")
+    batch = np.array(packed(mx.array([[1], [5], [9]])), dtype=np.float32)
+    for i, t in enumerate((1, 5, 9)):
+        assert np.array_equal(np.array(packed(mx.array([[t]])), dtype=np.float32), batch[i:i + 1])
+    back = panels.use_panels(packed, "gpu")
+    assert back["to"] == "gpu" and back["matrices"] == report["matrices"]
+    for k, v in tree_flatten(packed.parameters()):
+        assert np.array_equal(_np(v), before[k]), k
