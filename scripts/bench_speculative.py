@@ -121,27 +121,27 @@ def ordinary_table(args, model, tok) -> None:
     rows: dict[tuple[str, int], list] = {c: [] for c in configs}
     refs: dict[str, list[int]] = {}
     for _ in range(args.reps):
-        for spec, k in configs:
-            tokens = secs = drafted = accepted = passes = 0
-            plog: list[tuple[int, int]] = []
-            head_s = 0.0
-            for name, prompt in ORDINARY.items():
+        acc = {c: [0, 0.0, 0, 0, 0, [], 0.0] for c in configs}  # per config, over the prompts
+        for name, prompt in ORDINARY.items():
+            for spec, k in configs:  # interleaved per prompt: a burst of load hits all alike
                 toks, st = run(model, tok, prompt, spec, max(k, 1), args.n)
                 if spec == "off":
                     refs[name] = toks
                 elif toks != refs[name]:
                     raise SystemExit(f"{spec} k={k} {name}: reply differs from off")
                 p, h = dlog.take()
-                plog += p
-                head_s += h
-                tokens += st.generation_tokens
-                secs += st.generation_tokens / st.generation_tps
+                a = acc[(spec, k)]
                 sp = st.speculative or {}
-                drafted += sp.get("drafted", 0)
-                accepted += sp.get("accepted", 0)
-                passes += sp.get("passes", st.generation_tokens)
-            rows[(spec, k)].append((tokens / secs, drafted, accepted, passes, tokens, plog,
-                                    head_s / secs))
+                a[0] += st.generation_tokens
+                a[1] += st.generation_tokens / st.generation_tps
+                a[2] += sp.get("drafted", 0)
+                a[3] += sp.get("accepted", 0)
+                a[4] += sp.get("passes", st.generation_tokens)
+                a[5] += p
+                a[6] += h
+        for c, (tokens, secs, drafted, accepted, passes, plog, head_s) in acc.items():
+            rows[c].append((tokens / secs, drafted, accepted, passes, tokens, plog,
+                            head_s / secs))
     base = statistics.fmean(r[0] for r in rows[configs[0]])
     print(f"model {args.model}, CPU {cpu_model()}, kernels {kernels.label()}, "
           f"{args.n} tokens x {len(ORDINARY)} prompts ({', '.join(ORDINARY)}), "
