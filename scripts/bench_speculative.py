@@ -8,6 +8,13 @@ Two measurements:
 
     python scripts/bench_speculative.py [--model PATH] [--k 2,3,4] [--reps 3] [-n 256]
 
+  --ordinary: the same over three ordinary raw prompts (English verse, Chinese poem, Python),
+  for the methods in --methods (default off, mtp K = 1, 2, 3, auto), summed over the three;
+  adds the MTP drafter's acceptance per depth (draft d kept, of the passes that drafted d)
+  and the share of decode time spent in its head (drafting) against the rest (verify passes).
+
+    python scripts/bench_speculative.py --ordinary [--methods off,mtp:1,mtp:2,mtp:3,auto:3]
+
   --verify-cost: the time of one verify pass of L = k + 1 rows against one one-token decode
   step (k = 1..--max-k), on any model (the 35B shape: --model synthetic:pocket-35b-e128, run
   under `flock /work/wt/heavy.lock`), with the experts the L tokens route to (distinct per
@@ -19,6 +26,7 @@ Two measurements:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -53,6 +61,103 @@ def largest(rows, n=3):
 # Code editing: the module, then the start of its edited copy; the model continues the copy
 # (raw text, no chat template: the bundled model is too small to follow an instruction).
 PROMPT = "# original\n" + CODE + "\n# edited: total renamed to grand_total\n" + CODE[:120]
+
+
+ORDINARY = {
+    "en": "And it came to pass, when the king had heard these words,",
+    "zh": "春眠不觉晓，",
+    "code": "def parse_args(argv):\n    ",
+}
+
+
+class DraftLog:
+    """Records the MTP drafter's passes: (drafted, accepted) and the seconds in its `draft`
+    (the head's steps; `draft` ends reading the drafts, so its time is the head's)."""
+
+    def __init__(self) -> None:
+        from pocket_mlx.engine.mtp_drafter import MTPDrafter
+
+        self.passes: list[tuple[int, int]] = []
+        self.seconds = 0.0
+        orig_draft, orig_acc = MTPDrafter.draft, MTPDrafter.accepted
+        log = self
+
+        def draft(self, tokens, k):
+            t = time.perf_counter()
+            out = orig_draft(self, tokens, k)
+            log.seconds += time.perf_counter() - t
+            return out
+
+        def accepted(self, drafted, accepted, hidden=None):
+            if drafted:
+                log.passes.append((drafted, accepted))
+            return orig_acc(self, drafted, accepted, hidden)
+
+        MTPDrafter.draft, MTPDrafter.accepted = draft, accepted
+
+    def take(self) -> tuple[list[tuple[int, int]], float]:
+        out = self.passes, self.seconds
+        self.passes, self.seconds = [], 0.0
+        return out
+
+
+def depth_rates(passes: list[tuple[int, int]], depth: int = 3) -> list[str]:
+    """Per depth d: passes that kept draft d / passes that drafted d with drafts < d kept."""
+    out = []
+    for d in range(1, depth + 1):
+        reached = sum(1 for n, a in passes if n >= d and a >= d - 1)
+        kept = sum(1 for n, a in passes if n >= d and a >= d)
+        out.append(f"{100 * kept / reached:.0f}% ({kept}/{reached})" if reached else "-")
+    return out
+
+
+def ordinary_table(args, model, tok) -> None:
+    configs = []
+    for m in args.methods.split(","):
+        spec, _, k = m.partition(":")
+        configs.append((spec, int(k or 0)))
+    dlog = DraftLog()
+    run(model, tok, ORDINARY["en"], "off", 1, 16)  # warm-up
+    rows: dict[tuple[str, int], list] = {c: [] for c in configs}
+    refs: dict[str, list[int]] = {}
+    for _ in range(args.reps):
+        acc = {c: [0, 0.0, 0, 0, 0, [], 0.0] for c in configs}  # per config, over the prompts
+        for name, prompt in ORDINARY.items():
+            for spec, k in configs:  # interleaved per prompt: a burst of load hits all alike
+                toks, st = run(model, tok, prompt, spec, max(k, 1), args.n)
+                if spec == "off":
+                    refs[name] = toks
+                elif toks != refs[name]:
+                    raise SystemExit(f"{spec} k={k} {name}: reply differs from off")
+                p, h = dlog.take()
+                a = acc[(spec, k)]
+                sp = st.speculative or {}
+                a[0] += st.generation_tokens
+                a[1] += st.generation_tokens / st.generation_tps
+                a[2] += sp.get("drafted", 0)
+                a[3] += sp.get("accepted", 0)
+                a[4] += sp.get("passes", st.generation_tokens)
+                a[5] += p
+                a[6] += h
+        for c, (tokens, secs, drafted, accepted, passes, plog, head_s) in acc.items():
+            rows[c].append((tokens / secs, drafted, accepted, passes, tokens, plog,
+                            head_s / secs))
+    base = statistics.fmean(r[0] for r in rows[configs[0]])
+    print(f"model {args.model}, CPU {cpu_model()}, kernels {kernels.label()}, "
+          f"{args.n} tokens x {len(ORDINARY)} prompts ({', '.join(ORDINARY)}), "
+          f"{args.reps} interleaved runs each, load {os.getloadavg()[0]:.1f}\n")
+    print("| method | K | decode tok/s | vs off | drafted | accepted | accepted/drafted | "
+          "tokens/pass | depth 1 | depth 2 | depth 3 | head time |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for (spec, k), rs in rows.items():
+        tps = [r[0] for r in rs]
+        m, sd = statistics.fmean(tps), statistics.stdev(tps) if len(tps) > 1 else 0.0
+        _, dr, ac, ps, nt, plog, hs = rs[-1]
+        rate = f"{100 * ac / dr:.0f}%" if dr else "-"
+        d = depth_rates(plog) if plog else ["-"] * 3
+        head = f"{100 * statistics.fmean(r[6] for r in rs):.0f}%" if plog else "-"
+        print(f"| {spec} | {k or '-'} | {m:.1f} ± {sd:.1f} | {m / base:.2f}x | {dr or '-'} | "
+              f"{ac if dr else '-'} | {rate} | {nt / ps:.2f} | {' | '.join(d)} | {head} |")
 
 
 def run(model, tok, prompt: str, spec: str, k: int, n: int):
@@ -203,11 +308,17 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=256, help="tokens per reply (tok/s mode)")
     ap.add_argument("--verify-cost", action="store_true")
     ap.add_argument("--max-k", type=int, default=5)
+    ap.add_argument("--ordinary", action="store_true",
+                    help="three ordinary prompts (en, zh, code), methods from --methods")
+    ap.add_argument("--methods", default="off,mtp:1,mtp:2,mtp:3,auto:3",
+                    help="METHOD[:K],... for --ordinary (the first is the baseline)")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens (verify-cost)")
     args = ap.parse_args()
     model, tok = load(args.model, device="cpu", fuse=True)
     if args.verify_cost:
         verify_cost(args, model, tok)
+    elif args.ordinary:
+        ordinary_table(args, model, tok)
     else:
         tps_table(args, model, tok)
     return 0

@@ -231,3 +231,27 @@ def speculative_run(model, tok, prompt, spec="off", k=3, max_tokens=120, raw=Fal
             toks.append(r.token)
         stats = r.stats
     return toks, stats
+
+
+def headless_copy(src: Path, dst: Path) -> Path:
+    """A copy of checkpoint `src` whose config declares no MTP head (its `mtp.*` tensors are
+    then dropped on load, as a stock conversion's would be): what `--speculative mtp` refuses and
+    `auto` drafts by lookup on. Weights are linked, not copied."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name == "config.json":
+            cfg = json.loads(f.read_text())
+            cfg.pop("mtp_num_hidden_layers", None)
+            for key in ("quantization", "quantization_config"):
+                if isinstance(cfg.get(key), dict):
+                    cfg[key] = {k: v for k, v in cfg[key].items() if not k.startswith("mtp.")}
+            (dst / f.name).write_text(json.dumps(cfg))
+        elif f.is_file():
+            (dst / f.name).symlink_to(f)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def headless_asset(tmp_path_factory) -> Path:
+    """The bundled model without its MTP head (see headless_copy)."""
+    return headless_copy(ASSET, tmp_path_factory.mktemp("headless") / "pocket-tiny")

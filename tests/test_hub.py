@@ -81,8 +81,8 @@ def test_download_then_cache_then_offline(hub, tmp_path):
     assert first.stdout == local.stdout  # the same model, loaded fine
     assert hub.downloaded() == FETCHED  # not consolidated.safetensors, README.md
     # Progress in bytes, as plain lines: stderr is a pipe here.
-    assert "downloading pocket/tiny: 9 files, 9.64 MiB\n" in first.stderr
-    assert "downloading pocket/tiny: 9.64 MiB/9.64 MiB (100%), " in first.stderr
+    assert "downloading pocket/tiny: 9 files, 10.4 MiB\n" in first.stderr
+    assert "downloading pocket/tiny: 10.4 MiB/10.4 MiB (100%), " in first.stderr
     assert first.stderr.count(", done\n") == 1
     assert "\r" not in first.stderr
 
@@ -143,7 +143,7 @@ def test_interrupted_download_names_the_file_and_a_rerun_continues(hub, tmp_path
     rerun = cli(["info", "--model", REPO], hub, tmp_path / "hf")
     assert rerun.returncode == 0, rerun.stderr
     assert hub.downloaded() == {"model.safetensors"}  # the finished files were kept
-    assert "downloading pocket/tiny: 1 file, 8.88 MiB" in rerun.stderr
+    assert "downloading pocket/tiny: 1 file, 9.66 MiB" in rerun.stderr
 
 
 def test_unreachable_hub_is_one_line(tmp_path):

@@ -39,8 +39,9 @@ def _q(out_dim: int, in_dim: int, bits: int, gs: int = 64, scale_bytes: int = 2)
 
 @pytest.mark.parametrize("gpu", [False, True])
 def test_bundled_model_by_hand(monkeypatch, gpu):
-    """assets/pocket-tiny-bf16: bf16 matrices, float32 (1 + w) norms, no quantization. The
-    cache is sized for the device a run would take: float32 on the CPU, bf16 on a GPU."""
+    """assets/pocket-tiny-bf16: bf16 matrices, float32 (1 + w) norms, no quantization, and its
+    MTP head (stored, not read per token). The cache is sized for the device a run would take:
+    float32 on the CPU, bf16 on a GPU."""
     monkeypatch.setattr(devices, "gpu_available", lambda: gpu)
     d = info.describe(str(ROOT / "assets" / "pocket-tiny-bf16"), context=1024,
                       platform=_Host(24 * GiB))
@@ -59,11 +60,17 @@ def test_bundled_model_by_hand(monkeypatch, gpu):
     lm_head = bf * V * H
     dense = n_lin * linear + n_full * full + L * moe_dense + f32 * H + lm_head
     assert d["bytes_per_token"] == dense + L * experts * k // E + embed // V
-    assert d["weights_bytes"] == dense + L * experts + embed
+    # The head: fc, 3 norms, one full-attention layer with its MoE block (all its experts).
+    mtp = bf * 2 * H * H + f32 * 3 * H + full + moe_dense + experts
+    assert d["mtp"] == {"layers": 1, "bytes": mtp}
+    assert d["weights_bytes"] == dense + L * experts + embed + mtp
     params_experts = L * E * 3 * I * H
-    f32_elems = L * 2 * H + n_full * 2 * hd + H  # the float32 norms
+    mtp_f32 = 5 * H + 2 * hd  # the head's float32 norms
+    f32_elems = L * 2 * H + n_full * 2 * hd + H + mtp_f32  # the float32 norms
     assert d["params_total"] == (d["weights_bytes"] - f32 * f32_elems) // bf + f32_elems
-    assert d["params_active"] == d["params_total"] - params_experts * (E - k) // E
+    mtp_params = (mtp - f32 * mtp_f32) // bf + mtp_f32  # not active: read only when drafting
+    assert d["params_active"] == (d["params_total"] - params_experts * (E - k) // E
+                                  - mtp_params)
     # RAM: weights + K/V of the 2 full layers at 1024 tokens + f32 delta state and conv window
     # of the 6 linear layers; K/V and conv window in the activation dtype.
     act = bf if gpu else f32

@@ -119,8 +119,12 @@ def test_with_others_equals_plain(tiny, exact_kernels):
     assert dec.drafted > 0
 
 
-def test_auto_and_mtp_without_head(tiny):
+def test_auto_and_mtp_without_head(headless_asset):
+    """A model without a head (the bundled one's trunk): `mtp` refused, `auto` drafts by
+    lookup."""
+    tiny = load(headless_asset, device="cpu", fuse=True)
     model, tok = tiny
+    assert model.mtp is None
     with pytest.raises(PocketError, match="no MTP head"):
         BatchDecoder(
             model, tok, stream=devices.stream_for("cpu"), store=Stored(), speculative="mtp"
@@ -137,11 +141,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_flag_checks():
-    model = str(default_model_path())
-    for argv, text in (
-        (["--speculative", "mtp"], "no MTP head"),
-        (["--speculative", "lookup", "--distributed", "pipeline"], "--distributed"),
+def test_serve_flag_checks(headless_asset):
+    for model, argv, text in (
+        (str(headless_asset), ["--speculative", "mtp"], "no MTP head"),
+        (str(default_model_path()), ["--speculative", "lookup", "--distributed", "pipeline"],
+         "--distributed"),
     ):
         r = subprocess.run(
             [

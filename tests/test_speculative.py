@@ -47,6 +47,12 @@ def bundled():
     return load(ASSET, device="cpu", fuse=True)
 
 
+@pytest.fixture(scope="module")
+def headless(headless_asset):
+    """The bundled model without its MTP head: `auto` drafts by lookup there."""
+    return load(headless_asset, device="cpu", fuse=True)
+
+
 @pytest.fixture(params=KERNEL_PATHS)
 def path(request):
     """The CPU extension in each mode, and MLX's own ops (extension off)."""
@@ -122,14 +128,19 @@ DOMAINS = {
 
 
 @pytest.mark.parametrize("domain", sorted(DOMAINS))
-def test_greedy_lookup_equals_plain_256_tokens(bundled, domain):
+def test_greedy_speculation_equals_plain_256_tokens(bundled, domain):
     """The acceptance run: three domains, 256 tokens each (raw text: the bundled model runs
-    to the cap on these), lookup identical to off token for token (~2.5 s each)."""
+    to the cap on these), lookup, the bundled model's trained MTP head and auto (which drafts
+    with the head) identical to off token for token (~2.5 s a run)."""
     model, tok = bundled
+    assert model.mtp is not None
     ref, _ = _run(model, tok, DOMAINS[domain], max_tokens=256, raw=True)
-    got, stats = _run(model, tok, DOMAINS[domain], "lookup", 3, max_tokens=256, raw=True)
-    assert len(ref) == 256 and got == ref
-    assert stats.speculative["accepted"] > 0
+    assert len(ref) == 256
+    for spec in ("lookup", "mtp", "auto"):
+        got, stats = _run(model, tok, DOMAINS[domain], spec, 3, max_tokens=256, raw=True)
+        assert got == ref, spec
+        assert stats.speculative["accepted"] > 0, spec
+    assert stats.speculative["method"] == "auto:mtp"
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -142,10 +153,10 @@ def test_greedy_lookup_equals_plain_with_rejections(bundled, plain, k):
     assert s["drafted"] - s["accepted"] >= 5  # drafts were rejected, output unchanged
 
 
-def test_greedy_auto_and_repetition_penalty_equal_plain(bundled):
-    """auto (back-off) and a repetition penalty (each row's history holds the drafts before
-    it) change nothing either."""
-    model, tok = bundled
+def test_greedy_auto_and_repetition_penalty_equal_plain(headless):
+    """auto (back-off, by lookup on a model without a head) and a repetition penalty (each
+    row's history holds the drafts before it) change nothing either."""
+    model, tok = headless
     ref, _ = _run(model, tok, COPY, repetition_penalty=1.3, max_tokens=80)
     got, stats = _run(model, tok, COPY, "lookup", 4, repetition_penalty=1.3, max_tokens=80)
     assert got == ref and stats.speculative["drafted"] > 0
@@ -247,12 +258,13 @@ def test_back_off_skips_after_failures():
     assert b.draft([1, 2, 3, 4], 2) == [] and b.plain_steps() == 2  # no match: a few plain
 
 
-def test_mtp_without_head(bundled):
-    model, _ = bundled
+def test_mtp_without_head(headless, bundled):
+    model, _ = headless
     with pytest.raises(PocketError, match="no MTP head"):
         make_drafter("mtp", model)
     assert make_drafter("auto", model).name == "lookup"
     assert make_drafter("off", model) is None
+    assert make_drafter("auto", bundled[0]).name == "mtp"  # the bundled model has a head
 
 
 def _first_token_counts(logits, drafts, q, draws, temperature=1.0, top_k=0):
@@ -314,7 +326,7 @@ def cli(*args):
     )
 
 
-def test_cli_flags_and_json():
+def test_cli_flags_and_json(headless_asset):
     base = ["generate", "-m", str(ASSET), "--prompt", COPY, "--max-tokens", "48", "--json"]
     off = cli(*base, "--speculative", "off")
     spec = cli(*base, "--speculative", "lookup", "--num-draft-tokens", "4")
@@ -330,7 +342,7 @@ def test_cli_flags_and_json():
         (["--speculative", "mtp"], "no MTP head"),
         (["--num-draft-tokens", "0"], "--num-draft-tokens"),
     ):
-        r = cli(*base, *bad)
+        r = cli(*[str(headless_asset) if a == str(ASSET) else a for a in base], *bad)
         assert r.returncode == 2 and text in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 

@@ -224,9 +224,9 @@ def test_panel_has_no_accepted_row_without_speculation():
     assert "accepted" not in dict(panel.rows())
 
 
-def test_chat_speculative_mtp_without_head_exits_2(home):
+def test_chat_speculative_mtp_without_head_exits_2(home, headless_asset):
     r = subprocess.run([sys.executable, "-m", "pocket_mlx", "chat", "--model",
-                        str(default_model_path()), "--speculative", "mtp"],
+                        str(headless_asset), "--speculative", "mtp"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "no MTP head" in r.stderr and "Traceback" not in r.stderr
