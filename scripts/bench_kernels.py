@@ -69,6 +69,9 @@ def main():
     ap.add_argument("--llamacpp", default="~/.cache/llamacpp-anchor",
                     help="--table: the llama.cpp anchor (src/ and build/bin/), or none")
     ap.add_argument("--only", default=None, help="--table: shapes whose name contains this")
+    ap.add_argument("--part", choices=["all", "ours", "llamacpp"], default="all",
+                    help="--table: run one side only and merge it into the JSON --out already "
+                         "holds (two shorter runs under the machine lock)")
     args = ap.parse_args()
     mx.set_default_device(mx.cpu)
     if args.table:
@@ -176,18 +179,24 @@ def table(args) -> None:
     info = kt.machine()
     print("machine:", json.dumps(info), flush=True)
     shapes = [s for s in kt.SHAPES if not args.only or args.only in s.name]
-    ours = []
-    for s in shapes:
-        ours += kt.measure_shape(s, min_time=0.15 if args.quick else 0.3)
-    theirs, exe = [], None
-    if args.llamacpp != "none":
+    out = Path(args.out or Path(__file__).resolve().parents[1] / "docs" /
+               f"bench-kernels-table-{info['kernels'].get('variant', 'none')}.json")
+    old = json.loads(out.read_text()) if args.part != "all" and out.is_file() else {}
+    ours, theirs, exe = old.get("ours", []), old.get("llamacpp", []), old.get("llamacpp_binary")
+    if args.part in ("all", "ours"):
+        ours = []
+        for s in shapes:
+            ours += kt.measure_shape(s, min_time=0.15 if args.quick else 0.3)
+    if args.llamacpp != "none" and args.part in ("all", "llamacpp"):
         anchor = Path(args.llamacpp).expanduser()
         exe = kt.build_llamacpp_perf(anchor, Path.home() / ".cache" / "pocket-mlx" / "llamacpp-perf")
         theirs = [r for r in kt.llamacpp_rows(exe) if any(s.name == r["shape"] for s in shapes)]
     info["load_average_after"] = os.getloadavg()
-    out = Path(args.out or Path(__file__).resolve().parents[1] / "docs" /
-               f"bench-kernels-table-{info['kernels'].get('variant', 'none')}.json")
-    doc = {"machine": info, "mode": args.mode, "command": "python scripts/bench_kernels.py --table "
+    runs = old.get("runs", []) + [{"part": args.part, "load_average_before":
+                                   info["load_average_before"], "load_average_after":
+                                   info["load_average_after"], "utc": time.strftime(
+                                       "%Y-%m-%d %H:%M:%S", time.gmtime())}]
+    doc = {"machine": info, "runs": runs, "mode": args.mode, "command": "python scripts/bench_kernels.py --table "
            f"--mode {args.mode}", "llamacpp_binary": str(exe) if exe else None,
            "ours": ours, "llamacpp": theirs}
     tmp = out.with_suffix(".json.tmp")

@@ -254,39 +254,37 @@ def llamacpp_rows(exe, widths=WIDTHS, threads=THREADS, log=print) -> list[dict]:
     """test-backend-ops perf -b CPU of our cases, per thread count: weight GB/s per call
     (MUL_MAT_ID: ids reshuffled every run, so the expected distinct experts of B random
     tokens' top-8 are counted)."""
-    import csv
-    import io
     import os
     import re
     import subprocess
 
+    line = re.compile(r"(MUL_MAT(?:_ID)?)\(([^)]*)\):\s+(\d+) runs -\s+([\d.]+) us/run")
     out = []
     for t in threads:
         env = {**os.environ, "POCKET_PERF_CASES": "1", "POCKET_PERF_THREADS": str(t)}
-        proc = subprocess.run([str(exe), "perf", "-b", "CPU", "--output", "csv"], env=env,
-                              capture_output=True, text=True, timeout=900)
+        proc = subprocess.run([str(exe), "perf", "-b", "CPU"], env=env, capture_output=True,
+                              text=True, timeout=1800)
         if proc.returncode != 0:
             raise SystemExit(f"{exe} failed: {proc.stderr.strip()[-500:]}")
-        for rec in csv.DictReader(io.StringIO(proc.stdout[proc.stdout.index("test_time"):]
-                                              if "test_time" in proc.stdout else proc.stdout)):
-            if rec.get("test_mode") != "perf" or not rec.get("time_us"):
+        for op, params, _, us in line.findall(proc.stdout):
+            p = dict(kv.split("=", 1) for kv in re.findall(r"(\w+=[^,\[]+|\w+=\[[^]]*\])",
+                                                            params))
+            b, m, k = int(p["n"]), int(p["m"]), int(p["k"])
+            if b not in widths:
                 continue
-            p = dict(kv.split("=", 1) for kv in re.findall(r"\w+=[^,]+", rec["op_params"]))
-            b = int(p["n"])
-            m, k = int(p["m"]), int(p["k"])
             shape = next(s for s in SHAPES if s.N == m and s.K == k
-                         and bool(s.experts) == (rec["op_name"] == "MUL_MAT_ID"))
+                         and bool(s.experts) == (op == "MUL_MAT_ID"))
             per_matrix = m * k * GGML_BLOCK_BYTES[shape.bits][1] / 256
             distinct = (shape.experts * (1 - (1 - TOP_K / shape.experts) ** b)
                         if shape.experts else None)
             nbytes = per_matrix * (distinct or 1)
-            us = float(rec["time_us"])
+            us = float(us)
             out.append({"shape": shape.name, "B": b, "threads": t,
                         "type": GGML_BLOCK_BYTES[shape.bits][0], "time_us": us,
                         "expected_distinct_experts": distinct, "weight_bytes": round(nbytes),
                         "hot_gbps": round(nbytes / us / 1e3, 2),
                         "hot_gbps_per_core": round(nbytes / us / 1e3 / t, 2)})
-            log(f"llama.cpp {rec['op_name']} {shape.name:34s} B={b} t={t} {us:9.1f} us "
+            log(f"llama.cpp {op} {shape.name:34s} B={b} t={t} {us:9.1f} us "
                 f"{nbytes / us / 1e3:6.2f} GB/s")
     return out
 
