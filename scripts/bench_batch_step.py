@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
-from mlx.utils import tree_flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pocket_mlx import kernels  # noqa: E402 - after the path above
+from pocket_mlx.analysis import parallel  # noqa: E402
 from pocket_mlx.analysis.routing import RouteRecorder  # noqa: E402
 from pocket_mlx.engine.loader import load, resolve_model_path  # noqa: E402
 from pocket_mlx.models.batched import DecodeBatch, attend  # noqa: E402
@@ -61,21 +59,10 @@ def step_bytes(model, seqs: list[Seq], steps: int) -> dict[int, dict[str, float]
     own routing: every non-expert weight once (plus B embedding rows), each layer's distinct
     routed experts among the B tokens' top-k (recorded over `steps` real batched steps), and
     per sequence its Gated DeltaNet state and conv state read and written and its KV cache
-    read. The ratio B x bytes(1) / bytes(B) is what batching can give when a step of B runs
-    at the same GB/s as a step of one: the bandwidth-bound ceiling of the speed-up."""
-    E = model.args.num_experts
-    expert = [0] * len(model.layers)
-    dense = embed = 0
-    for name, a in tree_flatten(model.parameters()):
-        m = re.search(r"layers\.(\d+)\.", name)
-        if m and ".switch_mlp." in name:
-            expert[int(m.group(1))] += a.nbytes
-        elif "embed_tokens" in name:
-            embed += a.nbytes
-        else:
-            dense += a.nbytes
-    per_expert = [b / E for b in expert]
-    embed_row = embed / model.args.vocab_size
+    read (the accounting of `bench --parallel`, analysis/parallel.py). The ratio
+    B x bytes(1) / bytes(B) is what batching can give when a step of B runs at the same GB/s
+    as a step of one: the bandwidth-bound ceiling of the speed-up."""
+    split = parallel.weight_split(model)
     out = {}
     for b in WIDTHS:
         batch = DecodeBatch(model)
@@ -86,19 +73,9 @@ def step_bytes(model, seqs: list[Seq], steps: int) -> dict[int, dict[str, float]
                 t = mx.argmax(batch.step(t), axis=-1).astype(mx.uint32)
                 mx.eval(t)
         batch.set_members([])
-        distinct = [np.mean([len(np.unique(g[i * b:(i + 1) * b])) for i in range(steps)])
-                    for g in (np.concatenate(x) for x in rec.got)]
-        state = 0.0
-        for s in seqs[:b]:
-            for c in s.cache:
-                if isinstance(c, LinearAttentionCache):
-                    state += 2 * (c.state.nbytes + c.conv_state.nbytes)  # read and write
-                elif getattr(c, "keys", None) is not None:
-                    state += c.keys[..., :c.offset, :].nbytes + c.values[..., :c.offset, :].nbytes
-        experts = sum(d * e for d, e in zip(distinct, per_expert))
-        out[b] = {"dense_weights": dense + b * embed_row, "routed_experts": experts,
-                  "distinct_experts_per_layer": float(np.mean(distinct)), "state": state,
-                  "total": dense + b * embed_row + experts + state}
+        distinct = parallel.distinct_experts(rec.got, b)
+        out[b] = parallel.step_bytes(split, distinct, b,
+                                     parallel.state_bytes([s.cache for s in seqs[:b]]))
     return out
 
 

@@ -257,6 +257,14 @@ class Row:
     mlx_lm_runs: list[float] | None = None
     bandwidth_runs: list[float] | None = None  # GB/s probed around each tg run (see run_tests)
     speculative: str = "off"  # bench --speculative (and K) the tg runs decoded with
+    # bench --parallel (analysis/parallel.py): B sequences decoded together, tps_mean is the
+    # aggregate; bytes_per_token is the B-step's bytes / B.
+    parallel: int | None = None
+    bytes_bound_x: float | None = None  # B x bytes(one sequence's step) / bytes(B-step)
+    distinct_experts_per_layer: float | None = None  # routed experts a B-step reads, per layer
+    step_bytes: int | None = None  # bytes of one B-step
+    speedup_x: float | None = None  # tps_mean / the B=1 row's (when B=1 ran)
+    vs_bound: float | None = None  # speedup_x / bytes_bound_x
 
 
 def mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -345,9 +353,14 @@ def format_markdown(rows: list[Row]) -> str:
             "kernels", "test", "t/s", "bytes/token", "GB/s", "roofline"]
     if compare:
         head += ["mlx-lm t/s", "vs mlx-lm"]
+    par = any(r.parallel is not None for r in rows)
+    if par:
+        head += ["B", "distinct experts", "bytes bound", "vs B=1", "of bound"]
     lines = ["| " + " | ".join(head) + " |",
              "| " + " | ".join("---:" if h in ("t/s", "mlx-lm t/s", "GB/s", "roofline",
-                                             "bytes/token", "vs mlx-lm", "threads", "size")
+                                             "bytes/token", "vs mlx-lm", "threads", "size",
+                                             "B", "distinct experts", "bytes bound", "vs B=1",
+                                             "of bound")
                               else "---" for h in head) + " |"]
     for r in rows:
         cells = [r.model, units.size(r.size_bytes),
@@ -360,8 +373,16 @@ def format_markdown(rows: list[Row]) -> str:
         if compare:
             cells += [_tps(r.mlx_lm_tps_mean, r.mlx_lm_tps_sd),
                       f"{r.ratio_vs_mlx_lm:.2f}x" if r.ratio_vs_mlx_lm is not None else ""]
+        if par:
+            cells += [str(r.parallel or ""), _num(r.distinct_experts_per_layer, "{:.1f}"),
+                      _num(r.bytes_bound_x, "{:.2f}x"), _num(r.speedup_x, "{:.2f}x"),
+                      _num(r.vs_bound and 100 * r.vs_bound, "{:.0f}%")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "" if v is None else fmt.format(v)
 
 
 def to_json(rows: list[Row], machine: dict) -> str:
@@ -370,7 +391,9 @@ def to_json(rows: list[Row], machine: dict) -> str:
 
 CSV_FIELDS = ["model", "size_bytes", "params_total", "params_active", "recipe", "dtype", "device",
               "threads", "kernels", "test", "tps_mean", "tps_sd", "bytes_per_token", "gbps",
-              "roofline_fraction", "mlx_lm_tps_mean", "mlx_lm_tps_sd", "ratio_vs_mlx_lm"]
+              "roofline_fraction", "mlx_lm_tps_mean", "mlx_lm_tps_sd", "ratio_vs_mlx_lm",
+              "parallel", "bytes_bound_x", "distinct_experts_per_layer", "step_bytes",
+              "speedup_x", "vs_bound"]
 
 
 def to_csv(rows: list[Row]) -> str:

@@ -30,6 +30,11 @@ def register(sub) -> argparse.ArgumentParser:
                         "uniform-2/3/4/8")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="pp test size (0 = skip)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="tg test size (0 = skip)")
+    p.add_argument("--parallel", type=parallel_widths, default=None, metavar="B[,B...]",
+                   help="decode the tg test with B sequences together (the server's batched "
+                        "decode), e.g. 1,4,8: one row per B with the aggregate tok/s and "
+                        "bytes_bound_x, the speed-up the bytes a B-step reads allow "
+                        "(default: one sequence, no batch)")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="runs of each test")
     p.add_argument("--device", choices=["cpu", "gpu"], default=None,
                    help="where to run (default: the GPU when MLX has one, else the CPU)")
@@ -50,6 +55,19 @@ def register(sub) -> argparse.ArgumentParser:
     add_distributed_args(p)
     p.set_defaults(func=run)
     return p
+
+
+def parallel_widths(text: str) -> list[int]:
+    """--parallel's value: comma-separated sequence counts >= 1, each once, in order given."""
+    try:
+        out = [int(v) for v in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1 or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(
+            f"--parallel takes distinct sequence counts >= 1 separated by commas (1,4,8), "
+            f"got {text!r}")
+    return out
 
 
 def load_for(args, path, device: str, shard=None):
@@ -74,6 +92,12 @@ def run(args) -> int:
         raise PocketError(f"--threads must be >= 1, got {args.threads}")
     if args.distributed and args.speculative != "off":
         raise PocketError("--speculative does not run with --distributed: drop one of them")
+    if args.parallel:
+        for flag, bad in (("--vs-mlx-lm", args.vs_mlx_lm), ("--distributed", args.distributed),
+                          ("--speculative", args.speculative != "off"),
+                          ("-n 0", args.n_gen == 0)):
+            if bad:
+                raise PocketError(f"--parallel does not run with {flag}: drop one of them")
     if args.synthetic_recipe and not args.synthetic:
         raise PocketError("--synthetic-recipe needs --synthetic")
     import mlx.core as mx
@@ -162,9 +186,10 @@ def _measure(args, model, path, name, recipe, size, device, threads, kinfo, log,
                                    num_draft_tokens=args.num_draft_tokens)]
     if args.vs_mlx_lm:
         runners.append(bench.mlx_lm_runner(bench.mlx_lm_model(path, model), device))
+    probe = lambda: bench.probe_bandwidth(device, threads)  # noqa: E731
     results = bench.run_tests(runners, vocab=model.args.vocab_size, p=args.n_prompt,
-                              n=args.n_gen, repeats=args.repetitions, log=log,
-                              probe=lambda: bench.probe_bandwidth(device, threads))
+                              n=0 if args.parallel else args.n_gen, repeats=args.repetitions,
+                              log=log, probe=probe)
     meta = dict(model=name, size_bytes=size, params_total=stats.params_total,
                 params_active=stats.params_active, recipe=recipe, dtype=shown_dtype,
                 device=device, threads=threads, kernels=kernels.label(kinfo),
@@ -172,6 +197,11 @@ def _measure(args, model, path, name, recipe, size, device, threads, kinfo, log,
                 speculative=(f"{args.speculative} k={args.num_draft_tokens}"
                              if args.speculative != "off" else "off"))
     rows = bench.make_rows(results, meta, bw)
+    if args.parallel:
+        from pocket_mlx.analysis.parallel import parallel_rows
+
+        rows += parallel_rows(model, device, widths=args.parallel, n=args.n_gen,
+                              repeats=args.repetitions, meta=meta, log=log, probe=probe)
     if args.output == "json":
         print(bench.to_json(rows, bench.machine_info(bw)))
     elif args.output == "csv":
