@@ -66,6 +66,11 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     step = max(1, BLOCK_BYTES // (8 * bits * k))
     for r in range(0, len(flat), step):
         c = flat[r:r + step].astype(np.uint32)
+        if 32 % bits == 0:  # whole codes per word: code j of a word at bit j * bits
+            per = 32 // bits
+            c = c.reshape(len(c), k // per, per) << (np.arange(per, dtype=np.uint32) * bits)
+            out[r:r + step] = c.sum(-1, dtype=np.uint32)  # disjoint bits: the sum is the OR
+            continue
         stream = (c[..., None] >> np.arange(bits, dtype=np.uint32)) & 1  # [n, K, bits]
         stream = stream.reshape(len(c), k * bits // 32, 32).astype(np.uint64)
         out[r:r + step] = (stream << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
@@ -87,11 +92,14 @@ def fit_levels(w: np.ndarray, bits: int, dtype: mx.Dtype, iters: int = 4
     codes. Min/max puts the outermost levels on the extreme weights, which at 1 and 2 bits
     wastes most of the range; the least-squares levels sit where the weights are."""
     s, b = _scales_biases(mx.array(w.astype(np.float32)), bits, w.shape[-1], dtype)
+    wm = w.mean(-1, keepdims=True)
+    wc = w - wm
     for _ in range(iters):
         q = _codes(w, s, b, bits)
-        qm, wm = q.mean(-1, keepdims=True), w.mean(-1, keepdims=True)
-        var = ((q - qm) ** 2).sum(-1, keepdims=True)
-        cov = ((q - qm) * (w - wm)).sum(-1, keepdims=True)
+        qm = q.mean(-1, keepdims=True)
+        q -= qm
+        var = (q * q).sum(-1, keepdims=True)
+        cov = (q * wc).sum(-1, keepdims=True)
         ok = var > 0
         s_new = np.where(ok, cov / np.where(ok, var, 1), s)
         ok &= np.abs(s_new) > 1e-12
@@ -103,7 +111,10 @@ def fit_levels(w: np.ndarray, bits: int, dtype: mx.Dtype, iters: int = 4
 
 
 def _codes(w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int) -> np.ndarray:
-    return np.clip(np.round((w - b) / s), 0, 2**bits - 1)
+    c = w - b  # in place from here: this runs over every weight, several times
+    c /= s
+    np.round(c, out=c)
+    return np.clip(c, 0, 2**bits - 1, out=c)
 
 
 def inverse_hessian_factor(H: np.ndarray, damp: float = DAMP) -> np.ndarray:
@@ -126,6 +137,14 @@ def _round_rows(W: np.ndarray, U: np.ndarray | None, bits: int, group_size: int,
     (U diagonal: no error moves to other columns, so each group's levels and round to nearest
     give the very codes the column loop would)."""
     n, K = W.shape
+    if U is None:  # all groups at once: each group's levels, then round to nearest
+        Wg = W.reshape(n, K // group_size, group_size)
+        if fit:
+            s, b = fit_levels(Wg, bits, dtype)
+        else:
+            s, b = _scales_biases(mx.array(Wg.astype(np.float32)), bits, group_size, dtype)
+        codes = _codes(Wg, s, b, bits).astype(np.uint8).reshape(n, K)
+        return codes, s[..., 0], b[..., 0]
     codes = np.empty((n, K), np.uint8)
     scales, biases = [], []
     for i in range(0, K, group_size):
@@ -137,9 +156,6 @@ def _round_rows(W: np.ndarray, U: np.ndarray | None, bits: int, group_size: int,
                                   dtype)
         scales.append(s)
         biases.append(b)
-        if U is None:
-            codes[:, i:j] = _codes(W[:, i:j], s, b, bits)
-            continue
         err = np.zeros_like(W[:, i:j])
         for k in range(i, j):
             col = W[:, k:k + 1]
