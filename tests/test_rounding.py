@@ -137,3 +137,88 @@ def test_rounding_bad_inputs_are_one_line_errors(tmp_path, make_ckpt, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], err
         assert not (tmp_path / "o").exists()
+
+
+def _whole_model_inputs(model, chunks):
+    """The inputs every module saw, as `convert --rounding gptq` captured them before it
+    streamed (the whole float32 model in one forward per window; experts' H stacked)."""
+    from mlx.utils import tree_unflatten
+
+    got, moe = {}, {}
+
+    class Catch(nn.Module):
+        def __init__(self, m, path):
+            super().__init__()
+            self.m, self.path = m, path
+
+        def __call__(self, x):
+            xf = np.array(x.reshape(-1, x.shape[-1]).astype(mx.float32), np.float64)
+            H, n = got.get(self.path, (0.0, 0))
+            got[self.path] = (H + xf.T @ xf, n + len(xf))
+            return self.m(x)
+
+    linears = [(p, Catch(m, p)) for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    model.update_modules(tree_unflatten(linears))
+    layers = model.language_model.model.layers
+    for i, layer in enumerate(layers):
+        layer.mlp.observer = lambda x, inds, s, o, i=i: moe.setdefault(i, []).append(
+            (np.array(x.reshape(-1, x.shape[-1]), np.float64), np.array(inds.reshape(-1, 2))))
+    for c in chunks:
+        mx.eval(model(mx.array(c, mx.int32)[None]))
+    out = {p: Inputs(H, [], np.array(n)) for p, (H, n) in got.items()}
+    for i, parts in moe.items():
+        x, inds = (np.concatenate([p[j] for p in parts]) for j in (0, 1))
+        sw = layers[i].mlp.switch_mlp
+        wg, wu = (np.array(m.weight, np.float64) for m in (sw.gate_proj, sw.up_proj))
+        xe = [x[(inds == e).any(-1)] for e in range(wg.shape[0])]
+        mid = [(g := v @ wg[e].T) / (1 + np.exp(-g)) * (v @ wu[e].T) for e, v in enumerate(xe)]
+        count = np.array([len(v) for v in xe])
+        p = f"language_model.model.layers.{i}.mlp.switch_mlp"
+        out[f"{p}.gate_proj"] = out[f"{p}.up_proj"] = Inputs(np.stack([v.T @ v for v in xe]),
+                                                             [], count)
+        out[f"{p}.down_proj"] = Inputs(np.stack([v.T @ v for v in mid]), [], count)
+    return out
+
+
+def test_streamed_gptq_equals_whole_model_gptq(tmp_path, make_ckpt):
+    """The writer rounds one layer at a time (convert/layerwise.py) and gets, tensor for
+    tensor, what GPTQ on the whole float model's inputs gives: dense modules, lm_head and
+    pruned experts, with error feedback and without (some experts' gate and up projections
+    see fewer than 4 x 128 rows)."""
+    from pocket_mlx.config import read_config
+    from pocket_mlx.convert.calibrate import calibration_windows
+    from pocket_mlx.convert.rounding import select
+    from pocket_mlx.engine.tokenizer import load_tokenizer
+
+    src = make_ckpt("src", vocab_size=8192, layer_types=["linear_attention", "full_attention"])
+    out = tmp_path / "out"
+    assert main(["convert", str(src), str(out), "--recipe", "uniform-2", "--rounding", "gptq",
+                 "--calib", CALIB, "--calib-tokens", "1024", "--prune-to", "6"]) == 0
+    written = {}
+    for f in out.glob("*.safetensors"):
+        written.update(mx.load(str(f)))
+    kept = json.loads((out / "pocket.json").read_text())["kept_experts"]
+    chunks, _ = calibration_windows([CALIB], load_tokenizer(src, read_config(src)), 512, 1024)
+    model = load_model(src, dtype="float32")
+    inputs = _whole_model_inputs(model, chunks)
+    model = load_model(src, dtype="float32")
+    counts = [inputs[p].count for p in inputs if p.endswith("switch_mlp.down_proj")]
+    # Some experts' gate/up (128 inputs) saw too few rows for feedback, down_proj (64) enough.
+    assert min(c.min() for c in counts) < 4 * 128 and max(c.max() for c in counts) >= 4 * 64
+    checked = 0
+    for path, m in model.named_modules():
+        if path not in inputs:
+            continue
+        w, inp = m.weight, inputs[path]
+        if ".layers." in path and (path.endswith("mlp.gate") or ".switch_mlp." in path):
+            ids = kept[path.split(".")[3]]
+            w = w[mx.array(ids)]
+            inp = select(inp, ids) if ".switch_mlp." in path else inp
+        dtype = written[f"{path}.scales"].dtype  # the source's float dtype
+        want = quantize_matrix(w.astype(dtype), 2, 64, "gptq", inp)
+        for name, a in zip(("weight", "scales", "biases"), want):
+            b = written[f"{path}.{name}"]
+            assert a.dtype == b.dtype and mx.array_equal(a, b).item(), (path, name)
+        checked += 1
+    # Every quantized module but the embedding (rounded to nearest) was checked.
+    assert checked == len([k for k in written if k.endswith(".scales")]) - 1

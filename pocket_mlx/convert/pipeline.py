@@ -32,6 +32,7 @@ from pocket_mlx.convert.calibrate import (
     collect_stats,
     window_sources,
 )
+from pocket_mlx.convert.layerwise import Rounded, StreamedRounding, Target, capture
 from pocket_mlx.convert.prune import (
     CRITERIA,
     ExpertStats,
@@ -41,7 +42,7 @@ from pocket_mlx.convert.prune import (
 )
 from pocket_mlx.convert.recipes import Recipe, Spec, family
 from pocket_mlx.convert.resume import JOURNAL, Journal, fingerprint
-from pocket_mlx.convert.rounding import MAX_BITS, METHODS, Inputs, capture, quantize_matrix
+from pocket_mlx.convert.rounding import MAX_BITS, METHODS, Inputs, quantize_matrix
 from pocket_mlx.convert.rounding import select as select_inputs
 from pocket_mlx.convert.writer import (
     DEFAULT_SHARD_BYTES,
@@ -178,8 +179,10 @@ def family_widths(specs: dict[str, Spec | None]) -> dict[str, list[str]]:
 
 
 def _convert_module(tensors: dict, path: str, src: Spec | None, dst: Spec | None,
-                    dtype: mx.Dtype | None, rounding: str = "rtn",
-                    inputs: Inputs | None = None) -> dict[str, mx.array]:
+                    dtype: mx.Dtype | None, rounded: Rounded | None = None
+                    ) -> dict[str, mx.array]:
+    """One module's tensors as written; `rounded`: its (weight, scales, biases) already
+    rounded activation-aware (StreamedRounding), so its source weight is never read."""
     w = tensors.pop(f"{path}.weight")
     scales, biases = tensors.pop(f"{path}.scales", None), tensors.pop(f"{path}.biases", None)
     out = {}
@@ -196,33 +199,33 @@ def _convert_module(tensors: dict, path: str, src: Spec | None, dst: Spec | None
     if dst is None:
         out[f"{path}.weight"] = w
     else:
-        if rounding != "rtn" and dst.bits <= MAX_BITS and inputs is not None:
-            q, s, b = quantize_matrix(w, dst.bits, dst.group_size, rounding, inputs)
-        else:
-            q, s, b = mx.quantize(w, dst.group_size, dst.bits)
+        q, s, b = rounded if rounded is not None else mx.quantize(w, dst.group_size, dst.bits)
         out.update({f"{path}.weight": q, f"{path}.scales": s, f"{path}.biases": b})
     return out
 
 
 def converted_tensors(weights: dict[str, mx.array], specs: dict[str, Spec | None],
                       src_quant: dict | None, num_layers: int, kept: list[list[int]] | None,
-                      dtype: mx.Dtype | None, progress: bool = True, rounding: str = "rtn",
-                      inputs: dict[str, Inputs] | None = None, done_units: int = 0,
-                      on_unit: Callable[[int], None] | None = None
+                      dtype: mx.Dtype | None, progress: bool = True,
+                      rounder: Callable[[int, bool], dict[str, Rounded]] | None = None,
+                      done_units: int = 0, on_unit: Callable[[int], None] | None = None
                       ) -> Iterator[tuple[str, mx.array]]:
     """Consume the lazy `weights` dict unit by unit (pruning, quantizing), yielding the
-    evaluated tensors of one unit before reading the next. `inputs`: what each module saw on
-    the calibration text (rounding.capture, unpruned expert ids), for `rounding`.
-    `done_units`: units a killed run already wrote (skipped; --resume); `on_unit(n)` is called
-    once the consumer has taken all tensors of the first n units."""
-    inputs = inputs or {}
+    evaluated tensors of one unit before reading the next. `rounder(unit, skip)`: the unit's
+    modules rounded activation-aware (layerwise.StreamedRounding), called for every unit in
+    order, `skip` for those already written. `done_units`: units a killed run already wrote
+    (skipped; --resume); `on_unit(n)` is called once the consumer has taken all tensors of the
+    first n units."""
     src_specs = {p: _source_spec(p, src_quant, weights) for p in specs}
     units: dict[int, list[str]] = {}
     for k in weights:
         units.setdefault(_unit(k, num_layers), []).append(k)
     order = sorted(units)
+    for u in order[:done_units] if rounder is not None else ():
+        rounder(u, True)
     for n, u in enumerate(progress_bar(order[done_units:], desc="quantize+write", unit="layer",
                                        enabled=progress), done_units):
+        rounded = rounder(u, False) if rounder is not None else {}
         tensors = {k: weights.pop(k) for k in units[u]}
         if kept is not None:
             for prefix in sorted({m.group(0)[:-1] for k in tensors
@@ -232,12 +235,8 @@ def converted_tensors(weights: dict[str, mx.array], specs: dict[str, Spec | None
         out: dict[str, mx.array] = {}
         for path in sorted({k.rsplit(".", 1)[0] for k in tensors}):
             if path in specs and f"{path}.weight" in tensors:
-                inp = inputs.get(path)
-                ids = _kept_of(path, kept, num_layers)
-                if inp is not None and ids is not None and ".switch_mlp." in path:
-                    inp = select_inputs(inp, ids)
                 out.update(_convert_module(tensors, path, src_specs[path], specs[path], dtype,
-                                           rounding, inp))
+                                           rounded.pop(path, None)))
         for k, v in tensors.items():  # norms, conv1d, A_log, dt_bias, biases
             if dtype is not None and mx.issubdtype(v.dtype, mx.floating) and not _keep_float32(k, v):
                 v = v.astype(dtype)
@@ -365,14 +364,33 @@ def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
 ROUNDING_TOKENS = 8192
 
 
-def inputs_for(path: Path, config: dict, opts: ConvertOptions) -> dict[str, Inputs]:
-    """Every module's inputs on up to ROUNDING_TOKENS per calibration file (capped by
-    --calib-tokens), from the float model (rounding.capture). Loads the whole model: small
-    models only."""
+def _rounding_windows(path: Path, config: dict, opts: ConvertOptions) -> list[list[int]]:
+    """Up to ROUNDING_TOKENS per calibration file (capped by --calib-tokens)."""
     tokenizer = load_tokenizer(path, config)
     per_file = max(2, min(opts.calib_tokens, ROUNDING_TOKENS))
-    chunks, _ = calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)
-    return capture(load_model(path, config, dtype="float32"), chunks)
+    return calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)[0]
+
+
+def inputs_for(path: Path, config: dict, opts: ConvertOptions, method: str = "gptq"
+               ) -> dict[str, Inputs]:
+    """Every module's inputs on the rounding windows, from the float model
+    (layerwise.capture), for the --target-size search. Loads the whole model: small models
+    only (the writing streams: `rounder_for`)."""
+    return capture(load_model(path, config, dtype="float32"),
+                   _rounding_windows(path, config, opts), method)
+
+
+def rounder_for(path: Path, config: dict, opts: ConvertOptions, method: str,
+                specs: dict[str, Spec | None], kept: list[list[int]] | None, weights: dict,
+                dtype: mx.Dtype | None, num_layers: int) -> StreamedRounding:
+    """The writer's activation-aware rounding, layer by layer on a lazily loaded float32
+    model (layerwise.py): each module of MAX_BITS or fewer, from the weights in the dtype it
+    is written in, pruned as written."""
+    targets = {p: Target(spec, _float_dtype(weights, p, dtype), _kept_of(p, kept, num_layers))
+               for p, spec in specs.items()
+               if spec is not None and spec.bits <= MAX_BITS and f"{p}.weight" in weights}
+    return StreamedRounding(load_model(path, config, dtype="float32", lazy=True),
+                            _rounding_windows(path, config, opts), targets, method)
 
 
 def convert(src: str, out: Path, opts: ConvertOptions,
@@ -398,7 +416,10 @@ def convert(src: str, out: Path, opts: ConvertOptions,
     weights, src_quant = _checked_source(source, folder, opts, rounding, dtype)
     with atomic_dir(out, force=opts.force, resume=accept) as tmp:
         journal = _open_journal(tmp, fp, opts, log)
-        inputs = inputs_for(path, config, opts) if rounding != "rtn" else None
+        # The --target-size search rounds its candidates from every module's inputs at once
+        # (small models); the writing streams them a layer at a time (rounder_for).
+        inputs = (inputs_for(path, config, opts, rounding)
+                  if rounding != "rtn" and opts.target_size is not None else None)
         plan = _choose_build(folder, args, opts, weights, rounding, inputs, journal, log,
                              stats, calib_info)
         stats, calib_info, kept = plan.stats, plan.calib_info, plan.kept
@@ -413,9 +434,12 @@ def convert(src: str, out: Path, opts: ConvertOptions,
             log(f"note: {n}")
         quant = quantization_dict(specs, opts.recipe)
         removed = {"config.json": keys} if (keys := strip_remote_code(config)[1]) else {}
-        _write_tensors(tmp, journal, weights, specs, src_quant, args.num_hidden_layers, kept,
-                       dtype, opts, rounding, inputs)
         del inputs
+        rounder = (rounder_for(path, config, opts, rounding, specs, kept, weights, dtype,
+                               args.num_hidden_layers) if rounding != "rtn" else None)
+        _write_tensors(tmp, journal, weights, specs, src_quant, args.num_hidden_layers, kept,
+                       dtype, opts, rounder)
+        del rounder
         del weights
         new_cfg = mlx_config(text_cfg, quant)
         (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2))
@@ -544,7 +568,7 @@ def _choose_build(folder: ModelFolder, args, opts: ConvertOptions, weights: dict
 
 def _write_tensors(tmp: Path, journal: Journal, weights: dict, specs: dict, src_quant,
                    num_layers: int, kept, dtype: mx.Dtype | None, opts: ConvertOptions,
-                   rounding: str, inputs: dict[str, Inputs] | None) -> None:
+                   rounder: StreamedRounding | None) -> None:
     """The converted tensors into shards in `tmp`, a write unit at a time, each recorded in
     the journal (--resume continues after the last one done)."""
     # About what the build comes to (the source's bytes bound it unless it upcasts):
@@ -560,7 +584,7 @@ def _write_tensors(tmp: Path, journal: Journal, weights: dict, specs: dict, src_
         journal.save("write")
 
     for name, arr in converted_tensors(weights, specs, src_quant, num_layers,
-                                       kept, dtype, opts.progress, rounding, inputs,
+                                       kept, dtype, opts.progress, rounder,
                                        done["units"] if done else 0, unit_done):
         writer.add(name, arr)
     writer.close()

@@ -5,8 +5,9 @@ the error of each module's *output* on real inputs: with the inputs' second mome
 H = sum x x^T, GPTQ (arXiv 2210.17323) rounds one input column at a time and moves the
 rounding error onto the columns not yet rounded, where H says it can be absorbed; AWQ's clip
 search (arXiv 2306.00978) shrinks each group's range when that lowers the output error on
-sampled inputs. Inputs come from the float model on the calibration text (`capture`); routed
-experts see only the tokens routed to them, so each expert gets its own H / samples.
+sampled inputs. Inputs come from the float model on the calibration text, one layer at a
+time (convert/layerwise.py); routed experts see only the tokens routed to them, so each expert
+gets its own H / samples, made when that expert is rounded.
 
 What is reused from mlx-lm 0.32 (`mlx_lm.quant`) and why not more:
 - AWQ: `mlx_lm.quant.awq.search_best_clip` is used as is, per matrix (for experts, per expert
@@ -16,14 +17,15 @@ What is reused from mlx-lm 0.32 (`mlx_lm.quant`) and why not more:
   the shared expert and every expert: not done here.
 - GPTQ: mlx-lm's `gptq_quantize` is a whole-model driver (wraps mlx-lm's own Linear and
   SwitchLinear types, one bit width for all, one H shared by all experts of a SwitchLinear) and
-  its packer takes only 2, 4 and 8 bits. Ours below is the same algorithm per matrix (batched
-  over experts, each with its own H), packs every MLX width (1-8), and rounds the scales and
+  its packer takes only 2, 4 and 8 bits. Ours below is the same algorithm per matrix (each
+  expert with its own H, a block of rows at a time), packs every MLX width (1-8), and rounds the scales and
   biases to the output dtype before choosing the codes, so the stored values are the ones the
   error feedback assumed. tests/test_rounding.py checks it against mlx-lm's at 2 and 4 bits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -43,18 +45,36 @@ DAMP = 0.1
 # loses on held-out text (reference model, 2-bit experts: 1.38x RTN's error with feedback, 0.77x
 # with fitted levels alone). Such matrices get the fitted levels without feedback (H = I).
 MIN_ROWS_PER_INPUT = 4
+# Working memory of one block: float64 rows being rounded, or pack's bit stream. A 35B layer's
+# 256 experts (or the 248320-row lm_head) go through in blocks of this size, not all at once
+# (which took E x 2048^2 x 8 B = 4 GB and more per matrix).
+BLOCK_BYTES = 64 << 20
+# Sampled input rows per matrix (per expert for experts) for AWQ's clip search.
+AWQ_ROWS = 512
 
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """Integer codes [..., K] (0 <= c < 2**bits) as MLX's affine weights [..., K*bits/32]
-    uint32: each row one little-endian bit stream (3, 5, 6 bits straddle words)."""
+    uint32: each row one little-endian bit stream (3, 5, 6 bits straddle words). Rows go
+    through in blocks: the bit stream takes 8 x bits bytes a code (a 35B layer's experts at
+    once would take 4 GB)."""
     k = codes.shape[-1]
     if (k * bits) % 32:
         raise ValueError(f"a row of {k} {bits}-bit codes does not fill whole words")
-    c = codes.astype(np.uint32)
-    stream = (c[..., None] >> np.arange(bits, dtype=np.uint32)) & 1  # [..., K, bits]
-    stream = stream.reshape(*codes.shape[:-1], k * bits // 32, 32).astype(np.uint64)
-    return (stream << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
+    flat = codes.reshape(-1, k)
+    out = np.empty((len(flat), k * bits // 32), np.uint32)
+    step = max(1, BLOCK_BYTES // (8 * bits * k))
+    for r in range(0, len(flat), step):
+        c = flat[r:r + step].astype(np.uint32)
+        if 32 % bits == 0:  # whole codes per word: code j of a word at bit j * bits
+            per = 32 // bits
+            c = c.reshape(len(c), k // per, per) << (np.arange(per, dtype=np.uint32) * bits)
+            out[r:r + step] = c.sum(-1, dtype=np.uint32)  # disjoint bits: the sum is the OR
+            continue
+        stream = (c[..., None] >> np.arange(bits, dtype=np.uint32)) & 1  # [n, K, bits]
+        stream = stream.reshape(len(c), k * bits // 32, 32).astype(np.uint64)
+        out[r:r + step] = (stream << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
+    return out.reshape(*codes.shape[:-1], k * bits // 32)
 
 
 def _scales_biases(w: mx.array, bits: int, group_size: int, dtype: mx.Dtype
@@ -72,11 +92,14 @@ def fit_levels(w: np.ndarray, bits: int, dtype: mx.Dtype, iters: int = 4
     codes. Min/max puts the outermost levels on the extreme weights, which at 1 and 2 bits
     wastes most of the range; the least-squares levels sit where the weights are."""
     s, b = _scales_biases(mx.array(w.astype(np.float32)), bits, w.shape[-1], dtype)
+    wm = w.mean(-1, keepdims=True)
+    wc = w - wm
     for _ in range(iters):
         q = _codes(w, s, b, bits)
-        qm, wm = q.mean(-1, keepdims=True), w.mean(-1, keepdims=True)
-        var = ((q - qm) ** 2).sum(-1, keepdims=True)
-        cov = ((q - qm) * (w - wm)).sum(-1, keepdims=True)
+        qm = q.mean(-1, keepdims=True)
+        q -= qm
+        var = (q * q).sum(-1, keepdims=True)
+        cov = (q * wc).sum(-1, keepdims=True)
         ok = var > 0
         s_new = np.where(ok, cov / np.where(ok, var, 1), s)
         ok &= np.abs(s_new) > 1e-12
@@ -88,7 +111,10 @@ def fit_levels(w: np.ndarray, bits: int, dtype: mx.Dtype, iters: int = 4
 
 
 def _codes(w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int) -> np.ndarray:
-    return np.clip(np.round((w - b) / s), 0, 2**bits - 1)
+    c = w - b  # in place from here: this runs over every weight, several times
+    c /= s
+    np.round(c, out=c)
+    return np.clip(c, 0, 2**bits - 1, out=c)
 
 
 def inverse_hessian_factor(H: np.ndarray, damp: float = DAMP) -> np.ndarray:
@@ -104,40 +130,93 @@ def inverse_hessian_factor(H: np.ndarray, damp: float = DAMP) -> np.ndarray:
     return np.swapaxes(np.linalg.cholesky(Hinv), -1, -2)
 
 
-def gptq(w: np.ndarray, H: np.ndarray, bits: int, group_size: int, dtype: mx.Dtype = mx.float32,
-         fit: bool | None = None, damp: float = DAMP) -> tuple[mx.array, mx.array, mx.array]:
-    """GPTQ of w [..., N, K] with input moments H [..., K, K] (leading axes: experts):
-    MLX affine (weight, scales, biases), scales and biases in `dtype`. `fit`: least-squares
-    levels per group (fit_levels; default at FIT_BITS and below) instead of MLX's min/max
-    (which mlx-lm's GPTQ uses: at 1 bit it loses to plain rounding, fitted it wins by 10x)."""
-    fit = bits <= FIT_BITS if fit is None else fit
-    W = w.astype(np.float64).copy()
-    U = inverse_hessian_factor(H, damp)
-    K = W.shape[-1]
-    scales, biases, codes = [], [], np.zeros(W.shape, np.float64)
+def _round_rows(W: np.ndarray, U: np.ndarray | None, bits: int, group_size: int,
+                dtype: mx.Dtype, fit: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GPTQ of the rows W [n, K] (float64, changed in place): (codes uint8, scales, biases
+    float32). U: upper Cholesky factor of H's damped inverse; None when H is a multiple of I
+    (U diagonal: no error moves to other columns, so each group's levels and round to nearest
+    give the very codes the column loop would)."""
+    n, K = W.shape
+    if U is None:  # all groups at once: each group's levels, then round to nearest
+        Wg = W.reshape(n, K // group_size, group_size)
+        if fit:
+            s, b = fit_levels(Wg, bits, dtype)
+        else:
+            s, b = _scales_biases(mx.array(Wg.astype(np.float32)), bits, group_size, dtype)
+        codes = _codes(Wg, s, b, bits).astype(np.uint8).reshape(n, K)
+        return codes, s[..., 0], b[..., 0]
+    codes = np.empty((n, K), np.uint8)
+    scales, biases = [], []
     for i in range(0, K, group_size):
         j = i + group_size
         if fit:
-            s, b = fit_levels(W[..., i:j], bits, dtype)
+            s, b = fit_levels(W[:, i:j], bits, dtype)
         else:
-            s, b = _scales_biases(mx.array(W[..., i:j].astype(np.float32)), bits, group_size,
+            s, b = _scales_biases(mx.array(W[:, i:j].astype(np.float32)), bits, group_size,
                                   dtype)
         scales.append(s)
         biases.append(b)
-        err = np.zeros_like(W[..., i:j])
+        err = np.zeros_like(W[:, i:j])
         for k in range(i, j):
-            d = U[..., k, k][..., None, None]  # [..., 1, 1]
-            col = W[..., k:k + 1]
+            col = W[:, k:k + 1]
             q = _codes(col, s, b, bits)
-            codes[..., k:k + 1] = q
-            e = (col - (s * q + b)) / d
-            W[..., k:j] -= e @ U[..., k:k + 1, k:j]
-            err[..., k - i:k - i + 1] = e
-        W[..., j:] -= err @ U[..., i:j, j:]
-    s = np.concatenate(scales, -1)
-    b = np.concatenate(biases, -1)
-    return (mx.array(pack(codes.astype(np.uint32), bits)), mx.array(s).astype(dtype),
-            mx.array(b).astype(dtype))
+            codes[:, k:k + 1] = q
+            e = (col - (s * q + b)) / U[k, k]
+            W[:, k:j] -= e @ U[k:k + 1, k:j]
+            err[:, k - i:k - i + 1] = e
+        W[:, j:] -= err @ U[i:j, j:]
+    return codes, np.concatenate(scales, -1), np.concatenate(biases, -1)
+
+
+def _gptq_np(w, H: np.ndarray | None, bits: int, group_size: int, dtype: mx.Dtype, fit: bool,
+             damp: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`gptq` in numpy (packed codes, float32 scales and biases), BLOCK_BYTES of float64 rows
+    at a time. w: [..., N, K] numpy, or an mx.array read a block at a time."""
+    *lead, N, K = w.shape
+    E = int(np.prod(lead, dtype=np.int64))
+    q = np.empty((E, N, K * bits // 32), np.uint32)
+    s = np.empty((E, N, K // group_size), np.float32)
+    b = np.empty_like(s)
+    w3 = w.reshape(E, N, K)
+    rows = max(1, BLOCK_BYTES // (8 * K))
+    if H is None:  # no feedback: rows are independent, so all matrices' rows go together
+        flat = w3.reshape(E * N, K)
+        qf, sf, bf = q.reshape(E * N, -1), s.reshape(E * N, -1), b.reshape(E * N, -1)
+        for r in range(0, E * N, rows):
+            c, sf[r:r + rows], bf[r:r + rows] = _round_rows(
+                _float64(flat[r:r + rows]), None, bits, group_size, dtype, fit)
+            qf[r:r + rows] = pack(c, bits)
+    else:
+        H3 = H.reshape(E, K, K)
+        for e in range(E):
+            U = inverse_hessian_factor(H3[e], damp)
+            for r in range(0, N, rows):
+                c, s[e, r:r + rows], b[e, r:r + rows] = _round_rows(
+                    _float64(w3[e, r:r + rows]), U, bits, group_size, dtype, fit)
+                q[e, r:r + rows] = pack(c, bits)
+    return (q.reshape(*lead, N, -1), s.reshape(*lead, N, -1), b.reshape(*lead, N, -1))
+
+
+def _float64(w) -> np.ndarray:
+    """A float64 copy of a block of weights (numpy or mx, any float dtype)."""
+    if isinstance(w, mx.array):
+        w = np.array(w.astype(mx.float32))
+    return w.astype(np.float64)
+
+
+def gptq(w: np.ndarray, H: np.ndarray | None, bits: int, group_size: int,
+         dtype: mx.Dtype = mx.float32, fit: bool | None = None, damp: float = DAMP
+         ) -> tuple[mx.array, mx.array, mx.array]:
+    """GPTQ of w [..., N, K] with input moments H [..., K, K] (leading axes: experts; None:
+    H a multiple of I, levels alone): MLX affine (weight, scales, biases), scales and biases
+    in `dtype`. `fit`: least-squares levels per group (fit_levels; default at FIT_BITS and
+    below) instead of MLX's min/max (which mlx-lm's GPTQ uses: at 1 bit it loses to plain
+    rounding, fitted it wins by 10x). Each matrix, and each block of its rows, is rounded on
+    its own (GPTQ treats rows independently), so the working memory is one H's factor and a
+    block of rows, whatever the number of experts or rows."""
+    fit = bits <= FIT_BITS if fit is None else fit
+    q, s, b = _gptq_np(w, H, bits, group_size, dtype, fit, damp)
+    return mx.array(q), mx.array(s).astype(dtype), mx.array(b).astype(dtype)
 
 
 def awq_clip(w: mx.array, x: mx.array, bits: int, group_size: int, dtype: mx.Dtype
@@ -160,11 +239,33 @@ def awq_clip(w: mx.array, x: mx.array, bits: int, group_size: int, dtype: mx.Dty
 @dataclass
 class Inputs:
     """What one quantizable matrix saw on the calibration text: H = sum x x^T and up to
-    `max_rows` sampled rows (for AWQ); for routed experts one of each per expert."""
+    AWQ_ROWS sampled rows (for AWQ); for routed experts one of each per expert, or, from a
+    streamed capture (convert/layerwise.py), `expert_rows`: expert e's input rows, from which
+    its H or sample is made when that expert is rounded (E x K^2 x 8 B of H's at once is
+    8.6 GB for a 35B layer)."""
 
-    H: np.ndarray  # [K, K] or [E, K, K]
+    H: np.ndarray | None  # [K, K] or [E, K, K]; None: built per expert from expert_rows
     rows: list[np.ndarray] = field(default_factory=list)  # [R, K], one per expert for experts
     count: np.ndarray | None = None  # input rows seen (per expert for experts); None: plenty
+    expert_rows: Callable[[int], np.ndarray] | None = None
+
+    def expert_H(self, e: int) -> np.ndarray:
+        if self.H is not None:
+            return self.H[e]
+        x = self.expert_rows(e)
+        return x.T @ x
+
+    def expert_sample(self, e: int) -> np.ndarray | None:
+        if e < len(self.rows):
+            return self.rows[e]
+        return None if self.expert_rows is None else sample_rows(self.expert_rows(e), AWQ_ROWS)
+
+
+def _few(inputs: Inputs, width: int) -> np.ndarray:
+    """Whether each matrix (expert) saw too few rows for GPTQ's error feedback."""
+    if inputs.count is None:
+        return np.zeros((), bool)
+    return np.asarray(inputs.count) < MIN_ROWS_PER_INPUT * width
 
 
 def quantize_matrix(w: mx.array, bits: int, group_size: int, method: str,
@@ -177,108 +278,57 @@ def quantize_matrix(w: mx.array, bits: int, group_size: int, method: str,
         raise PocketError(f"unknown rounding {method!r} (known: {', '.join(METHODS)})")
     dtype = w.dtype
     if method == "gptq":
-        H = inputs.H
-        if inputs.count is not None:
-            few = np.asarray(inputs.count) < MIN_ROWS_PER_INPUT * H.shape[-1]
-            if few.any():
-                eye = np.eye(H.shape[-1]) * np.maximum(
-                    np.einsum("...ii->...", H) / H.shape[-1], 1e-12)[..., None, None]
-                H = np.where(few[..., None, None], eye, H)
-        return gptq(np.array(w.astype(mx.float32)), H, bits, group_size, dtype)
+        if w.ndim == 3:
+            return _gptq_experts(w, bits, group_size, inputs)
+        # Too few rows: H taken as a multiple of I (no error feedback, fitted levels alone).
+        H = None if _few(inputs, w.shape[-1]).any() else inputs.H
+        return gptq(w, H, bits, group_size, dtype)
     stacked = w.ndim == 3
-    mats = [w[e] for e in range(w.shape[0])] if stacked else [w]
     out = []
-    for e, m in enumerate(mats):
-        x = inputs.rows[e] if e < len(inputs.rows) else None
+    for e in range(w.shape[0] if stacked else 1):
+        m = w[e] if stacked else w
+        x = inputs.expert_sample(e) if stacked else (inputs.rows[0] if inputs.rows else None)
         out.append(mx.quantize(m, group_size, bits) if x is None or len(x) == 0
                    else awq_clip(m, mx.array(x), bits, group_size, dtype))
+        mx.eval(out[-1])
     if not stacked:
         return out[0]
     return tuple(mx.stack([o[i] for o in out]) for i in range(3))
 
 
-def _sample(x: np.ndarray, max_rows: int) -> np.ndarray:
+def _gptq_experts(w: mx.array, bits: int, group_size: int, inputs: Inputs
+                  ) -> tuple[mx.array, mx.array, mx.array]:
+    """GPTQ of experts w [E, N, K]: those that saw too few rows (most of a many-expert layer)
+    together, levels alone; each of the others with its own H, built when it is rounded."""
+    E, N, K = w.shape
+    few = np.broadcast_to(_few(inputs, K), (E,))
+    fit = bits <= FIT_BITS
+    q = np.empty((E, N, K * bits // 32), np.uint32)
+    s = np.empty((E, N, K // group_size), np.float32)
+    b = np.empty_like(s)
+    plain = np.flatnonzero(few)
+    per = max(1, BLOCK_BYTES // (8 * N * K))
+    for c in range(0, len(plain), per):
+        ids = plain[c:c + per]
+        q[ids], s[ids], b[ids] = _gptq_np(w[mx.array(ids)], None, bits, group_size, w.dtype,
+                                          fit, DAMP)
+    for e in np.flatnonzero(~few):
+        q[e], s[e], b[e] = _gptq_np(w[int(e)], inputs.expert_H(int(e)), bits, group_size,
+                                    w.dtype, fit, DAMP)
+    return mx.array(q), mx.array(s).astype(w.dtype), mx.array(b).astype(w.dtype)
+
+
+def sample_rows(x: np.ndarray, max_rows: int) -> np.ndarray:
     if len(x) <= max_rows:
         return x
     return x[np.linspace(0, len(x) - 1, max_rows).round().astype(int)]
 
 
-class _Catcher(nn.Module):
-    """Stands in for a Linear during capture: accumulates its inputs, then runs it."""
-
-    def __init__(self, module: nn.Module, store: dict, path: str, max_rows: int):
-        super().__init__()
-        self.module = module
-        self._store, self._path, self._max = store, path, max_rows
-
-    def __call__(self, x: mx.array) -> mx.array:
-        xf = np.array(x.reshape(-1, x.shape[-1]).astype(mx.float32), np.float64)
-        got = self._store.setdefault(self._path,
-                                     Inputs(np.zeros((xf.shape[1],) * 2), [[]], np.array(0)))
-        got.H += xf.T @ xf
-        got.count = got.count + len(xf)
-        got.rows[0].append(xf)
-        return self.module(x)
-
-
-def capture(model, chunks: list[list[int]], max_rows: int = 512) -> dict[str, Inputs]:
-    """Run the float model on the calibration windows and record every quantizable matrix's
-    inputs (routed experts: per expert, only its tokens). Loads nothing; small models only."""
-    from mlx.utils import tree_unflatten
-
-    store: dict[str, Inputs] = {}
-    moe: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-    layers = model.language_model.model.layers
-    wrapped = []
-    for path, m in model.named_modules():
-        if isinstance(m, nn.Linear) and ".switch_mlp." not in path:
-            wrapped.append((path, _Catcher(m, store, path, max_rows)))
-    originals = [(p, c.module) for p, c in wrapped]
-    model.update_modules(tree_unflatten(wrapped))
-
-    def observer(i: int):
-        def observe(x, inds, scores, experts) -> None:
-            moe.setdefault(i, []).append(
-                (np.array(x.reshape(-1, x.shape[-1]).astype(mx.float32), np.float64),
-                 np.array(inds.reshape(-1, inds.shape[-1]))))
-        return observe
-
-    try:
-        for i, layer in enumerate(layers):
-            layer.mlp.observer = observer(i)
-        for c in chunks:
-            mx.eval(model(mx.array(c, mx.int32)[None]))
-    finally:
-        for layer in layers:
-            layer.mlp.observer = None
-        model.update_modules(tree_unflatten(originals))
-    for got in store.values():
-        got.rows = [_sample(np.concatenate(got.rows[0]), max_rows)]
-    for i, parts in moe.items():
-        x = np.concatenate([p[0] for p in parts])
-        inds = np.concatenate([p[1] for p in parts])
-        sw = layers[i].mlp.switch_mlp
-        E = sw.gate_proj.weight.shape[0]
-        prefix = f"language_model.model.layers.{i}.mlp.switch_mlp"
-        wg = np.array(sw.gate_proj.weight.astype(mx.float32), np.float64)
-        wu = np.array(sw.up_proj.weight.astype(mx.float32), np.float64)
-        K, Ki = x.shape[1], wg.shape[1]
-        hin, hmid = np.zeros((E, K, K)), np.zeros((E, Ki, Ki))
-        rin, rmid, count = [], [], np.zeros(E, np.int64)
-        for e in range(E):
-            xe = x[(inds == e).any(-1)]
-            count[e] = len(xe)
-            g, u = xe @ wg[e].T, xe @ wu[e].T
-            mid = g / (1 + np.exp(-g)) * u  # the SwiGLU that feeds down_proj
-            hin[e], hmid[e] = xe.T @ xe, mid.T @ mid
-            rin.append(_sample(xe, max_rows))
-            rmid.append(_sample(mid, max_rows))
-        store[f"{prefix}.gate_proj"] = store[f"{prefix}.up_proj"] = Inputs(hin, rin, count)
-        store[f"{prefix}.down_proj"] = Inputs(hmid, rmid, count)
-    return store
-
-
 def select(inputs: Inputs, kept: list[int]) -> Inputs:
     """The inputs of the experts a pruning kept, in their new order."""
-    return Inputs(inputs.H[kept], [inputs.rows[e] for e in kept],
-                  None if inputs.count is None else inputs.count[kept])
+    ids = list(kept)
+    rows = inputs.expert_rows
+    return Inputs(None if inputs.H is None else inputs.H[ids],
+                  [inputs.rows[e] for e in ids] if inputs.rows else [],
+                  None if inputs.count is None else np.asarray(inputs.count)[ids],
+                  None if rows is None else (lambda e: rows(ids[e])))
