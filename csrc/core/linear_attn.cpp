@@ -78,4 +78,23 @@ void linear_attn_step(const LinearAttnStep& a) {
              a.norm_eps);
 }
 
+void linear_attn_rows(const LinearAttnStep& a, int64_t L, int64_t qkv_row, int64_t z_row,
+                      int64_t ab_row) {
+  const int64_t conv_n = a.B * (a.kernel - 1) * a.conv_dim;
+  const int64_t state_n = a.B * a.Hv * a.Dv * a.Dk;
+  for (int64_t i = 0; i < L; i++) {
+    LinearAttnStep r = a;
+    r.qkv = a.qkv + i * qkv_row;
+    r.z = a.z + i * z_row;
+    r.b = a.b + i * ab_row;
+    r.a = a.a + i * ab_row;
+    r.conv_state = i ? a.new_conv_state + (i - 1) * conv_n : a.conv_state;
+    r.state_in = i ? a.state + (i - 1) * state_n : a.state_in;
+    r.new_conv_state = a.new_conv_state + i * conv_n;
+    r.state = a.state + i * state_n;
+    r.out = a.out + i * a.B * a.Hv * a.Dv;
+    linear_attn_step(r);
+  }
+}
+
 }  // namespace pqk

@@ -160,4 +160,12 @@ struct LinearAttnStep {
 
 void linear_attn_step(const LinearAttnStep& a);
 
+// L decode tokens in a row (speculative decoding's verify pass): row i is linear_attn_step on
+// row i's qkv / z / b / a (at qkv + i * qkv_row, ...) with the state after row i - 1, so every
+// row has the one-token step's bits. a.out is [L, B, Hv * Dv]; a.new_conv_state and a.state are
+// tapes of L slots ([L, B, kernel - 1, conv_dim] and [L, B, Hv, Dv, Dk]): slot i holds the
+// caches after row i, so keeping the first n rows is taking slot n - 1.
+void linear_attn_rows(const LinearAttnStep& a, int64_t L, int64_t qkv_row, int64_t z_row,
+                      int64_t ab_row);
+
 }  // namespace pqk

@@ -204,6 +204,19 @@ def linear_attn_step(*arrays, **dims):
         return None
 
 
+def linear_attn_rows(*arrays, **dims):
+    """L decode tokens of a Gated DeltaNet layer in one node, each with `linear_attn_step`'s
+    bits, and the caches after each row (see `_qkernels.linear_attn_rows`), or None when the
+    extension cannot run it."""
+    if not enabled() or not hasattr(_ext, "linear_attn_rows") or any(
+            a.dtype != mx.float32 for a in arrays):
+        return None
+    try:
+        return tuple(_ext.linear_attn_rows(*arrays, **dims))
+    except (ValueError, TypeError):
+        return None
+
+
 def set_threads(n: int | None) -> None:
     """Worker threads for the kernels (None or <= 0: physical cores)."""
     if _ext is not None:

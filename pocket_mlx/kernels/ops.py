@@ -4,8 +4,8 @@ The model never calls the MLX ops these stand for directly (`mx.quantized_matmul
 `mx.gather_qmm`, `mx.fast.rms_norm`, `mx.fast.rope`, its depthwise conv and router): it calls the
 functions here, so the extension's faster CPU kernels take over when generating on the CPU with
 the extension built and enabled, while the GPU keeps MLX's own kernels. Without the extension
-each function is exactly its MLX form; `gated_delta`, `moe_block` and `linear_attn_step` return
-None instead, and the caller runs its own MLX code.
+each function is exactly its MLX form; `gated_delta`, `moe_block`, `linear_attn_step` and
+`linear_attn_rows` return None instead, and the caller runs its own MLX code.
 """
 
 from __future__ import annotations
@@ -63,6 +63,17 @@ def linear_attn_step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, s
     if k_ is None:
         return None
     return k_.linear_attn_step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state,
+                               Hk=Hk, Dk=Dk, Hv=Hv, Dv=Dv, eps=eps)
+
+
+def linear_attn_rows(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
+                     Hk: int, Dk: int, Hv: int, Dv: int, eps: float):
+    """`linear_attn_step` for the L rows of qkv, z, b, a [B, L, n] in one node (the verify
+    pass): (out [L, B, Hv*Dv], conv_state after each row, state after each row), else None."""
+    k_ = _cpu_kernels()
+    if k_ is None:
+        return None
+    return k_.linear_attn_rows(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state,
                                Hk=Hk, Dk=Dk, Hv=Hv, Dv=Dv, eps=eps)
 
 

@@ -11,9 +11,12 @@ each row of the verify pass must be computed with one-token decode's reduction o
   `gemm_min_rows` rows; `kernels.keep_rows_independent` keeps L under it), and the MoE block
   routes each token by itself. That is where the speed comes from: the weights are read once
   for L tokens.
-- Gated DeltaNet layers run their core (conv, gates, delta rule, gated norm) row after row
-  through the one-token decode node, from one batched projection; the (conv window, state)
-  after each row is kept (a tape of L entries), so committing n rows is picking entry n - 1.
+- Gated DeltaNet layers run their core (conv, gates, delta rule, gated norm) for the L rows in
+  one node of the extension (`linear_attn_rows`: each row is the one-token decode node's
+  arithmetic, fed the state after the row before), from one batched projection; the (conv
+  window, state) after each row is kept (two tapes of L slots), so committing n rows is taking
+  slot n - 1 (a view, no copy). Without the extension, row after row through the decode
+  forward.
 - Full-attention layers apply RoPE, append to the KV cache and attend row after row, as the
   decode step does (a causal L-row attention sums over keys in another order); committing n
   rows trims the KV cache by L - n.
@@ -45,11 +48,20 @@ def batched_rows_exact() -> bool:
 @dataclass
 class Tape:
     """What a verify pass leaves to commit: per linear layer, the (conv_state, state) after
-    each row; the number of rows fed; each layer's cache offset before the pass."""
+    each row, as a list of L pairs or as one pair of [L, ...] tapes (the extension's multi-row
+    node); the number of rows fed; each layer's cache offset before the pass."""
 
     rows: int
-    linear: dict[int, list[tuple[mx.array, mx.array]]] = field(default_factory=dict)
+    linear: dict[int, list[tuple[mx.array, mx.array]] | tuple[mx.array, mx.array]] = field(
+        default_factory=dict)
     offsets: list[int] = field(default_factory=list)
+
+    def linear_state(self, li: int, n: int) -> tuple[mx.array, mx.array]:
+        """Layer li's (conv_state, state) after row n - 1: a slice of the tape, no copy."""
+        t = self.linear[li]
+        if isinstance(t, tuple):
+            return t[0][n - 1], t[1][n - 1]
+        return t[n - 1]
 
 
 def verify_forward(model, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array, Tape]:
@@ -69,7 +81,7 @@ def verify_forward(model, tokens: mx.array, cache: list) -> tuple[mx.array, mx.a
     for li, (layer, c) in enumerate(zip(layers, cache)):
         x = layer.input_layernorm(h)
         if layer.is_linear:
-            r = _linear_rows(layer.linear_attn, x, c, tape.linear.setdefault(li, []))
+            r = _linear_rows(layer.linear_attn, x, c, tape, li)
         else:
             r = _attention_rows(layer.self_attn, x, c)
         h = h + r
@@ -98,10 +110,24 @@ def _rowwise(model, tokens: mx.array, cache: list, tape: Tape):
     return mx.stack(logits), mx.stack(hidden), tape
 
 
-def _linear_rows(gdn, x: mx.array, cache, steps: list) -> mx.array:
-    """GatedDeltaNet.__call__ for L rows: one projection, then the decode core row by row."""
+def _linear_rows(gdn, x: mx.array, cache, tape: Tape, li: int) -> mx.array:
+    """GatedDeltaNet.__call__ for L rows: one projection, then the decode core of each row in
+    turn, in one node of the extension (the caches after each row come back as two tapes),
+    else row by row."""
     B, L, _ = x.shape
     qkv, z, b, a = project(gdn, x, *gdn.FUSED)
+    if cache.conv_state is not None:
+        fast = ops.linear_attn_rows(
+            qkv, z, b, a, cache.conv_state, gdn.conv1d.weight, gdn.A_log, gdn.dt_bias,
+            gdn.norm.weight, cache.state, Hk=gdn.num_k_heads, Dk=gdn.head_k_dim,
+            Hv=gdn.num_v_heads, Dv=gdn.head_v_dim, eps=gdn.norm.eps)
+        if fast is not None:
+            out, conv_tape, state_tape = fast
+            tape.linear[li] = (conv_tape, state_tape)
+            cache.conv_state, cache.state = conv_tape[L - 1], state_tape[L - 1]
+            cache.offset += L
+            return gdn.out_proj(out.swapaxes(0, 1))
+    steps = tape.linear.setdefault(li, [])
     outs = []
     for i in range(L):
         row = slice(i, i + 1)
@@ -141,7 +167,7 @@ def commit(cache: list, tape: Tape, n: int) -> None:
         raise ValueError(f"commit of {n} rows of a {tape.rows}-row verify pass")
     for li, c in enumerate(cache):
         if li in tape.linear:
-            c.conv_state, c.state = tape.linear[li][n - 1]
+            c.conv_state, c.state = tape.linear_state(li, n)
             c.offset = tape.offsets[li] + n
         else:
             c.trim(c.offset - (tape.offsets[li] + n))
