@@ -129,15 +129,32 @@ def rope(x, dims: int, base: float, offset):
         x, dims, traditional=False, base=base, scale=1.0, offset=offset)
 
 
+def rope_rows(x, dims: int, base: float, offset: int):
+    """The extension's RoPE of x [B, H, L, D], position offset + l, in one node, row l with the
+    bits of `rope` of that row alone at offset + l (the verify pass), else None."""
+    return _decode_op("rope", x, dims=dims, base=base, offset=offset)
+
+
+def decode_attention_node(q) -> bool:
+    """Whether `gated_attention` of a one-row decode step runs the extension's causal kernel
+    here (and so whether the verify pass may attend its rows in that one node too)."""
+    return (_cpu_kernels() is not None and q.dtype == mx.float32 and q.shape[-1] % 16 == 0
+            and hasattr(kernels._ext, "causal_attention"))
+
+
 def gated_attention(q, k, v, gate, scale: float, mask):
     """Attention then the output gate: sdpa(q, k, v, scale, mask) as [B, L, H * D], times
     sigmoid(gate) ([B, L, H, D]). A causal float32 prefill on the CPU is one node of the
     extension (tiled kernel, output written in this layout, gate applied on the way out): MLX's
     CPU path materialises the score matrix and multiplies with the wheel's reference BLAS (~1.6 s
     per full-attention layer for a 512-token prompt of the 35B shape), and its sigmoid alone
-    took ~30 ms there."""
+    took ~30 ms there. A one-row decode step (no mask) runs the same node: row i of the kernel
+    sees keys up to S - L + i and its sums depend on nothing else, so an L-row causal call (the
+    verify pass, models/verify.py) gives each row the bits of that row's decode step, and one
+    node replaces MLX's ~8 composed ones per layer."""
     B, _, L, _ = q.shape
-    if isinstance(mask, str) and mask == "causal" and L > 1:
+    causal = isinstance(mask, str) and mask == "causal" and L > 1
+    if causal or (mask is None and L == 1 and decode_attention_node(q)):
         out = _decode_op("causal_attention", q, k, v, gate, scale=scale)
         if out is not None:
             return out.reshape(B, L, -1)

@@ -17,9 +17,13 @@ each row of the verify pass must be computed with one-token decode's reduction o
   window, state) after each row is kept (two tapes of L slots), so committing n rows is taking
   slot n - 1 (a view, no copy). Without the extension, row after row through the decode
   forward.
-- Full-attention layers apply RoPE, append to the KV cache and attend row after row, as the
-  decode step does (a causal L-row attention sums over keys in another order); committing n
-  rows trims the KV cache by L - n.
+- Full-attention layers: on the CPU with the extension, decode attends through the extension's
+  causal kernel (one row, all keys), whose row i sums over keys 0..offset + i in an order that
+  depends on nothing else; so the pass applies RoPE to the L rows (the extension's RoPE, row l
+  at offset + l), appends them to the KV cache and attends all rows in one causal call of that
+  kernel. Elsewhere (MLX's sdpa, which sums in another order for L rows) RoPE, the append and
+  the attention go row by row as the decode step does. Committing n rows trims the KV cache by
+  L - n.
 
 MLX's own CPU kernels (extension off) are row-exact as well. On the GPU nothing here has
 measured it (Metal's one-row and many-row quantized kernels differ): `batched_rows_exact()` is
@@ -146,10 +150,19 @@ def _linear_rows(gdn, x: mx.array, cache, tape: Tape, li: int) -> mx.array:
 
 
 def _attention_rows(attn, x: mx.array, cache) -> mx.array:
-    """Attention.__call__ for L rows of one sequence: projections on all rows, then RoPE, the
-    cache update and the attention row by row at each row's own position (as decode)."""
+    """Attention.__call__ for L rows of one sequence at one-token decode's bits: projections on
+    all rows; where decode attends through the extension's causal kernel (whose row i depends
+    only on its own keys, 0..offset + i), RoPE (row l at offset + l), the cache update and the
+    attention for all rows in one go; else RoPE, cache update and attention row by row at each
+    row's own position, as decode."""
     B, L, _ = x.shape
     q, gate, k, v = attn.heads(x)
+    if ops.decode_attention_node(q):
+        qr = ops.rope_rows(q, attn.rope_dims, attn.rope_base, cache.offset)
+        kr = ops.rope_rows(k, attn.rope_dims, attn.rope_base, cache.offset)
+        if qr is not None and kr is not None:
+            kc, vc = cache.update_and_fetch(kr, v)
+            return attn.o_proj(ops.gated_attention(qr, kc, vc, gate, attn.scale, "causal"))
     outs = []
     for i in range(L):
         row = slice(i, i + 1)
