@@ -97,6 +97,14 @@ void gated_delta(const float* q, const float* k, const float* v, const float* g,
                  const float* beta, const float* state_in, float* state, float* y, int64_t B,
                  int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
 
+// T decode tokens in a row (the verify pass), q/k/v/g/beta laid out as for gated_delta: token t
+// with the bits gated_delta gives it alone (T = 1) from the state after token t - 1; the state
+// after token t goes to tape + t * (B * Hv * Dv * Dk). False (nothing done) where gated_delta's
+// one-token path is not the one this kernel reproduces: call gated_delta per token instead.
+bool gated_delta_rows(const float* q, const float* k, const float* v, const float* g,
+                      const float* beta, const float* state_in, float* tape, float* y, int64_t B,
+                      int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
+
 // RMSNorm of `rows` rows of D float32 values: out = x / sqrt(mean(x^2) + eps) [* w] [* silu(gate)]
 // (w: D values or nullptr; gate: rows x D values or nullptr).
 void rms_norm(const float* x, const float* w, const float* gate, float* out, int64_t rows,
