@@ -75,10 +75,16 @@ def verify_forward(model, tokens: mx.array, cache: list) -> tuple[mx.array, mx.a
     keeps the first n. Lazy: nothing is evaluated here."""
     L = tokens.shape[0]
     tape = Tape(rows=L, offsets=[c.offset for c in cache])
-    layers = model.layers
     if not batched_rows_exact():
         return _rowwise(model, tokens, cache, tape)
     kernels.keep_rows_independent(L)
+    with kernels.pinned():
+        return _rows(model, tokens, cache, tape)
+
+
+def _rows(model, tokens: mx.array, cache: list, tape: Tape):
+    """verify_forward's graph where the L-row products are row-exact (the CPU)."""
+    layers = model.layers
     lm = model.language_model
     tm = lm.model
     h = tm.embed_tokens(tokens[None])
