@@ -81,27 +81,35 @@ def tps_table(args, model, tok) -> None:
             elif toks != ref:
                 raise SystemExit(f"{spec} k={k}: reply differs from off")
             runs[(spec, k)].append(stats)
-    base = statistics.fmean(s.generation_tps for s in runs[("off", 0)])
+    off = [s.generation_tps for s in runs[("off", 0)]]
+    base, base_med, base_best = statistics.fmean(off), statistics.median(off), max(off)
     print(
         f"model {args.model}, CPU {cpu_model()}, kernels {kernels.label()}, "
-        f"{len(ref)} tokens, {args.reps} interleaved runs each\n"
+        f"{len(ref)} tokens, {args.reps} interleaved runs each, load average "
+        f"{os.getloadavg()[0]:.1f}\n"
     )
+    # On a shared machine the mean swings with other jobs; the median and the best run too.
     print(
-        "| method | K | decode tok/s | vs off | drafted | accepted | accepted/drafted | "
-        "tokens/pass |"
+        "| method | K | decode tok/s | vs off | median | vs off | best | vs off | drafted | "
+        "accepted | accepted/drafted | tokens/pass |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (spec, k), stats in runs.items():
         tps = [s.generation_tps for s in stats]
         m, sd = statistics.fmean(tps), statistics.stdev(tps) if len(tps) > 1 else 0.0
+        med, best = statistics.median(tps), max(tps)
+        cols = (
+            f"{m:.1f} ± {sd:.1f} | {m / base:.2f}x | {med:.1f} | {med / base_med:.2f}x | "
+            f"{best:.1f} | {best / base_best:.2f}x"
+        )
         sp = stats[-1].speculative
         if sp is None:
-            print(f"| off | - | {m:.1f} ± {sd:.1f} | 1.00x | - | - | - | 1.00 |")
+            print(f"| off | - | {cols} | - | - | - | 1.00 |")
             continue
         rate = sp["accepted"] / sp["drafted"] if sp["drafted"] else 0.0
         per = stats[-1].generation_tokens / sp["passes"]
         print(
-            f"| {spec} | {k} | {m:.1f} ± {sd:.1f} | {m / base:.2f}x | {sp['drafted']} | "
+            f"| {spec} | {k} | {cols} | {sp['drafted']} | "
             f"{sp['accepted']} | {100 * rate:.0f}% | {per:.2f} |"
         )
 
