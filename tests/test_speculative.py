@@ -24,6 +24,7 @@ from conftest import KERNEL_PATHS, kernel_path, speculative_run
 from pocket_mlx.engine.drafters import BackOff, LookupDrafter, make_drafter
 from pocket_mlx.engine.generation import SamplingParams, stream_generate
 from pocket_mlx.engine.loader import load
+from pocket_mlx.engine.sampling import greedy, sample
 from pocket_mlx.engine.speculative import accept_drafts, target_probs
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import verify
@@ -82,6 +83,11 @@ def test_verify_rows_are_decode_rows(bundled, path, monkeypatch):
         assert logits.shape == (k + 1, model.args.vocab_size)
         for i in range(k + 1):
             assert mx.array_equal(logits[i], ref[i]).item(), (path, k, i)
+        # Greedy acceptance samples all rows in one call: each row as decode samples it alone.
+        toks, lps = sample(logits, greedy)
+        for i in range(k + 1):
+            tok, lp = sample(ref[i][None], greedy)
+            assert toks[i].item() == tok.item() and mx.array_equal(lps[i], lp[0]).item()
         n = (k + 1) // 2 + 1
         commit(cache, tape, n)
         nxt = model(mx.array([[seq[n]]]), cache=cache)[0, 0]
