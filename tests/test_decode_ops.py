@@ -161,9 +161,10 @@ def test_linear_attention_rows_are_decode_steps(B, Hk, Dk, Hv, Dv, L):
     fixed = [rand(C, K, 1, scale=0.5), rand(Hv), rand(Hv), rand(Dv)]
     conv, state = rand(B, K - 1, C), rand(B, Hv, Dv, Dk, scale=0.1)
     dims = dict(Hk=Hk, Dk=Dk, Hv=Hv, Dv=Dv, eps=1e-6)
-    out, conv_tape, state_tape = kernels.linear_attn_rows(qkv, z, b, a, conv, *fixed, state,
-                                                          **dims)
-    assert out.shape == (L, B, Hv * Dv) and conv_tape.shape == (L, B, K - 1, C)
+    out, *slots = kernels.linear_attn_rows(qkv, z, b, a, conv, *fixed, state, **dims)
+    conv_tape, state_tape = slots[:L], slots[L:]
+    assert out.shape == (L, B, Hv * Dv) and len(state_tape) == L
+    assert conv_tape[0].shape == (B, K - 1, C) and state_tape[0].shape == (B, Hv, Dv, Dk)
     assert "PocketLinearAttn" in nodes(out)
     for i in range(L):
         r = slice(i, i + 1)

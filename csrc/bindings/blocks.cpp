@@ -117,7 +117,8 @@ class PocketMoECombine : public CpuPrimitive {
 // Inputs: qkv, z, b, a ([B, L, n] each, last axis contiguous: views of one fused projection
 // are fine), conv_state, conv weight, A_log, dt_bias, norm weight, state. rows == false (L = 1,
 // decode): outputs out [B, 1, Hv * Dv], new conv_state, new state. rows == true (the verify
-// pass, linear_attn_rows): out [L, B, Hv * Dv] and the tapes [L, B, K - 1, C], [L, B, Hv, Dv, Dk].
+// pass, linear_attn_rows): out [L, B, Hv * Dv], then the caches after each row as 2L arrays
+// (L conv states, L states: separate buffers, so keeping one does not pin the others).
 class PocketLinearAttn : public CpuPrimitive {
  public:
   PocketLinearAttn(mx::Stream s, int Hk, int Dk, int Hv, int Dv, float eps, bool rows = false)
@@ -173,12 +174,19 @@ class PocketLinearAttn : public CpuPrimitive {
              st.state_in = flat(9);
              st.norm_eps = eps;
              st.out = outputs[0].data<float>();
-             st.new_conv_state = outputs[1].data<float>();
-             st.state = outputs[2].data<float>();
-             if (multi)
-               pqk::linear_attn_rows(st, inputs[0].shape(1), qkv_row, z_row, ab_row);
-             else
+             if (multi) {  // outputs: out, L conv slots, L state slots
+               const int64_t L = inputs[0].shape(1);
+               std::vector<float*> conv(L), state(L);
+               for (int64_t i = 0; i < L; i++) {
+                 conv[i] = outputs[1 + i].data<float>();
+                 state[i] = outputs[1 + L + i].data<float>();
+               }
+               pqk::linear_attn_rows(st, L, qkv_row, z_row, ab_row, conv.data(), state.data());
+             } else {
+               st.new_conv_state = outputs[1].data<float>();
+               st.state = outputs[2].data<float>();
                pqk::linear_attn_step(st);
+             }
            });
   }
 
@@ -344,11 +352,11 @@ std::vector<mx::array> linear_attn_rows(const mx::array& qkv, const mx::array& z
                     {&qkv, &z, &b, &a, &conv_state, &conv_w, &A_log, &dt_bias, &norm_w, &state},
                     L, Hk, Dk, Hv, Dv);
   const int B = conv_state.shape(0);
-  mx::Shape conv_tape = conv_state.shape(), state_tape = state.shape();
-  conv_tape.insert(conv_tape.begin(), L);
-  state_tape.insert(state_tape.begin(), L);
+  std::vector<mx::Shape> shapes{mx::Shape{L, B, Hv * Dv}};
+  for (int i = 0; i < L; i++) shapes.push_back(conv_state.shape());
+  for (int i = 0; i < L; i++) shapes.push_back(state.shape());
   return mx::array::make_arrays(
-      {mx::Shape{L, B, Hv * Dv}, conv_tape, state_tape}, {mx::float32, mx::float32, mx::float32},
+      shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32),
       std::make_shared<PocketLinearAttn>(cpu_stream(s), Hk, Dk, Hv, Dv, eps, true),
       {qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state});
 }

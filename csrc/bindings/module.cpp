@@ -78,8 +78,8 @@ NB_MODULE(_qkernels, m) {
         nb::arg("Dk"), nb::arg("Hv"), nb::arg("Dv"), nb::arg("eps"),
         nb::arg("stream") = nb::none(),
         "L decode tokens of a Gated DeltaNet layer in a row (qkv, z, b, a [B, L, n]), each "
-        "with linear_attn_step's bits: (out [L, B, Hv*Dv], conv_state after each row "
-        "[L, B, K-1, C], state after each row [L, B, Hv, Dv, Dk]), float32.");
+        "with linear_attn_step's bits: [out [L, B, Hv*Dv], the conv_state after each of the L "
+        "rows, then the state after each], float32.");
   m.def("causal_attention", &causal_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("gate").none() = nb::none(), nb::kw_only(), nb::arg("scale"),
         nb::arg("stream") = nb::none(),

@@ -188,12 +188,12 @@ __attribute__((target("avx512f,avx512bw"))) void delta_head_nt(const DeltaArgs& 
 // The verify pass's T decode tokens of one (batch, value head), each with delta_head_nt's
 // arithmetic: per state row, token t starts from token t - 1's new row while it is still in L1
 // (instead of reading back the state just streamed out), and token t's row goes to slot t of
-// the tape `tape` ([T, B, Hv, Dv, Dk]).
+// slots[t] ([B, Hv, Dv, Dk]).
 __attribute__((target("avx512f,avx512bw"))) void delta_head_rows_nt(const DeltaArgs& a,
-                                                                    float* tape, int64_t b,
-                                                                    int64_t hv) {
+                                                                    float* const* slots,
+                                                                    int64_t b, int64_t hv) {
   const int64_t Dk = a.Dk, Dv = a.Dv, T = a.T;
-  const int64_t slot = a.B * a.Hv * Dv * Dk, off = (b * a.Hv + hv) * Dv * Dk;
+  const int64_t off = (b * a.Hv + hv) * Dv * Dk;
   const float* S_in = a.state_in + off;
   alignas(64) float nr[2][kMaxDk + 16];
   for (int64_t dv = 0; dv < Dv; dv++) {
@@ -202,7 +202,7 @@ __attribute__((target("avx512f,avx512bw"))) void delta_head_rows_nt(const DeltaA
       const HeadStep h = head_step(a, b, t, hv);
       float* cur = nr[t & 1];
       h.y[dv] = delta_row(src, h.k, h.q, h.v[dv], h.g, h.beta, Dk, cur);
-      stream_row(cur, tape + t * slot + off + dv * Dk, Dk);
+      stream_row(cur, slots[t] + off + dv * Dk, Dk);
       src = cur;
     }
   }
@@ -249,20 +249,22 @@ void gated_delta(const float* q, const float* k, const float* v, const float* g,
 }
 
 bool gated_delta_rows(const float* q, const float* k, const float* v, const float* g,
-                      const float* beta, const float* state_in, float* tape, float* y, int64_t B,
-                      int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
+                      const float* beta, const float* state_in, float* const* slots, float* y,
+                      int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
 #ifdef PQK_DELTA_NT
   // Decode's path for each token must be the NT kernel (as gated_delta with T = 1 picks it).
-  DeltaArgs one{q, k, v, g, beta, state_in, tape, y, B, 1, Hk, Hv, Dk, Dv};
-  if (!use_nt(one) || (detail::gated_delta_prefill_ok(1, Dk, Dv) && std::string(isa()) == "avx512"))
-    return false;
+  for (int64_t t = 0; t < T; t++) {
+    const DeltaArgs one{q, k, v, g, beta, state_in, slots[t], y, B, 1, Hk, Hv, Dk, Dv};
+    if (!use_nt(one)) return false;
+  }
+  if (detail::gated_delta_prefill_ok(1, Dk, Dv) && std::string(isa()) == "avx512") return false;
   const DeltaArgs a{q, k, v, g, beta, state_in, nullptr, y, B, T, Hk, Hv, Dk, Dv};
   const int64_t state_bytes = B * Hv * Dv * Dk * 4;
   parallel_for(B * Hv, state_bytes < (1 << 20),
-               [&a, tape](int64_t i) { delta_head_rows_nt(a, tape, i / a.Hv, i % a.Hv); });
+               [&a, slots](int64_t i) { delta_head_rows_nt(a, slots, i / a.Hv, i % a.Hv); });
   return true;
 #else
-  (void)q, (void)k, (void)v, (void)g, (void)beta, (void)state_in, (void)tape, (void)y, (void)B;
+  (void)q, (void)k, (void)v, (void)g, (void)beta, (void)state_in, (void)slots, (void)y, (void)B;
   (void)T, (void)Hk, (void)Hv, (void)Dk, (void)Dv;
   return false;
 #endif

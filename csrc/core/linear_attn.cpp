@@ -93,10 +93,8 @@ void linear_attn_step(const LinearAttnStep& a) {
 }
 
 void linear_attn_rows(const LinearAttnStep& a, int64_t L, int64_t qkv_row, int64_t z_row,
-                      int64_t ab_row) {
+                      int64_t ab_row, float* const* conv_slots, float* const* state_slots) {
   const int64_t B = a.B, key_dim = a.Hk * a.Dk, HvDv = a.Hv * a.Dv;
-  const int64_t conv_n = B * (a.kernel - 1) * a.conv_dim;
-  const int64_t state_n = B * HvDv * a.Dk;
   // Row i: linear_attn_step of row i, from the caches after row i - 1 (slot i - 1).
   auto row = [&](int64_t i) {
     LinearAttnStep r = a;
@@ -104,10 +102,10 @@ void linear_attn_rows(const LinearAttnStep& a, int64_t L, int64_t qkv_row, int64
     r.z = a.z + i * z_row;
     r.b = a.b + i * ab_row;
     r.a = a.a + i * ab_row;
-    r.conv_state = i ? a.new_conv_state + (i - 1) * conv_n : a.conv_state;
-    r.state_in = i ? a.state + (i - 1) * state_n : a.state_in;
-    r.new_conv_state = a.new_conv_state + i * conv_n;
-    r.state = a.state + i * state_n;
+    r.conv_state = i ? conv_slots[i - 1] : a.conv_state;
+    r.state_in = i ? state_slots[i - 1] : a.state_in;
+    r.new_conv_state = conv_slots[i];
+    r.state = state_slots[i];
     r.out = a.out + i * B * HvDv;
     return r;
   };
@@ -122,7 +120,7 @@ void linear_attn_rows(const LinearAttnStep& a, int64_t L, int64_t qkv_row, int64
   bool fused = false;
   if (B == 1)  // [L, 1, ...] is [1, T = L, ...]: the layout gated_delta_rows reads
     fused = gated_delta_rows(q.data(), k.data(), v.data(), g.data(), beta.data(), a.state_in,
-                             a.state, y.data(), 1, L, a.Hk, a.Hv, a.Dk, a.Dv);
+                             state_slots, y.data(), 1, L, a.Hk, a.Hv, a.Dk, a.Dv);
   for (int64_t i = 0; i < L; i++) {
     const LinearAttnStep r = row(i);
     if (!fused)

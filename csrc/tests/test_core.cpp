@@ -272,13 +272,16 @@ static void run_linear_rows_case(std::mt19937& rng, int64_t Hk, int64_t Dk, int6
   st.dt_bias = dt_bias.data();
   st.norm_w = norm_w.data();
   std::vector<float> out(L * Hv * Dv), conv_tape(L * (K - 1) * C), state_tape(L * Hv * Dv * Dk);
+  std::vector<float*> conv_slots, state_slots;
+  for (int64_t i = 0; i < L; i++) {
+    conv_slots.push_back(conv_tape.data() + i * (K - 1) * C);
+    state_slots.push_back(state_tape.data() + i * Hv * Dv * Dk);
+  }
   LinearAttnStep rows = st;
   rows.conv_state = conv.data();
   rows.state_in = state.data();
   rows.out = out.data();
-  rows.new_conv_state = conv_tape.data();
-  rows.state = state_tape.data();
-  linear_attn_rows(rows, L, C, Hv * Dv, Hv);
+  linear_attn_rows(rows, L, C, Hv * Dv, Hv, conv_slots.data(), state_slots.data());
   std::vector<float> o(Hv * Dv), c_in = conv, s_in = state, c_out(conv.size()), s_out(state.size());
   bool bad = false;
   for (int64_t i = 0; i < L && !bad; i++) {

@@ -69,7 +69,8 @@ def linear_attn_step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, s
 def linear_attn_rows(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
                      Hk: int, Dk: int, Hv: int, Dv: int, eps: float):
     """`linear_attn_step` for the L rows of qkv, z, b, a [B, L, n] in one node (the verify
-    pass): (out [L, B, Hv*Dv], conv_state after each row, state after each row), else None."""
+    pass): (out [L, B, Hv*Dv], the conv_state after each of the L rows, then the state after
+    each) as 2L + 1 arrays, else None."""
     k_ = _cpu_kernels()
     if k_ is None:
         return None

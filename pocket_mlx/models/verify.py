@@ -14,8 +14,8 @@ each row of the verify pass must be computed with one-token decode's reduction o
 - Gated DeltaNet layers run their core (conv, gates, delta rule, gated norm) for the L rows in
   one node of the extension (`linear_attn_rows`: each row is the one-token decode node's
   arithmetic, fed the state after the row before), from one batched projection; the (conv
-  window, state) after each row is kept (two tapes of L slots), so committing n rows is taking
-  slot n - 1 (a view, no copy). Without the extension, row after row through the decode
+  window, state) after each row is kept (a tape of L entries, each its own array), so committing
+  n rows is taking entry n - 1 (no copy; the other entries are freed, none pinned by a view). Without the extension, row after row through the decode
   forward.
 - Full-attention layers: on the CPU with the extension, decode attends through the extension's
   causal kernel (one row, all keys), whose row i sums over keys 0..offset + i in an order that
@@ -52,20 +52,12 @@ def batched_rows_exact() -> bool:
 @dataclass
 class Tape:
     """What a verify pass leaves to commit: per linear layer, the (conv_state, state) after
-    each row, as a list of L pairs or as one pair of [L, ...] tapes (the extension's multi-row
-    node); the number of rows fed; each layer's cache offset before the pass."""
+    each row (L separate arrays each, so the cache keeps one and the rest are freed); the
+    number of rows fed; each layer's cache offset before the pass."""
 
     rows: int
-    linear: dict[int, list[tuple[mx.array, mx.array]] | tuple[mx.array, mx.array]] = field(
-        default_factory=dict)
+    linear: dict[int, list[tuple[mx.array, mx.array]]] = field(default_factory=dict)
     offsets: list[int] = field(default_factory=list)
-
-    def linear_state(self, li: int, n: int) -> tuple[mx.array, mx.array]:
-        """Layer li's (conv_state, state) after row n - 1: a slice of the tape, no copy."""
-        t = self.linear[li]
-        if isinstance(t, tuple):
-            return t[0][n - 1], t[1][n - 1]
-        return t[n - 1]
 
 
 def verify_forward(model, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array, Tape]:
@@ -132,9 +124,9 @@ def _linear_rows(gdn, x: mx.array, cache, tape: Tape, li: int) -> mx.array:
             gdn.norm.weight, cache.state, Hk=gdn.num_k_heads, Dk=gdn.head_k_dim,
             Hv=gdn.num_v_heads, Dv=gdn.head_v_dim, eps=gdn.norm.eps)
         if fast is not None:
-            out, conv_tape, state_tape = fast
-            tape.linear[li] = (conv_tape, state_tape)
-            cache.conv_state, cache.state = conv_tape[L - 1], state_tape[L - 1]
+            out, slots = fast[0], fast[1:]
+            tape.linear[li] = list(zip(slots[:L], slots[L:], strict=True))
+            cache.conv_state, cache.state = slots[L - 1], slots[2 * L - 1]
             cache.offset += L
             return gdn.out_proj(out.swapaxes(0, 1))
     steps = tape.linear.setdefault(li, [])
@@ -186,7 +178,7 @@ def commit(cache: list, tape: Tape, n: int) -> None:
         raise ValueError(f"commit of {n} rows of a {tape.rows}-row verify pass")
     for li, c in enumerate(cache):
         if li in tape.linear:
-            c.conv_state, c.state = tape.linear_state(li, n)
+            c.conv_state, c.state = tape.linear[li][n - 1]
             c.offset = tape.offsets[li] + n
         else:
             c.trim(c.offset - (tape.offsets[li] + n))
