@@ -193,9 +193,10 @@ def test_causal_attention_rows_are_decode_rows():
                                   gate[:, i:i + 1], 0.125, None)
         assert "PocketCausalAttention" in nodes(one)
         assert mx.array_equal(out[:, i], one[:, 0]).item(), i
-    # RoPE of L rows at offset o: row l has the bits of one row at o + l.
-    x = rand(B, H, L, D)
-    rows = ops.rope_rows(x.transpose(0, 2, 1, 3).transpose(0, 2, 1, 3), 16, 1e4, 40)
+    # RoPE of L rows at offset o (a transposed view, as the model's heads): row l has the bits
+    # of one row at o + l.
+    x = rand(B, L, H, D).transpose(0, 2, 1, 3)
+    rows = ops.rope_rows(x, 16, 1e4, 40)
     for i in range(L):
         assert mx.array_equal(rows[:, :, i:i + 1], ops.rope(x[:, :, i:i + 1], 16, 1e4, 40 + i)).item()
 
