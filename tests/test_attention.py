@@ -65,10 +65,18 @@ def test_ops_entry_point_and_fallbacks():
     ref = _ref_gated(q, k, v, gate, 0.3, "causal")
     out = ops.gated_attention(q, k, v, gate, 0.3, "causal")
     assert out.shape == (1, 9, 128) and float(mx.abs(out - ref).max()) < 2e-5
-    # Not causal, one query, bfloat16: MLX's own ops.
+    # One query (a decode step): the same kernel, so an L-row verify pass matches it row for
+    # row (tests/test_decode_ops.py); MLX's ops with the extension off.
     q1, g1 = q[:, :, -1:, :], gate[:, -1:]
-    assert mx.array_equal(ops.gated_attention(q1, k, v, g1, 0.3, None),
-                          _ref_gated(q1, k, v, g1, 0.3, None))
+    one = ops.gated_attention(q1, k, v, g1, 0.3, None)
+    assert mx.array_equal(one, out[:, -1:]) and float(mx.abs(one - ref[:, -1:]).max()) < 2e-5
+    kernels.set_enabled(False)
+    try:
+        assert mx.array_equal(ops.gated_attention(q1, k, v, g1, 0.3, None),
+                              _ref_gated(q1, k, v, g1, 0.3, None))
+    finally:
+        kernels.set_enabled(True)
+    # bfloat16: MLX's own ops.
     qb, kb, vb, gb = (a.astype(mx.bfloat16) for a in (q, k, v, gate))
     assert mx.array_equal(ops.gated_attention(qb, kb, vb, gb, 0.3, "causal"),
                           _ref_gated(qb, kb, vb, gb, 0.3, "causal"))

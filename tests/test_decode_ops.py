@@ -147,6 +147,60 @@ def test_linear_attention_step_rejects_bad_shapes():
     assert kernels.linear_attn_step(*args[:9], rand(B, Hv, Dv, Dk + 1), **dims) is None
 
 
+@pytest.mark.parametrize("B,Hk,Dk,Hv,Dv,L", [(1, 2, 32, 4, 32, 4), (1, 2, 24, 4, 8, 5),
+                                           (1, 4, 128, 8, 128, 3), (2, 2, 32, 4, 16, 4)])
+def test_linear_attention_rows_are_decode_steps(B, Hk, Dk, Hv, Dv, L):
+    """The verify pass's multi-row node: row i's output and the caches after row i (tape slot
+    i) are bit for bit those of i + 1 one-token steps, fed from views of one fused projection
+    (strided rows) as the model feeds them; Dk = 24 takes the kernel's masked tail, B = 2 the
+    row-by-row path."""
+    K = 4
+    C = 2 * Hk * Dk + Hv * Dv
+    proj = rand(B, L, C + Hv * Dv + 2 * Hv)
+    qkv, z, b, a = mx.split(proj, [C, C + Hv * Dv, C + Hv * Dv + Hv], axis=-1)
+    fixed = [rand(C, K, 1, scale=0.5), rand(Hv), rand(Hv), rand(Dv)]
+    conv, state = rand(B, K - 1, C), rand(B, Hv, Dv, Dk, scale=0.1)
+    dims = dict(Hk=Hk, Dk=Dk, Hv=Hv, Dv=Dv, eps=1e-6)
+    out, *slots = kernels.linear_attn_rows(qkv, z, b, a, conv, *fixed, state, **dims)
+    conv_tape, state_tape = slots[:L], slots[L:]
+    assert out.shape == (L, B, Hv * Dv) and len(state_tape) == L
+    assert conv_tape[0].shape == (B, K - 1, C) and state_tape[0].shape == (B, Hv, Dv, Dk)
+    assert "PocketLinearAttn" in nodes(out)
+    for i in range(L):
+        r = slice(i, i + 1)
+        o, conv, state = kernels.linear_attn_step(qkv[:, r], z[:, r], b[:, r], a[:, r], conv,
+                                                  *fixed, state, **dims)
+        mx.eval(o, conv, state)
+        assert mx.array_equal(out[i], o[:, 0]).item(), i
+        assert mx.array_equal(conv_tape[i], conv).item(), i
+        assert mx.array_equal(state_tape[i], state).item(), i
+    with pytest.raises(ValueError, match="shape mismatch"):
+        kernels._ext.linear_attn_rows(qkv, z[:, :1], b, a, conv, *fixed, state, **dims)
+
+
+def test_causal_attention_rows_are_decode_rows():
+    """Decode attends through the causal kernel with one row; an L-row causal call over a cache
+    view (the verify pass) gives row i the bits of the one-row call over keys 0..S - L + i."""
+    B, H, Hkv, D, S, L = 1, 4, 2, 64, 77, 6
+    cap = 96
+    keys, values = rand(B, Hkv, cap, D), rand(B, Hkv, cap, D)
+    q, gate = rand(B, H, L, D), rand(B, L, H, D)
+    out = ops.gated_attention(q, keys[:, :, :S], values[:, :, :S], gate, 0.125, "causal")
+    assert "PocketCausalAttention" in nodes(out)
+    for i in range(L):
+        n = S - L + i + 1
+        one = ops.gated_attention(q[:, :, i:i + 1], keys[:, :, :n], values[:, :, :n],
+                                  gate[:, i:i + 1], 0.125, None)
+        assert "PocketCausalAttention" in nodes(one)
+        assert mx.array_equal(out[:, i], one[:, 0]).item(), i
+    # RoPE of L rows at offset o (a transposed view, as the model's heads): row l has the bits
+    # of one row at o + l.
+    x = rand(B, L, H, D).transpose(0, 2, 1, 3)
+    rows = ops.rope_rows(x, 16, 1e4, 40)
+    for i in range(L):
+        assert mx.array_equal(rows[:, :, i:i + 1], ops.rope(x[:, :, i:i + 1], 16, 1e4, 40 + i)).item()
+
+
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_moe_block_is_one_node_and_matches_mlx(tiny_ckpt, exact_kernels, fuse, tokens):

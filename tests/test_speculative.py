@@ -24,6 +24,7 @@ from conftest import KERNEL_PATHS, kernel_path, speculative_run
 from pocket_mlx.engine.drafters import BackOff, LookupDrafter, make_drafter
 from pocket_mlx.engine.generation import SamplingParams, stream_generate
 from pocket_mlx.engine.loader import load
+from pocket_mlx.engine.sampling import greedy, sample
 from pocket_mlx.engine.speculative import accept_drafts, target_probs
 from pocket_mlx.errors import PocketError
 from pocket_mlx.models import verify
@@ -39,7 +40,10 @@ CODE = (
 )
 COPY = "Repeat this code exactly, with add renamed to plus:\n\n" + CODE
 EDIT = "# original\n" + CODE + "\n# edited\n" + CODE[:120]  # raw text: the model copies it
-PLAIN = "Write a poem about the sea, the sea, the sea."  # drafts, all rejected
+# Drafts, mostly rejected (the reply depends on the decode's bits: the one-row attention's
+# summation order moved to the extension's kernel in issue 27, and the old prompt's reply drafted
+# nothing any more).
+PLAIN = "Write a poem about the sea, the sea, the sea, and the sky."
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +89,11 @@ def test_verify_rows_are_decode_rows(bundled, path, monkeypatch):
         assert logits.shape == (k + 1, model.args.vocab_size)
         for i in range(k + 1):
             assert mx.array_equal(logits[i], ref[i]).item(), (path, k, i)
+        # Greedy acceptance samples all rows in one call: each row as decode samples it alone.
+        toks, lps = sample(logits, greedy)
+        for i in range(k + 1):
+            tok, lp = sample(ref[i][None], greedy)
+            assert toks[i].item() == tok.item() and mx.array_equal(lps[i], lp[0]).item()
         n = (k + 1) // 2 + 1
         commit(cache, tape, n)
         nxt = model(mx.array([[seq[n]]]), cache=cache)[0, 0]
@@ -176,7 +185,9 @@ def test_rejection_runs_no_second_trunk_pass(bundled):
     calls: list[int] = []
     block.observer = lambda x, *_: calls.append(x.shape[1])
     try:
-        _, stats = _run(model, tok, PLAIN, "lookup", 4, max_tokens=80)
+        # (The observer routes in MLX's ops: other bits, another reply, another prompt.)
+        _, stats = _run(model, tok, "Write a story about the sea, the sea, the sea.", "lookup", 4,
+                        max_tokens=120)
     finally:
         block.observer = None
     s = stats.speculative

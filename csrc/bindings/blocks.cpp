@@ -113,28 +113,33 @@ class PocketMoECombine : public CpuPrimitive {
   }
 };
 
-// One decode token of a Gated DeltaNet layer after its projections (core/linear_attn.cpp).
-// Inputs: qkv, z, b, a ([B, 1, n] each, last axis contiguous: views of one fused projection
-// are fine), conv_state, conv weight, A_log, dt_bias, norm weight, state. Outputs: out
-// [B, 1, Hv * Dv], new conv_state, new state.
+// Decode tokens of a Gated DeltaNet layer after its projections (core/linear_attn.cpp).
+// Inputs: qkv, z, b, a ([B, L, n] each, last axis contiguous: views of one fused projection
+// are fine), conv_state, conv weight, A_log, dt_bias, norm weight, state. rows == false (L = 1,
+// decode): outputs out [B, 1, Hv * Dv], new conv_state, new state. rows == true (the verify
+// pass, linear_attn_rows): out [L, B, Hv * Dv], then the caches after each row as 2L arrays
+// (L conv states, L states: separate buffers, so keeping one does not pin the others).
 class PocketLinearAttn : public CpuPrimitive {
  public:
-  PocketLinearAttn(mx::Stream s, int Hk, int Dk, int Hv, int Dv, float eps)
-      : CpuPrimitive(s), Hk_(Hk), Dk_(Dk), Hv_(Hv), Dv_(Dv), eps_(eps) {}
+  PocketLinearAttn(mx::Stream s, int Hk, int Dk, int Hv, int Dv, float eps, bool rows = false)
+      : CpuPrimitive(s), Hk_(Hk), Dk_(Dk), Hv_(Hv), Dv_(Dv), eps_(eps), rows_(rows) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& o : outputs) alloc(o);
     encode(stream(), inputs, outputs,
-           [inputs, outputs, Hk = Hk_, Dk = Dk_, Hv = Hv_, Dv = Dv_, eps = eps_]() mutable {
+           [inputs, outputs, Hk = Hk_, Dk = Dk_, Hv = Hv_, Dv = Dv_, eps = eps_,
+            multi = rows_]() mutable {
              std::vector<std::vector<uint8_t>> tmp(inputs.size());
-             // Rows of [B, 1, n] arrays: (pointer, batch stride in elements).
-             auto rows = [&](int i, int64_t& stride) {
+             // Rows of [B, L, n] arrays: pointer, batch stride and row stride in elements.
+             auto rows = [&](int i, int64_t& stride, int64_t& row) {
                const mx::array& x = inputs[i];
-               if (x.strides().back() == 1 && (x.shape(0) == 1 || x.strides()[1] == x.strides()[0])) {
+               if (x.strides()[2] == 1) {  // any view with contiguous features: read in place
                  stride = x.strides()[0];
+                 row = x.strides()[1];
                  return x.data<float>();
                }
-               stride = x.shape(-1);
+               row = x.shape(2);
+               stride = x.shape(1) * row;
                return static_cast<const float*>(contiguous_bytes(x, tmp[i]));
              };
              auto flat = [&](int i) {
@@ -149,15 +154,17 @@ class PocketLinearAttn : public CpuPrimitive {
              st.Hv = Hv;
              st.Dk = Dk;
              st.Dv = Dv;
-             int64_t ab2;
-             st.qkv = rows(0, st.qkv_stride);
-             st.z = rows(1, st.z_stride);
-             st.b = rows(2, st.ab_stride);
-             st.a = rows(3, ab2);
-             if (ab2 != st.ab_stride) {  // b and a must share one stride: pack a like b
+             int64_t ab2, qkv_row, z_row, ab_row, ab_row2;
+             st.qkv = rows(0, st.qkv_stride, qkv_row);
+             st.z = rows(1, st.z_stride, z_row);
+             st.b = rows(2, st.ab_stride, ab_row);
+             st.a = rows(3, ab2, ab_row2);
+             if (ab2 != st.ab_stride || ab_row2 != ab_row) {  // b and a must share strides
+               const int64_t L = inputs[2].shape(1);
                st.a = static_cast<const float*>(contiguous_bytes(inputs[3], tmp[3]));
                st.b = static_cast<const float*>(contiguous_bytes(inputs[2], tmp[2]));
-               st.ab_stride = Hv;
+               st.ab_stride = L * Hv;
+               ab_row = Hv;
              }
              st.conv_state = flat(4);
              st.conv_w = flat(5);
@@ -167,9 +174,19 @@ class PocketLinearAttn : public CpuPrimitive {
              st.state_in = flat(9);
              st.norm_eps = eps;
              st.out = outputs[0].data<float>();
-             st.new_conv_state = outputs[1].data<float>();
-             st.state = outputs[2].data<float>();
-             pqk::linear_attn_step(st);
+             if (multi) {  // outputs: out, L conv slots, L state slots
+               const int64_t L = inputs[0].shape(1);
+               std::vector<float*> conv(L), state(L);
+               for (int64_t i = 0; i < L; i++) {
+                 conv[i] = outputs[1 + i].data<float>();
+                 state[i] = outputs[1 + L + i].data<float>();
+               }
+               pqk::linear_attn_rows(st, L, qkv_row, z_row, ab_row, conv.data(), state.data());
+             } else {
+               st.new_conv_state = outputs[1].data<float>();
+               st.state = outputs[2].data<float>();
+               pqk::linear_attn_step(st);
+             }
            });
   }
 
@@ -177,12 +194,14 @@ class PocketLinearAttn : public CpuPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const PocketLinearAttn*>(&other);
-    return o && o->Hk_ == Hk_ && o->Dk_ == Dk_ && o->Hv_ == Hv_ && o->Dv_ == Dv_ && o->eps_ == eps_;
+    return o && o->Hk_ == Hk_ && o->Dk_ == Dk_ && o->Hv_ == Hv_ && o->Dv_ == Dv_ &&
+           o->eps_ == eps_ && o->rows_ == rows_;
   }
 
  private:
   int Hk_, Dk_, Hv_, Dv_;
   float eps_;
+  bool rows_;
 };
 
 }  // namespace
@@ -279,31 +298,66 @@ mx::array moe_combine(const mx::array& parts, const mx::array& scores, mx::Strea
                    {parts, scores});
 }
 
+namespace {
+
+// Checks linear_attn_step / linear_attn_rows' arguments (qkv, z, b, a with L rows each).
+void check_linear_attn(const char* err, const std::vector<const mx::array*>& xs, int64_t L,
+                       int Hk, int Dk, int Hv, int Dv) {
+  for (const auto* x : xs)
+    if (x->dtype() != mx::float32) throw std::invalid_argument(std::string(err) + "float32 only");
+  const mx::array &qkv = *xs[0], &z = *xs[1], &b = *xs[2], &a = *xs[3];
+  const mx::array &conv_state = *xs[4], &conv_w = *xs[5], &A_log = *xs[6], &dt_bias = *xs[7];
+  const mx::array &norm_w = *xs[8], &state = *xs[9];
+  const int64_t B = conv_state.ndim() == 3 ? conv_state.shape(0) : 0;
+  const int64_t C = conv_state.ndim() == 3 ? conv_state.shape(2) : 0;
+  const int64_t K = conv_state.ndim() == 3 ? conv_state.shape(1) + 1 : 0;
+  auto row = [&](const mx::array& x, int64_t n) {
+    return x.ndim() == 3 && x.shape(0) == B && x.shape(1) == L && x.shape(2) == n;
+  };
+  if (B == 0 || K < 2 || L < 1 || C != 2 * (int64_t)Hk * Dk + (int64_t)Hv * Dv ||
+      Hk <= 0 || Hv % Hk != 0 || !row(qkv, C) || !row(z, (int64_t)Hv * Dv) || !row(b, Hv) ||
+      !row(a, Hv) || conv_w.size() != (size_t)(C * K) || conv_w.shape(0) != C ||
+      A_log.size() != (size_t)Hv || dt_bias.size() != (size_t)Hv ||
+      norm_w.size() != (size_t)Dv || state.shape() != mx::Shape{(int)B, Hv, Dv, Dk})
+    throw std::invalid_argument(std::string(err) + "shape mismatch");
+}
+
+}  // namespace
+
 std::vector<mx::array> linear_attn_step(const mx::array& qkv, const mx::array& z,
                                         const mx::array& b, const mx::array& a,
                                         const mx::array& conv_state, const mx::array& conv_w,
                                         const mx::array& A_log, const mx::array& dt_bias,
                                         const mx::array& norm_w, const mx::array& state, int Hk,
                                         int Dk, int Hv, int Dv, float eps, mx::StreamOrDevice s) {
-  const char* err = "pocket_mlx._qkernels.linear_attn_step: ";
-  for (const auto* x : {&qkv, &z, &b, &a, &conv_state, &conv_w, &A_log, &dt_bias, &norm_w, &state})
-    if (x->dtype() != mx::float32) throw std::invalid_argument(std::string(err) + "float32 only");
-  const int64_t B = conv_state.ndim() == 3 ? conv_state.shape(0) : 0;
-  const int64_t C = conv_state.ndim() == 3 ? conv_state.shape(2) : 0;
-  const int64_t K = conv_state.ndim() == 3 ? conv_state.shape(1) + 1 : 0;
-  auto row = [&](const mx::array& x, int64_t n) {
-    return x.ndim() == 3 && x.shape(0) == B && x.shape(1) == 1 && x.shape(2) == n;
-  };
-  if (B == 0 || K < 2 || C != 2 * (int64_t)Hk * Dk + (int64_t)Hv * Dv || Hv % Hk != 0 ||
-      !row(qkv, C) || !row(z, (int64_t)Hv * Dv) || !row(b, Hv) || !row(a, Hv) ||
-      conv_w.size() != (size_t)(C * K) || conv_w.shape(0) != C || A_log.size() != (size_t)Hv ||
-      dt_bias.size() != (size_t)Hv || norm_w.size() != (size_t)Dv ||
-      state.shape() != mx::Shape{(int)B, Hv, Dv, Dk})
-    throw std::invalid_argument(std::string(err) + "shape mismatch");
+  check_linear_attn("pocket_mlx._qkernels.linear_attn_step: ",
+                    {&qkv, &z, &b, &a, &conv_state, &conv_w, &A_log, &dt_bias, &norm_w, &state},
+                    1, Hk, Dk, Hv, Dv);
+  const int B = conv_state.shape(0);
   return mx::array::make_arrays(
-      {mx::Shape{(int)B, 1, Hv * Dv}, conv_state.shape(), state.shape()},
+      {mx::Shape{B, 1, Hv * Dv}, conv_state.shape(), state.shape()},
       {mx::float32, mx::float32, mx::float32},
       std::make_shared<PocketLinearAttn>(cpu_stream(s), Hk, Dk, Hv, Dv, eps),
+      {qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state});
+}
+
+std::vector<mx::array> linear_attn_rows(const mx::array& qkv, const mx::array& z,
+                                        const mx::array& b, const mx::array& a,
+                                        const mx::array& conv_state, const mx::array& conv_w,
+                                        const mx::array& A_log, const mx::array& dt_bias,
+                                        const mx::array& norm_w, const mx::array& state, int Hk,
+                                        int Dk, int Hv, int Dv, float eps, mx::StreamOrDevice s) {
+  const int L = qkv.ndim() == 3 ? qkv.shape(1) : 0;
+  check_linear_attn("pocket_mlx._qkernels.linear_attn_rows: ",
+                    {&qkv, &z, &b, &a, &conv_state, &conv_w, &A_log, &dt_bias, &norm_w, &state},
+                    L, Hk, Dk, Hv, Dv);
+  const int B = conv_state.shape(0);
+  std::vector<mx::Shape> shapes{mx::Shape{L, B, Hv * Dv}};
+  for (int i = 0; i < L; i++) shapes.push_back(conv_state.shape());
+  for (int i = 0; i < L; i++) shapes.push_back(state.shape());
+  return mx::array::make_arrays(
+      shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32),
+      std::make_shared<PocketLinearAttn>(cpu_stream(s), Hk, Dk, Hv, Dv, eps, true),
       {qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state});
 }
 

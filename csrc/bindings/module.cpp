@@ -2,7 +2,7 @@
 //   _qkernels.quantized_matmul(x, w, scales, biases, group_size, bits)        (transpose=True)
 //   _qkernels.gather_qmm(x, w, scales, biases, indices, group_size, bits)     (rhs_indices)
 //   _qkernels.gated_delta, rms_norm, causal_conv_silu, rope, moe_route        (decode helpers)
-//   _qkernels.moe_block, moe_block_parts, moe_combine, linear_attn_step       (whole decode blocks)
+//   _qkernels.moe_block, moe_block_parts, moe_combine, linear_attn_step, linear_attn_rows       (whole decode blocks)
 //   _qkernels.causal_attention                                                (prefill attention)
 // eval_gpu throws (bindings/common.h): these primitives are for the CPU device only. They live
 // in csrc/bindings/{qmm,gated_delta,decode_ops,blocks,attention}.cpp on the shared primitive
@@ -72,6 +72,14 @@ NB_MODULE(_qkernels, m) {
         nb::arg("stream") = nb::none(),
         "One decode token of a Gated DeltaNet layer after its projections, on the CPU: "
         "(out [B, 1, Hv*Dv], new conv_state, new state), float32.");
+  m.def("linear_attn_rows", &linear_attn_rows, nb::arg("qkv"), nb::arg("z"), nb::arg("b"),
+        nb::arg("a"), nb::arg("conv_state"), nb::arg("conv_w"), nb::arg("A_log"),
+        nb::arg("dt_bias"), nb::arg("norm_w"), nb::arg("state"), nb::kw_only(), nb::arg("Hk"),
+        nb::arg("Dk"), nb::arg("Hv"), nb::arg("Dv"), nb::arg("eps"),
+        nb::arg("stream") = nb::none(),
+        "L decode tokens of a Gated DeltaNet layer in a row (qkv, z, b, a [B, L, n]), each "
+        "with linear_attn_step's bits: [out [L, B, Hv*Dv], the conv_state after each of the L "
+        "rows, then the state after each], float32.");
   m.def("causal_attention", &causal_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("gate").none() = nb::none(), nb::kw_only(), nb::arg("scale"),
         nb::arg("stream") = nb::none(),

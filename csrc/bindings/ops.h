@@ -51,6 +51,13 @@ std::vector<mx::array> linear_attn_step(const mx::array& qkv, const mx::array& z
                                         const mx::array& norm_w, const mx::array& state, int Hk,
                                         int Dk, int Hv, int Dv, float eps, mx::StreamOrDevice s);
 
+std::vector<mx::array> linear_attn_rows(const mx::array& qkv, const mx::array& z,
+                                        const mx::array& b, const mx::array& a,
+                                        const mx::array& conv_state, const mx::array& conv_w,
+                                        const mx::array& A_log, const mx::array& dt_bias,
+                                        const mx::array& norm_w, const mx::array& state, int Hk,
+                                        int Dk, int Hv, int Dv, float eps, mx::StreamOrDevice s);
+
 // attention.cpp
 mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                            const std::optional<mx::array>& gate, float scale,

@@ -117,58 +117,96 @@ constexpr int64_t kMaxDk = 512;
 // all other layers stream through in between), so writing it normally costs a read of every
 // line of the fresh output buffer first (read-for-ownership): 3 state-sized transfers per token
 // where 2 suffice.
+// One state row of one decode token (AVX-512): the new row into nr (64-byte aligned, computed
+// in a fixed order: the sums must not depend on where MLX placed the buffers, a different
+// rounding can flip a later top-k expert choice), its read-out returned. Shared by the decode
+// kernel and the verify pass's row kernel below, so both give a row the same bits.
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline float delta_row(
+    const float* src, const float* kt, const float* qt, float vt, float gt, float betat,
+    int64_t Dk, float* nr) {
+  const __m512 g = _mm512_set1_ps(gt);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= Dk; j += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(src + j), _mm512_loadu_ps(kt + j), acc);
+  if (j < Dk) {
+    const __mmask16 m = (__mmask16)((1u << (Dk - j)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, src + j), _mm512_maskz_loadu_ps(m, kt + j), acc);
+  }
+  const float kv = gt * _mm512_reduce_add_ps(acc);
+  const __m512 delta = _mm512_set1_ps((vt - kv) * betat);
+  __m512 acc2 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= Dk; i += 16) {
+    const __m512 st = _mm512_fmadd_ps(_mm512_loadu_ps(kt + i), delta,
+                                      _mm512_mul_ps(_mm512_loadu_ps(src + i), g));
+    _mm512_store_ps(nr + i, st);
+    acc2 = _mm512_fmadd_ps(st, _mm512_loadu_ps(qt + i), acc2);
+  }
+  if (i < Dk) {
+    const __mmask16 m = (__mmask16)((1u << (Dk - i)) - 1);
+    const __m512 st = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, kt + i), delta,
+                                      _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), g));
+    _mm512_mask_storeu_ps(nr + i, m, st);
+    acc2 = _mm512_fmadd_ps(st, _mm512_maskz_loadu_ps(m, qt + i), acc2);
+  }
+  return _mm512_reduce_add_ps(acc2);
+}
+
+// nr (Dk floats) to row: MLX's buffers are only 8-byte aligned, so the floats before the first
+// 64-byte boundary and after the last one are stored normally (masked), the lines between
+// streamed.
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void stream_row(
+    const float* nr, float* row, int64_t Dk) {
+  const int64_t lead = std::min<int64_t>(Dk, ((64 - reinterpret_cast<uintptr_t>(row) % 64) % 64) / 4);
+  if (lead)
+    _mm512_mask_storeu_ps(row, (__mmask16)((1u << lead) - 1), _mm512_loadu_ps(nr));
+  int64_t i = lead;
+  for (; i + 16 <= Dk; i += 16) _mm512_stream_ps(row + i, _mm512_loadu_ps(nr + i));
+  if (i < Dk)
+    _mm512_mask_storeu_ps(row + i, (__mmask16)((1u << (Dk - i)) - 1), _mm512_loadu_ps(nr + i));
+}
+
+// Decode (one token) with AVX-512: the new state goes to memory with non-temporal stores. A
+// layer's state (2 MiB on the 35B shape) has left the caches by the next token (the weights of
+// all other layers stream through in between), so writing it normally costs a read of every
+// line of the fresh output buffer first (read-for-ownership): 3 state-sized transfers per token
+// where 2 suffice.
 __attribute__((target("avx512f,avx512bw"))) void delta_head_nt(const DeltaArgs& a, int64_t b, int64_t hv) {
   const int64_t Dk = a.Dk, Dv = a.Dv;
   float* S = a.state + (b * a.Hv + hv) * Dv * Dk;
   const float* S_in = a.state_in + (b * a.Hv + hv) * Dv * Dk;
   const HeadStep h = head_step(a, b, 0, hv);
-  const float *kt = h.k, *qt = h.q, *vt = h.v;
-  float* yt = h.y;
-  const float gt = h.g, betat = h.beta;
-  const __m512 g = _mm512_set1_ps(gt);
   for (int64_t dv = 0; dv < Dv; dv++) {
-    const float* src = S_in + dv * Dk;
-    float* row = S + dv * Dk;
-    __m512 acc = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= Dk; j += 16)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(src + j), _mm512_loadu_ps(kt + j), acc);
-    if (j < Dk) {
-      const __mmask16 m = (__mmask16)((1u << (Dk - j)) - 1);
-      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, src + j), _mm512_maskz_loadu_ps(m, kt + j), acc);
-    }
-    const float kv = gt * _mm512_reduce_add_ps(acc);
-    const __m512 delta = _mm512_set1_ps((vt[dv] - kv) * betat);
-    // The new row is computed in L1 in a fixed order (the sums must not depend on where MLX
-    // placed the buffer: a different rounding can flip a later top-k expert choice), then
-    // copied out: MLX's buffers are only 8-byte aligned, so the floats before the first 64-byte
-    // boundary and after the last one are stored normally (masked), the lines between streamed.
     alignas(64) float nr[kMaxDk + 16];
-    __m512 acc2 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= Dk; i += 16) {
-      const __m512 st = _mm512_fmadd_ps(_mm512_loadu_ps(kt + i), delta,
-                                        _mm512_mul_ps(_mm512_loadu_ps(src + i), g));
-      _mm512_store_ps(nr + i, st);
-      acc2 = _mm512_fmadd_ps(st, _mm512_loadu_ps(qt + i), acc2);
-    }
-    if (i < Dk) {
-      const __mmask16 m = (__mmask16)((1u << (Dk - i)) - 1);
-      const __m512 st = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, kt + i), delta,
-                                        _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), g));
-      _mm512_mask_storeu_ps(nr + i, m, st);
-      acc2 = _mm512_fmadd_ps(st, _mm512_maskz_loadu_ps(m, qt + i), acc2);
-    }
-    const int64_t lead = std::min<int64_t>(Dk, ((64 - reinterpret_cast<uintptr_t>(row) % 64) % 64) / 4);
-    if (lead)
-      _mm512_mask_storeu_ps(row, (__mmask16)((1u << lead) - 1), _mm512_loadu_ps(nr));
-    i = lead;
-    for (; i + 16 <= Dk; i += 16) _mm512_stream_ps(row + i, _mm512_loadu_ps(nr + i));
-    if (i < Dk)
-      _mm512_mask_storeu_ps(row + i, (__mmask16)((1u << (Dk - i)) - 1), _mm512_loadu_ps(nr + i));
-    yt[dv] = _mm512_reduce_add_ps(acc2);
+    h.y[dv] = delta_row(S_in + dv * Dk, h.k, h.q, h.v[dv], h.g, h.beta, Dk, nr);
+    stream_row(nr, S + dv * Dk, Dk);
   }
   _mm_sfence();  // streaming stores are weakly ordered: visible before the task counts as done
+}
+
+// The verify pass's T decode tokens of one (batch, value head), each with delta_head_nt's
+// arithmetic: per state row, token t starts from token t - 1's new row while it is still in L1
+// (instead of reading back the state just streamed out), and token t's row goes to slot t of
+// slots[t] ([B, Hv, Dv, Dk]).
+__attribute__((target("avx512f,avx512bw"))) void delta_head_rows_nt(const DeltaArgs& a,
+                                                                    float* const* slots,
+                                                                    int64_t b, int64_t hv) {
+  const int64_t Dk = a.Dk, Dv = a.Dv, T = a.T;
+  const int64_t off = (b * a.Hv + hv) * Dv * Dk;
+  const float* S_in = a.state_in + off;
+  alignas(64) float nr[2][kMaxDk + 16];
+  for (int64_t dv = 0; dv < Dv; dv++) {
+    const float* src = S_in + dv * Dk;
+    for (int64_t t = 0; t < T; t++) {
+      const HeadStep h = head_step(a, b, t, hv);
+      float* cur = nr[t & 1];
+      h.y[dv] = delta_row(src, h.k, h.q, h.v[dv], h.g, h.beta, Dk, cur);
+      stream_row(cur, slots[t] + off + dv * Dk, Dk);
+      src = cur;
+    }
+  }
+  _mm_sfence();
 }
 
 bool use_nt(const DeltaArgs& a) {
@@ -208,6 +246,28 @@ void gated_delta(const float* q, const float* k, const float* v, const float* g,
 #endif
   parallel_for(B * Hv, state_bytes * T < (1 << 20),
                [&a](int64_t i) { delta_head(a, i / a.Hv, i % a.Hv); });
+}
+
+bool gated_delta_rows(const float* q, const float* k, const float* v, const float* g,
+                      const float* beta, const float* state_in, float* const* slots, float* y,
+                      int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
+#ifdef PQK_DELTA_NT
+  // Decode's path for each token must be the NT kernel (as gated_delta with T = 1 picks it).
+  for (int64_t t = 0; t < T; t++) {
+    const DeltaArgs one{q, k, v, g, beta, state_in, slots[t], y, B, 1, Hk, Hv, Dk, Dv};
+    if (!use_nt(one)) return false;
+  }
+  if (detail::gated_delta_prefill_ok(1, Dk, Dv) && std::string(isa()) == "avx512") return false;
+  const DeltaArgs a{q, k, v, g, beta, state_in, nullptr, y, B, T, Hk, Hv, Dk, Dv};
+  const int64_t state_bytes = B * Hv * Dv * Dk * 4;
+  parallel_for(B * Hv, state_bytes < (1 << 20),
+               [&a, slots](int64_t i) { delta_head_rows_nt(a, slots, i / a.Hv, i % a.Hv); });
+  return true;
+#else
+  (void)q, (void)k, (void)v, (void)g, (void)beta, (void)state_in, (void)slots, (void)y, (void)B;
+  (void)T, (void)Hk, (void)Hv, (void)Dk, (void)Dv;
+  return false;
+#endif
 }
 
 }  // namespace pqk

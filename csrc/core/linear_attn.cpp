@@ -25,13 +25,15 @@ void rms_scale(float* x, int64_t D, float eps, float scale) {
   for (int64_t i = 0; i < D; i++) x[i] *= scale;
 }
 
-}  // namespace
 
-void linear_attn_step(const LinearAttnStep& a) {
+// Everything of one token before the delta rule, per batch row: the conv window (history from
+// a.conv_state, the new window to a.new_conv_state), q / k / v packed for gated_delta at
+// q + b * key_dim, ..., the gates g and beta at b * Hv.
+void prepare(const LinearAttnStep& a, float* q, float* k, float* v, float* g, float* beta) {
   const int64_t B = a.B, C = a.conv_dim, K = a.kernel;
   const int64_t Hk = a.Hk, Hv = a.Hv, Dk = a.Dk, Dv = a.Dv;
   const int64_t key_dim = Hk * Dk;
-  std::vector<float> conv(B * C), g(B * Hv), beta(B * Hv), y(B * Hv * Dv);
+  std::vector<float> conv(B * C);
   const float inv = 1.f / std::sqrt((float)Dk);
   const float l2_eps = 1e-6f * inv * inv;
   for (int64_t b = 0; b < B; b++) {
@@ -61,7 +63,6 @@ void linear_attn_step(const LinearAttnStep& a) {
   }
   // q [B, 1, Hk, Dk], k likewise, v [B, 1, Hv, Dv] are rows of `conv` (row stride C): the kernel
   // wants them packed, so gather them (a few KiB).
-  std::vector<float> q(B * key_dim), k(B * key_dim), v(B * Hv * Dv);
   for (int64_t b = 0; b < B; b++) {
     const float* co = conv.data() + b * C;
     for (int64_t i = 0; i < key_dim; i++) {
@@ -70,12 +71,64 @@ void linear_attn_step(const LinearAttnStep& a) {
     }
     for (int64_t i = 0; i < Hv * Dv; i++) v[b * Hv * Dv + i] = co[2 * key_dim + i];
   }
+}
+
+// Gated RMSNorm per value head of the delta rule's output y [B, Hv * Dv]: norm(y) * w * silu(z).
+void finish(const LinearAttnStep& a, const float* y, float* out) {
+  const int64_t HvDv = a.Hv * a.Dv;
+  for (int64_t b = 0; b < a.B; b++)
+    rms_norm(y + b * HvDv, a.norm_w, a.z + b * a.z_stride, out + b * HvDv, a.Hv, a.Dv, a.norm_eps);
+}
+
+}  // namespace
+
+void linear_attn_step(const LinearAttnStep& a) {
+  const int64_t B = a.B, key_dim = a.Hk * a.Dk, HvDv = a.Hv * a.Dv;
+  std::vector<float> q(B * key_dim), k(B * key_dim), v(B * HvDv), g(B * a.Hv), beta(B * a.Hv),
+      y(B * HvDv);
+  prepare(a, q.data(), k.data(), v.data(), g.data(), beta.data());
   gated_delta(q.data(), k.data(), v.data(), g.data(), beta.data(), a.state_in, a.state, y.data(),
-              B, 1, Hk, Hv, Dk, Dv);
-  // Gated RMSNorm per value head: norm(y) * w * silu(z).
-  for (int64_t b = 0; b < B; b++)
-    rms_norm(y.data() + b * Hv * Dv, a.norm_w, a.z + b * a.z_stride, a.out + b * Hv * Dv, Hv, Dv,
-             a.norm_eps);
+              B, 1, a.Hk, a.Hv, a.Dk, a.Dv);
+  finish(a, y.data(), a.out);
+}
+
+void linear_attn_rows(const LinearAttnStep& a, int64_t L, int64_t qkv_row, int64_t z_row,
+                      int64_t ab_row, float* const* conv_slots, float* const* state_slots) {
+  const int64_t B = a.B, key_dim = a.Hk * a.Dk, HvDv = a.Hv * a.Dv;
+  // Row i: linear_attn_step of row i, from the caches after row i - 1 (slot i - 1).
+  auto row = [&](int64_t i) {
+    LinearAttnStep r = a;
+    r.qkv = a.qkv + i * qkv_row;
+    r.z = a.z + i * z_row;
+    r.b = a.b + i * ab_row;
+    r.a = a.a + i * ab_row;
+    r.conv_state = i ? conv_slots[i - 1] : a.conv_state;
+    r.state_in = i ? state_slots[i - 1] : a.state_in;
+    r.new_conv_state = conv_slots[i];
+    r.state = state_slots[i];
+    r.out = a.out + i * B * HvDv;
+    return r;
+  };
+  // q, k, v, g, beta of all rows first (the conv window chains through the tape), [L, B, ...];
+  // with B = 1 that is gated_delta's [B = 1, T = L, ...] layout, and the delta rule of all rows
+  // runs in one head-major pass (each state row stays in L1 from one token to the next).
+  std::vector<float> q(L * B * key_dim), k(L * B * key_dim), v(L * B * HvDv), g(L * B * a.Hv),
+      beta(L * B * a.Hv), y(L * B * HvDv);
+  for (int64_t i = 0; i < L; i++)
+    prepare(row(i), q.data() + i * B * key_dim, k.data() + i * B * key_dim,
+            v.data() + i * B * HvDv, g.data() + i * B * a.Hv, beta.data() + i * B * a.Hv);
+  bool fused = false;
+  if (B == 1)  // [L, 1, ...] is [1, T = L, ...]: the layout gated_delta_rows reads
+    fused = gated_delta_rows(q.data(), k.data(), v.data(), g.data(), beta.data(), a.state_in,
+                             state_slots, y.data(), 1, L, a.Hk, a.Hv, a.Dk, a.Dv);
+  for (int64_t i = 0; i < L; i++) {
+    const LinearAttnStep r = row(i);
+    if (!fused)
+      gated_delta(q.data() + i * B * key_dim, k.data() + i * B * key_dim,
+                  v.data() + i * B * HvDv, g.data() + i * B * a.Hv, beta.data() + i * B * a.Hv,
+                  r.state_in, r.state, y.data() + i * B * HvDv, B, 1, a.Hk, a.Hv, a.Dk, a.Dv);
+    finish(r, y.data() + i * B * HvDv, r.out);
+  }
 }
 
 }  // namespace pqk

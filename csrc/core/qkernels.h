@@ -116,6 +116,14 @@ void gated_delta(const float* q, const float* k, const float* v, const float* g,
                  const float* beta, const float* state_in, float* state, float* y, int64_t B,
                  int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
 
+// T decode tokens in a row (the verify pass), q/k/v/g/beta laid out as for gated_delta: token t
+// with the bits gated_delta gives it alone (T = 1) from the state after token t - 1; the state
+// after token t goes to slots[t] ([B, Hv, Dv, Dk] each). False (nothing done) where gated_delta's
+// one-token path is not the one this kernel reproduces: call gated_delta per token instead.
+bool gated_delta_rows(const float* q, const float* k, const float* v, const float* g,
+                      const float* beta, const float* state_in, float* const* slots, float* y,
+                      int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
+
 // RMSNorm of `rows` rows of D float32 values: out = x / sqrt(mean(x^2) + eps) [* w] [* silu(gate)]
 // (w: D values or nullptr; gate: rows x D values or nullptr).
 void rms_norm(const float* x, const float* w, const float* gate, float* out, int64_t rows,
@@ -178,5 +186,14 @@ struct LinearAttnStep {
 };
 
 void linear_attn_step(const LinearAttnStep& a);
+
+// L decode tokens in a row (speculative decoding's verify pass): row i is linear_attn_step on
+// row i's qkv / z / b / a (at qkv + i * qkv_row, ...) with the caches after row i - 1, so every
+// row has the one-token step's bits. a.out is [L, B, Hv * Dv]; the caches after row i go to
+// conv_slots[i] ([B, kernel - 1, conv_dim]) and state_slots[i] ([B, Hv, Dv, Dk]), separate
+// buffers, so keeping the first n rows is taking slot n - 1 and dropping the others.
+// (a.new_conv_state and a.state are not used.)
+void linear_attn_rows(const LinearAttnStep& a, int64_t L, int64_t qkv_row, int64_t z_row,
+                      int64_t ab_row, float* const* conv_slots, float* const* state_slots);
 
 }  // namespace pqk

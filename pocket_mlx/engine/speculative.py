@@ -223,7 +223,14 @@ def accept_drafts(
     # pending token y is already in `tokens` unless this is the prompt's last token).
     hist = list(tokens[-keep:]) if processors else []
     out: list[tuple[int, mx.array]] = []
-    if greedy:  # every row as plain decode samples it, read back in one evaluation
+    if greedy and not processors:  # every row as plain decode samples it, in one call: the
+        # log-softmax and argmax are row-wise (each row's bits are its own; checked bit for bit
+        # against one-row calls, tests/test_speculative.py)
+        tok, lp = sample(logits, sampler)
+        picked = tok.tolist()
+        a = next((i for i, d in enumerate(drafts) if picked[i] != d), len(drafts))
+        return [(picked[i], lp[i : i + 1]) for i in range(a + 1)], a
+    if greedy:  # every row as plain decode samples it (its own history), read back at once
         toks, lps = [], []
         for i in range(len(rows)):
             h = mx.array((hist + drafts[:i])[-keep:], mx.uint32) if processors else None

@@ -17,7 +17,9 @@ Environment:
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -62,9 +64,27 @@ def _env_disabled() -> bool:
     return os.environ.get("POCKET_MLX_KERNELS", "1").strip().lower() in ("0", "false", "off", "no")
 
 
+_pin = threading.local()
+
+
 def enabled() -> bool:
     """True when the extension is importable and not disabled (env or set_enabled(False))."""
+    pinned = getattr(_pin, "value", None)
+    if pinned is not None:
+        return pinned
     return _ext is not None and _user_enabled and not _env_disabled()
+
+
+@contextmanager
+def pinned() -> Iterator[None]:
+    """`enabled()` read once for a whole graph built in this thread (the verify pass asks ~120
+    times per pass, and reading the environment each time was a fifth of building its graph)."""
+    prev = getattr(_pin, "value", None)
+    _pin.value = enabled()
+    try:
+        yield
+    finally:
+        _pin.value = prev
 
 
 def set_enabled(flag: bool) -> None:
@@ -202,6 +222,19 @@ def linear_attn_step(*arrays, **dims):
         return None
     try:
         return tuple(_ext.linear_attn_step(*arrays, **dims))
+    except (ValueError, TypeError):
+        return None
+
+
+def linear_attn_rows(*arrays, **dims):
+    """L decode tokens of a Gated DeltaNet layer in one node, each with `linear_attn_step`'s
+    bits, and the caches after each row (see `_qkernels.linear_attn_rows`), or None when the
+    extension cannot run it."""
+    if not enabled() or not hasattr(_ext, "linear_attn_rows") or any(
+            a.dtype != mx.float32 for a in arrays):
+        return None
+    try:
+        return tuple(_ext.linear_attn_rows(*arrays, **dims))
     except (ValueError, TypeError):
         return None
 

@@ -4,8 +4,8 @@ The model never calls the MLX ops these stand for directly (`mx.quantized_matmul
 `mx.gather_qmm`, `mx.fast.rms_norm`, `mx.fast.rope`, its depthwise conv and router): it calls the
 functions here, so the extension's faster CPU kernels take over when generating on the CPU with
 the extension built and enabled, while the GPU keeps MLX's own kernels. Without the extension
-each function is exactly its MLX form; `gated_delta`, `moe_block` and `linear_attn_step` return
-None instead, and the caller runs its own MLX code.
+each function is exactly its MLX form; `gated_delta`, `moe_block`, `linear_attn_step` and
+`linear_attn_rows` return None instead, and the caller runs its own MLX code.
 """
 
 from __future__ import annotations
@@ -66,6 +66,18 @@ def linear_attn_step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, s
                                Hk=Hk, Dk=Dk, Hv=Hv, Dv=Dv, eps=eps)
 
 
+def linear_attn_rows(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
+                     Hk: int, Dk: int, Hv: int, Dv: int, eps: float):
+    """`linear_attn_step` for the L rows of qkv, z, b, a [B, L, n] in one node (the verify
+    pass): (out [L, B, Hv*Dv], the conv_state after each of the L rows, then the state after
+    each) as 2L + 1 arrays, else None."""
+    k_ = _cpu_kernels()
+    if k_ is None:
+        return None
+    return k_.linear_attn_rows(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, norm_w, state,
+                               Hk=Hk, Dk=Dk, Hv=Hv, Dv=Dv, eps=eps)
+
+
 def _decode_op(name: str, *args, **kwargs):
     k = _cpu_kernels()
     return k.decode_op(name, *args, **kwargs) if k is not None else None
@@ -118,15 +130,34 @@ def rope(x, dims: int, base: float, offset):
         x, dims, traditional=False, base=base, scale=1.0, offset=offset)
 
 
+def rope_rows(x, dims: int, base: float, offset: int):
+    """The extension's RoPE of x [B, H, L, D], position offset + l, in one node, row l with the
+    bits of `rope` of that row alone at offset + l (the verify pass), else None."""
+    return _decode_op("rope", x, dims=dims, base=base, offset=offset)
+
+
+def decode_attention_node(q) -> bool:
+    """Whether `gated_attention` of a one-row decode step runs the extension's causal kernel
+    here (and so whether the verify pass may attend its rows in that one node too)."""
+    return (_cpu_kernels() is not None and q.dtype == mx.float32 and q.shape[-1] % 16 == 0
+            and hasattr(kernels._ext, "causal_attention"))
+
+
 def gated_attention(q, k, v, gate, scale: float, mask):
     """Attention then the output gate: sdpa(q, k, v, scale, mask) as [B, L, H * D], times
     sigmoid(gate) ([B, L, H, D]). A causal float32 prefill on the CPU is one node of the
     extension (tiled kernel, output written in this layout, gate applied on the way out): MLX's
     CPU path materialises the score matrix and multiplies with the wheel's reference BLAS (~1.6 s
     per full-attention layer for a 512-token prompt of the 35B shape), and its sigmoid alone
-    took ~30 ms there."""
+    took ~30 ms there. A one-row decode step (no mask) runs the same node: row i of the kernel
+    sees keys up to S - L + i and its sums depend on nothing else, so an L-row causal call (the
+    verify pass, models/verify.py) gives each row the bits of that row's decode step, and one
+    node replaces MLX's ~8 composed ones per layer."""
     B, _, L, _ = q.shape
-    if isinstance(mask, str) and mask == "causal" and L > 1:
+    if L == 1 and isinstance(mask, str) and mask == "causal":
+        mask = None  # one row sees every key either way (a one-row verify pass)
+    causal = isinstance(mask, str) and mask == "causal"
+    if causal or (mask is None and L == 1 and decode_attention_node(q)):
         out = _decode_op("causal_attention", q, k, v, gate, scale=scale)
         if out is not None:
             return out.reshape(B, L, -1)

@@ -143,7 +143,6 @@ def attend(attn: Attention, x: mx.array, caches: Sequence) -> mx.array:
     B = x.shape[0]
     q, k, v = project(attn, x, *attn.FUSED)
     q, gate = mx.split(q.reshape(B, 1, attn.n_heads, -1), 2, axis=-1)
-    gate = gate.reshape(B, 1, -1)
     k = k.reshape(B, 1, attn.n_kv_heads, -1)
     v = v.reshape(B, 1, attn.n_kv_heads, -1)
     q = attn.q_norm(q).transpose(0, 2, 1, 3)
@@ -154,8 +153,6 @@ def attend(attn: Attention, x: mx.array, caches: Sequence) -> mx.array:
         qi = ops.rope(q[i:i + 1], attn.rope_dims, attn.rope_base, cache.offset)
         ki = ops.rope(k[i:i + 1], attn.rope_dims, attn.rope_base, cache.offset)
         ki, vi = cache.update_and_fetch(ki, v[i:i + 1])
-        outs.append(mx.fast.scaled_dot_product_attention(qi, ki, vi, scale=attn.scale,
-                                                         mask=None))
+        outs.append(ops.gated_attention(qi, ki, vi, gate[i:i + 1], attn.scale, None))
     out = outs[0] if B == 1 else mx.concatenate(outs)
-    out = out.transpose(0, 2, 1, 3).reshape(B, 1, -1)
-    return attn.o_proj(out * mx.sigmoid(gate))
+    return attn.o_proj(out)

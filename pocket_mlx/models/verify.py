@@ -11,12 +11,19 @@ each row of the verify pass must be computed with one-token decode's reduction o
   `gemm_min_rows` rows; `kernels.keep_rows_independent` keeps L under it), and the MoE block
   routes each token by itself. That is where the speed comes from: the weights are read once
   for L tokens.
-- Gated DeltaNet layers run their core (conv, gates, delta rule, gated norm) row after row
-  through the one-token decode node, from one batched projection; the (conv window, state)
-  after each row is kept (a tape of L entries), so committing n rows is picking entry n - 1.
-- Full-attention layers apply RoPE, append to the KV cache and attend row after row, as the
-  decode step does (a causal L-row attention sums over keys in another order); committing n
-  rows trims the KV cache by L - n.
+- Gated DeltaNet layers run their core (conv, gates, delta rule, gated norm) for the L rows in
+  one node of the extension (`linear_attn_rows`: each row is the one-token decode node's
+  arithmetic, fed the state after the row before), from one batched projection; the (conv
+  window, state) after each row is kept (a tape of L entries, each its own array), so committing
+  n rows is taking entry n - 1 (no copy; the other entries are freed, none pinned by a view). Without the extension, row after row through the decode
+  forward.
+- Full-attention layers: on the CPU with the extension, decode attends through the extension's
+  causal kernel (one row, all keys), whose row i sums over keys 0..offset + i in an order that
+  depends on nothing else; so the pass applies RoPE to the L rows (the extension's RoPE, row l
+  at offset + l), appends them to the KV cache and attends all rows in one causal call of that
+  kernel. Elsewhere (MLX's sdpa, which sums in another order for L rows) RoPE, the append and
+  the attention go row by row as the decode step does. Committing n rows trims the KV cache by
+  L - n.
 
 MLX's own CPU kernels (extension off) are row-exact as well. On the GPU nothing here has
 measured it (Metal's one-row and many-row quantized kernels differ): `batched_rows_exact()` is
@@ -45,7 +52,8 @@ def batched_rows_exact() -> bool:
 @dataclass
 class Tape:
     """What a verify pass leaves to commit: per linear layer, the (conv_state, state) after
-    each row; the number of rows fed; each layer's cache offset before the pass."""
+    each row (L separate arrays each, so the cache keeps one and the rest are freed); the
+    number of rows fed; each layer's cache offset before the pass."""
 
     rows: int
     linear: dict[int, list[tuple[mx.array, mx.array]]] = field(default_factory=dict)
@@ -59,17 +67,23 @@ def verify_forward(model, tokens: mx.array, cache: list) -> tuple[mx.array, mx.a
     keeps the first n. Lazy: nothing is evaluated here."""
     L = tokens.shape[0]
     tape = Tape(rows=L, offsets=[c.offset for c in cache])
-    layers = model.layers
     if not batched_rows_exact():
         return _rowwise(model, tokens, cache, tape)
     kernels.keep_rows_independent(L)
+    with kernels.pinned():
+        return _rows(model, tokens, cache, tape)
+
+
+def _rows(model, tokens: mx.array, cache: list, tape: Tape):
+    """verify_forward's graph where the L-row products are row-exact (the CPU)."""
+    layers = model.layers
     lm = model.language_model
     tm = lm.model
     h = tm.embed_tokens(tokens[None])
     for li, (layer, c) in enumerate(zip(layers, cache)):
         x = layer.input_layernorm(h)
         if layer.is_linear:
-            r = _linear_rows(layer.linear_attn, x, c, tape.linear.setdefault(li, []))
+            r = _linear_rows(layer.linear_attn, x, c, tape, li)
         else:
             r = _attention_rows(layer.self_attn, x, c)
         h = h + r
@@ -98,10 +112,24 @@ def _rowwise(model, tokens: mx.array, cache: list, tape: Tape):
     return mx.stack(logits), mx.stack(hidden), tape
 
 
-def _linear_rows(gdn, x: mx.array, cache, steps: list) -> mx.array:
-    """GatedDeltaNet.__call__ for L rows: one projection, then the decode core row by row."""
+def _linear_rows(gdn, x: mx.array, cache, tape: Tape, li: int) -> mx.array:
+    """GatedDeltaNet.__call__ for L rows: one projection, then the decode core of each row in
+    turn, in one node of the extension (the caches after each row come back as two tapes),
+    else row by row."""
     B, L, _ = x.shape
     qkv, z, b, a = project(gdn, x, *gdn.FUSED)
+    if cache.conv_state is not None:
+        fast = ops.linear_attn_rows(
+            qkv, z, b, a, cache.conv_state, gdn.conv1d.weight, gdn.A_log, gdn.dt_bias,
+            gdn.norm.weight, cache.state, Hk=gdn.num_k_heads, Dk=gdn.head_k_dim,
+            Hv=gdn.num_v_heads, Dv=gdn.head_v_dim, eps=gdn.norm.eps)
+        if fast is not None:
+            out, slots = fast[0], fast[1:]
+            tape.linear[li] = list(zip(slots[:L], slots[L:], strict=True))
+            cache.conv_state, cache.state = slots[L - 1], slots[2 * L - 1]
+            cache.offset += L
+            return gdn.out_proj(out.swapaxes(0, 1))
+    steps = tape.linear.setdefault(li, [])
     outs = []
     for i in range(L):
         row = slice(i, i + 1)
@@ -120,10 +148,19 @@ def _linear_rows(gdn, x: mx.array, cache, steps: list) -> mx.array:
 
 
 def _attention_rows(attn, x: mx.array, cache) -> mx.array:
-    """Attention.__call__ for L rows of one sequence: projections on all rows, then RoPE, the
-    cache update and the attention row by row at each row's own position (as decode)."""
+    """Attention.__call__ for L rows of one sequence at one-token decode's bits: projections on
+    all rows; where decode attends through the extension's causal kernel (whose row i depends
+    only on its own keys, 0..offset + i), RoPE (row l at offset + l), the cache update and the
+    attention for all rows in one go; else RoPE, cache update and attention row by row at each
+    row's own position, as decode."""
     B, L, _ = x.shape
     q, gate, k, v = attn.heads(x)
+    if ops.decode_attention_node(q):
+        qr = ops.rope_rows(q, attn.rope_dims, attn.rope_base, cache.offset)
+        kr = ops.rope_rows(k, attn.rope_dims, attn.rope_base, cache.offset)
+        if qr is not None and kr is not None:
+            kc, vc = cache.update_and_fetch(kr, v)
+            return attn.o_proj(ops.gated_attention(qr, kc, vc, gate, attn.scale, "causal"))
     outs = []
     for i in range(L):
         row = slice(i, i + 1)
