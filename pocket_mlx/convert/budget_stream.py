@@ -61,25 +61,31 @@ class Edit:
         self.pruned: list[tuple[nn.Module, mx.array]] = []
 
     def prune(self, ids: list[int]) -> None:
+        """Keep experts `ids` of this layer: sliced as `quantize` rounds them (from the
+        weights cast to the written dtype, so no float32 copy of the kept experts is made)."""
         self.kept = ids
-        idx = mx.array(ids, mx.int32)
-        mlp = self.root.mlp
-        for m in (mlp.gate, mlp.switch_mlp.gate_proj, mlp.switch_mlp.up_proj,
-                  mlp.switch_mlp.down_proj):
-            self.pruned.append((m, m.weight))
-            m.weight = m.weight[idx]
+
+    def _pruned(self, rel: str) -> bool:
+        return self.kept is not None and (".switch_mlp." in rel or rel.endswith("mlp.gate"))
 
     def quantize(self, specs: dict[str, Spec | None]) -> None:
         modules = dict(self.root.named_modules())
         new = []
         for p, spec in specs.items():
             rel = p[len(self.prefix):]
-            if spec is None or not p.startswith(self.prefix) or rel not in modules:
+            if not p.startswith(self.prefix) or rel not in modules:
                 continue
             m = modules[rel]
+            if spec is None:
+                if self._pruned(rel):
+                    self.pruned.append((m, m.weight))
+                    m.weight = m.weight[mx.array(self.kept, mx.int32)]
+                continue
             self.saved.append((rel, m))
             q = m.to_quantized(group_size=spec.group_size, bits=spec.bits)
             w = m.weight.astype(self.dtypes.get(p, m.weight.dtype))
+            if self._pruned(rel):
+                w = w[mx.array(self.kept, mx.int32)]
             got = self.quantizer(p, w, spec, self.kept) if self.quantizer else None
             q.weight, q.scales, q.biases = (got if got is not None
                                             else mx.quantize(w, spec.group_size, spec.bits))
