@@ -7,15 +7,18 @@ calibration file contributes the same number of tokens, so domains weigh equally
 
 1. KL of every group (a layer's routed experts, a layer's dense part, embeddings, lm_head)
    quantized alone at every width of BUDGET_SPECS (the rest float), rounded as the build will
-   round them (`--rounding`: GPTQ by default, which changes the low-bit picture a lot); a group
-   in layer i is run from the cached input of layer i, so late groups cost less.
+   round them (`--rounding`: GPTQ by default, which changes the low-bit picture a lot):
+   estimated in one pass over the layers, one layer in memory (budget_stream.measure: each
+   group run through its layer at one width, the other widths scaled by importance-weighted
+   weight errors, relative error turned into KL by one stream carried to the logits).
 2. For each candidate expert count K (the same K in every layer: the config has one
    `num_experts`, and mlx-lm needs it), the K best experts per layer by the calibration
    statistics (REAP-sum, as `--prune-to`); the bytes freed go to bits: a greedy allocation
    upgrades the module with the best measured KL drop per extra byte (a module gets its group's
    KL in proportion to its share of the group's weights) until no upgrade fits the budget.
-3. Each K's complete build (pruned and quantized in memory; with several calibration files,
-   once with reap-sum and once with reap-max experts) is measured once more, as a whole, on
+3. Each K's complete build (pruned and quantized layer by layer, all candidates as streams in
+   one more pass: budget_stream.judge; with several calibration files, once with reap-sum and
+   once with reap-max experts) is measured once more, as a whole, on
    more text (JUDGE_TOKENS per file: 256 tokens ranked the domains of pruned builds wrongly on
    the reference model, 2048 ranked them as the validation text does), per calibration file:
    each file's KL is divided by its KL in the least pruned candidate, and the build whose
