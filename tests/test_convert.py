@@ -282,6 +282,28 @@ def test_shard_writer_falls_back_per_shard(tmp_path):
     _check_loads(tmp_path / "s" / "model.safetensors", {"x": mx.ones((8,))})
 
 
+@pytest.mark.parametrize("shard_gb", [None, 0.003])
+def test_reference_build_has_at_most_64_kib_of_header_room_per_shard(tmp_path, shard_gb):
+    """Issue 29: a build of the reference (the bundled bf16 model, converted as the bundled
+    build's recipe) spends no more than 64 KiB per shard on header room: the 8-byte length,
+    the JSON and its padding. In one shard (the default limit) and in several (4 of ~3 MB)."""
+    out = tmp_path / "out"
+    extra = ["--shard-size-gb", str(shard_gb)] if shard_gb else []
+    assert main(["convert", str(ROOT / "assets" / "pocket-tiny-bf16"), str(out),
+                 "--recipe", "pocket-3bit", *extra]) == 0
+    shards = sorted(out.glob("*.safetensors"))
+    assert (len(shards) == 1) == (shard_gb is None), shards
+    for shard in shards:
+        with open(shard, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            raw = f.read(n)
+        header = json.loads(raw)
+        data = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+        assert shard.stat().st_size == 8 + n + data and (8 + n) % 8 == 0
+        assert 8 + n <= 64 << 10, (shard.name, 8 + n)  # length + JSON + padding
+        assert n - len(raw.rstrip(b" ")) <= max(4096, data // writer.PAD_RATIO)
+
+
 # ---- bad inputs: real subprocesses, one line, exit 2 -------------------------------------------
 def test_bad_inputs_are_one_line_errors(tmp_path, make_ckpt):
     src = str(make_ckpt("src"))

@@ -96,6 +96,28 @@ def test_pruning_keeps_exactly_the_chosen_experts(tmp_path, make_ckpt, layout):
             np.testing.assert_array_equal(np.array(a), np.array(b[idx]))
 
 
+@pytest.mark.parametrize("experts, top_k, tokens", [(8, 2, 512), (32, 2, 2048)])
+def test_default_calibration_tokens_scale_with_experts_per_routed_slot(tmp_path, make_ckpt,
+                                                                      experts, top_k, tokens):
+    """Without --calib-tokens, pruning reads 128 routed tokens per expert of each file
+    (tokens x top_k / experts, whole 512-token windows): 4x the tokens for 4x the experts,
+    as the 35B (256, top-8: 4096) needs more than the reference (32, top-4: 1024)."""
+    from pocket_mlx.convert.calibrate import reap_tokens
+
+    assert (reap_tokens(32, 4), reap_tokens(256, 8)) == (1024, 4096)
+    src = make_ckpt("src", vocab_size=8192, num_experts=experts, num_experts_per_tok=top_k)
+    out = tmp_path / "out"
+    assert main(["convert", str(src), str(out), "--prune-to", str(experts // 2),
+                 "--calib", str(CALIB)]) == 0
+    info = json.loads((out / "pocket.json").read_text())
+    assert [c["tokens"] for c in info["calibration"]] == [tokens]
+    stats, _ = collect_router_stats(src, read_config(src), [CALIB], 512, tokens,
+                                    progress=False)
+    top = [sorted(int(e) for e in np.argsort(-row, kind="stable")[:experts // 2])
+           for row in stats.reap_sum]
+    assert info["kept_experts"] == {str(i): k for i, k in enumerate(top)}
+
+
 def test_calibrated_pruning_keeps_top_reap_sum(tmp_path, make_ckpt):
     """The CLI's choice equals the top-K of REAP-sum computed independently; mlx-lm loads it."""
     from mlx_lm.utils import load_model as lm_load

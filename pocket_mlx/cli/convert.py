@@ -39,8 +39,11 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--calib", action="append", default=[], metavar="FILE",
                    help="calibration text, documents separated by <|endoftext|> lines "
                         "(repeatable: several domains) (default: none)")
-    p.add_argument("--calib-tokens", type=int, default=16384, metavar="N",
-                   help="calibration tokens per file (default 16384)")
+    p.add_argument("--calib-tokens", type=int, default=None, metavar="N",
+                   help="calibration tokens per file (default for expert pruning: 128 routed "
+                        "tokens per expert, N = 128 x experts / top-k: 1024 for 32 experts "
+                        "top-4, 4096 for the 35B's 256 top-8; other measurements: their own "
+                        "caps)")
     # `random` (with the hidden --seed) is accepted too: the baseline of docs/QUALITY.md.
     p.add_argument("--criterion", default="reap-sum", metavar="reap-sum|reap|frequency|reap-max",
                    help="expert score: reap-sum (default), reap, frequency, or reap-max (several "
@@ -88,7 +91,7 @@ def run(args) -> int:
     if auto and args.target_bpw is not None and not 2.5 <= args.target_bpw <= 16:
         raise PocketError(f"--target-bpw {args.target_bpw:g}: must be between 2.5 and 16")
     recipe = None if auto else load_recipe(args.recipe)
-    if args.calib_tokens <= 1:
+    if args.calib_tokens is not None and args.calib_tokens <= 1:
         raise PocketError(f"--calib-tokens must be > 1, got {args.calib_tokens}")
     opts = ConvertOptions(
         recipe=recipe, auto_bpw=args.target_bpw, target_size=target_size,

@@ -39,6 +39,22 @@ def file_info(path: Path, tokens: int) -> TextFile:
     return TextFile(Path(path).name, len(data), hashlib.sha256(data).hexdigest(), tokens)
 
 
+# REAP's calibration tokens per file when --calib-tokens is not given (issue 29): enough for each
+# routed expert to see ROUTED_PER_EXPERT of a file's tokens on average (tokens x top_k / experts),
+# in whole windows. Measured on the reference (32 experts, top-4; docs/RECIPES.md, "How many
+# calibration tokens"): below 1024 tokens a domain (128 routed per expert) the worst domain's
+# perplexity rose 5-11% over the 16384-token build's; from 1024 up the builds agree within the
+# churn of marginal experts. The 35B (256 experts, top-8) gets 4096; the pass's time is
+# linear in tokens x layers.
+ROUTED_PER_EXPERT = 128
+
+
+def reap_tokens(num_experts: int, top_k: int, window: int = 512) -> int:
+    """Default calibration tokens per file for expert statistics, in whole windows."""
+    need = -(-ROUTED_PER_EXPERT * num_experts // top_k)
+    return max(window, -(-need // window) * window)
+
+
 def calibration_windows(files: list[Path], tokenizer, window: int = 512,
                         max_tokens: int = 16384) -> tuple[list[list[int]], list[TextFile]]:
     """Windows from each file (at most `max_tokens` per file, so domains weigh equally)."""

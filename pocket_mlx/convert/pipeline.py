@@ -30,6 +30,7 @@ from pocket_mlx.convert.calibrate import (
     auto_recipe,
     calibration_windows,
     collect_stats,
+    reap_tokens,
     window_sources,
 )
 from pocket_mlx.convert.layerwise import Rounded, StreamedRounding, Target, capture
@@ -87,7 +88,8 @@ class ConvertOptions:
     seed: int = 0
     dtype: str | None = None  # None keeps the source's float dtype
     shard_bytes: int = DEFAULT_SHARD_BYTES
-    calib_tokens: int = 16384  # per calibration file
+    calib_tokens: int | None = None  # per file; None: calibrate.reap_tokens for expert
+    # statistics, each measurement's own cap (auto, budget, rounding) elsewhere
     window: int = 512
     force: bool = False
     progress: bool = True
@@ -275,7 +277,7 @@ def auto_for(path: Path, config: dict, opts: ConvertOptions) -> tuple[Recipe, di
     """Measure per-group quantization sensitivity on (at most 256 tokens of) the calibration
     text and build a recipe for `opts.auto_bpw`. Loads the whole model: small models only."""
     tokenizer = load_tokenizer(path, config)
-    per_file = max(2, min(opts.calib_tokens, 256 // len(opts.calib)))
+    per_file = max(2, min(opts.calib_tokens or 256 // len(opts.calib), 256 // len(opts.calib)))
     chunks, _ = calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)
     dtype = _run_dtype()
     out_dtype = getattr(mx, opts.dtype) if opts.dtype else next(
@@ -340,10 +342,10 @@ def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
     """The --target-size search (convert/budget.py) on `opts.measure_tokens` per calibration
     file, reading the float model one layer at a time (convert/budget_stream.py)."""
     tokenizer = load_tokenizer(path, config)
-    per_file = max(2, min(opts.calib_tokens, opts.measure_tokens))
+    per_file = max(2, min(opts.calib_tokens or opts.measure_tokens, opts.measure_tokens))
     window = min(opts.window, per_file)
     chunks, infos = calibration_windows(opts.calib, tokenizer, window, per_file)
-    judge_per_file = max(2, min(opts.calib_tokens, JUDGE_TOKENS))
+    judge_per_file = max(2, min(opts.calib_tokens or JUDGE_TOKENS, JUDGE_TOKENS))
     judge_window = min(opts.window, judge_per_file)
     judge, judge_infos = calibration_windows(opts.calib, tokenizer, judge_window, judge_per_file)
     sizer = sizer_for(config, weights, getattr(mx, opts.dtype) if opts.dtype else None)
@@ -368,7 +370,7 @@ ROUNDING_TOKENS = 8192
 def _rounding_windows(path: Path, config: dict, opts: ConvertOptions) -> list[list[int]]:
     """Up to ROUNDING_TOKENS per calibration file (capped by --calib-tokens)."""
     tokenizer = load_tokenizer(path, config)
-    per_file = max(2, min(opts.calib_tokens, ROUNDING_TOKENS))
+    per_file = max(2, min(opts.calib_tokens or ROUNDING_TOKENS, ROUNDING_TOKENS))
     return calibration_windows(opts.calib, tokenizer, min(opts.window, per_file), per_file)[0]
 
 
@@ -535,6 +537,13 @@ class _Build:
     budget: dict | None = None
 
 
+def _reap_tokens(opts: ConvertOptions, args) -> int:
+    """Calibration tokens per file for the expert statistics: --calib-tokens, else enough for
+    each routed expert to see calibrate.ROUTED_PER_EXPERT tokens of each file."""
+    return opts.calib_tokens or reap_tokens(args.num_experts, args.num_experts_per_tok,
+                                            opts.window)
+
+
 def _choose_build(folder: ModelFolder, args, opts: ConvertOptions, weights: dict,
                   rounding: str, inputs: dict[str, Inputs] | None, journal: Journal,
                   log: Callable[[str], None], stats: ExpertStats | None,
@@ -548,7 +557,7 @@ def _choose_build(folder: ModelFolder, args, opts: ConvertOptions, weights: dict
     if opts.target_size is not None:
         if stats is None and opts.criterion != "random":
             stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
-                                                     opts.calib_tokens, opts.progress)
+                                                     _reap_tokens(opts, args), opts.progress)
         opts.recipe, opts.prune_to, budget = budget_for(
             path, config, opts, weights, stats, log, quantizer_for(rounding, inputs),
             journal)
@@ -561,7 +570,7 @@ def _choose_build(folder: ModelFolder, args, opts: ConvertOptions, weights: dict
                 if Path(f).stat().st_size == 0:
                     raise PocketError(f"calibration file {f} is empty")
             stats, calib_info = collect_router_stats(path, config, opts.calib, opts.window,
-                                                     opts.calib_tokens, opts.progress)
+                                                     _reap_tokens(opts, args), opts.progress)
         kept = select_experts(stats, opts.prune_to, opts.criterion,
                               args.num_hidden_layers + args.mtp_num_hidden_layers,
                               args.num_experts, opts.seed)
