@@ -35,6 +35,12 @@ def _is_expert(name: str) -> bool:
     return ".switch_mlp." in name
 
 
+def _is_mtp(name: str) -> bool:
+    """The MTP head's tensors: no rank keeps them (`--distributed` decodes without speculation
+    and drops the head, Model.pipeline / shard_experts), so no rank's files carry them."""
+    return name.startswith("mtp.")
+
+
 def _owner_pipeline(name: str, ranges: list[tuple[int, int]], tied: bool) -> set[int]:
     """The ranks that hold tensor `name` in pipeline mode (mirrors `setup_pipeline`)."""
     n = len(ranges)
@@ -59,6 +65,8 @@ def plan(weights: dict[str, mx.array], mode: str, ranks: int, num_experts: int,
     layer_bytes: dict[int, int] = {}
     head = tail = 0
     for k, v in weights.items():
+        if _is_mtp(k):
+            continue
         if (m := _LAYER.search(k)) is not None:
             i = int(m.group(1))
             layer_bytes[i] = layer_bytes.get(i, 0) + v.nbytes
@@ -80,12 +88,15 @@ def _rank_tensors(weights: dict[str, mx.array], mode: str, layout: dict, rank: i
 
         def items():
             for k, v in weights.items():
-                yield k, (mx.contiguous(v[lo:hi]) if _is_expert(k) else v)
+                if not _is_mtp(k):
+                    yield k, (mx.contiguous(v[lo:hi]) if _is_expert(k) else v)
 
         return items(), absent
     ranges = [tuple(r) for r in layout["layers"]]
     keep = []
     for k, v in weights.items():
+        if _is_mtp(k):
+            continue
         if rank in _owner_pipeline(k, ranges, tied):
             keep.append(k)
         else:
