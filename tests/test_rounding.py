@@ -12,6 +12,7 @@ import pytest
 from conftest import ROOT
 
 from pocket_mlx.cli.main import main
+from pocket_mlx.convert.blas import numpy_matmuls
 from pocket_mlx.convert.rounding import Inputs, gptq, pack, quantize_matrix
 from pocket_mlx.engine.loader import load_model
 
@@ -163,8 +164,9 @@ def _whole_model_inputs(model, chunks):
     for i, layer in enumerate(layers):
         layer.mlp.observer = lambda x, inds, s, o, i=i: moe.setdefault(i, []).append(
             (np.array(x.reshape(-1, x.shape[-1]), np.float64), np.array(inds.reshape(-1, 2))))
-    for c in chunks:
-        mx.eval(model(mx.array(c, mx.int32)[None]))
+    with numpy_matmuls(model):  # as convert's float forwards run (convert/blas.py)
+        for c in chunks:
+            mx.eval(model(mx.array(c, mx.int32)[None]))
     out = {p: Inputs(H, [], np.array(n)) for p, (H, n) in got.items()}
     for i, parts in moe.items():
         x, inds = (np.concatenate([p[j] for p in parts]) for j in (0, 1))

@@ -39,6 +39,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from pocket_mlx.convert.blas import numpy_matmuls
 from pocket_mlx.convert.prune import ExpertStats, select_experts
 from pocket_mlx.convert.recipes import DEFAULT_GROUP, Recipe, Spec, glob_rule
 from pocket_mlx.errors import PocketError
@@ -127,15 +128,16 @@ class _Measure:
         self.xs = [mx.array(c, mx.int32)[None] for c in chunks]
         self.inputs: list[list[mx.array]] = []  # [layer][chunk], plus the last layer's output
         self.base: list[mx.array] = []
-        for x in self.xs:
-            h = self.lm.model.embed_tokens(x)
-            row = [h]
-            for layer in self.layers:
-                h = layer(h)
-                mx.eval(h)
-                row.append(h)
-            self.inputs.append(row)
-            self.base.append(self._logp(h))
+        with numpy_matmuls(model):
+            for x in self.xs:
+                h = self.lm.model.embed_tokens(x)
+                row = [h]
+                for layer in self.layers:
+                    h = layer(h)
+                    mx.eval(h)
+                    row.append(h)
+                self.inputs.append(row)
+                self.base.append(self._logp(h))
 
     def _logp(self, h: mx.array) -> mx.array:
         h = self.lm.model.norm(h)
@@ -153,14 +155,15 @@ class _Measure:
     def kl_by_source(self, start: int = 0) -> tuple[float, list[float]]:
         """(mean KL over all tokens, mean KL over each calibration file's tokens)."""
         total, n = np.zeros(self.num_sources), np.zeros(self.num_sources)
-        for j, x in enumerate(self.xs):
-            h = self.lm.model.embed_tokens(x) if start == 0 else self.inputs[j][start]
-            for layer in self.layers[start:]:
-                h = layer(h)
-            logp = self._logp(h)
-            p = self.base[j]
-            total[self.sources[j]] += float((mx.exp(p) * (p - logp)).sum(-1).sum().item())
-            n[self.sources[j]] += p.shape[1]
+        with numpy_matmuls(self.model):
+            for j, x in enumerate(self.xs):
+                h = self.lm.model.embed_tokens(x) if start == 0 else self.inputs[j][start]
+                for layer in self.layers[start:]:
+                    h = layer(h)
+                logp = self._logp(h)
+                p = self.base[j]
+                total[self.sources[j]] += float((mx.exp(p) * (p - logp)).sum(-1).sum().item())
+                n[self.sources[j]] += p.shape[1]
         return float(total.sum() / n.sum()), (total / np.maximum(n, 1)).tolist()
 
 

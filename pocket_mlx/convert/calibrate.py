@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from pocket_mlx.convert.blas import numpy_matmuls
 from pocket_mlx.convert.prune import ExpertStats
 from pocket_mlx.convert.recipes import Recipe, Spec, glob_rule
 from pocket_mlx.corpus import read_documents, token_stream, windows
@@ -110,10 +111,11 @@ def collect_stats(model, chunks: list[list[int]], progress: bool = True,
                           enabled=progress):
         layer = layers[i]
         layer.mlp.observer = stats.observer(i)
-        for j, h in enumerate(hs):
-            stats.source = sources[j] if sources is not None else 0
-            hs[j] = layer(h)
-            mx.eval(hs[j])
+        with numpy_matmuls(layer):
+            for j, h in enumerate(hs):
+                stats.source = sources[j] if sources is not None else 0
+                hs[j] = layer(h)
+                mx.eval(hs[j])
         layer.mlp.observer = None
         layers[i] = None  # drop this layer's weights
         del layer
@@ -131,13 +133,14 @@ def _observe_mtp(model, emb: list[mx.array], hs: list[mx.array], stats: ExpertSt
     hs = [lm.model.norm(h) for h in hs]
     for i, layer in enumerate(mtp.layers):
         layer.mlp.observer = stats.observer(first_row + i)
-        for j, (e, h) in enumerate(zip(emb, hs)):
-            n = e.shape[1] - i  # tokens t+1+i of the window
-            if n <= 0:
-                continue
-            stats.source = sources[j] if sources is not None else 0
-            hs[j] = mtp(h[:, :n], e[:, i:], None, step=i)
-            mx.eval(hs[j])
+        with numpy_matmuls(mtp):
+            for j, (e, h) in enumerate(zip(emb, hs)):
+                n = e.shape[1] - i  # tokens t+1+i of the window
+                if n <= 0:
+                    continue
+                stats.source = sources[j] if sources is not None else 0
+                hs[j] = mtp(h[:, :n], e[:, i:], None, step=i)
+                mx.eval(hs[j])
         layer.mlp.observer = None
 
 
@@ -180,10 +183,11 @@ def auto_recipe(model, chunks: list[list[int]], target_bpw: float, progress: boo
 
     def logprobs() -> list[mx.array]:
         out = []
-        for x in xs:  # one window at a time: small graphs, no batch-shape corner cases
-            lg = model(x).astype(mx.float32)
-            out.append(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
-            mx.eval(out[-1])
+        with numpy_matmuls(model):
+            for x in xs:  # one window at a time: small graphs, no batch-shape corner cases
+                lg = model(x).astype(mx.float32)
+                out.append(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+                mx.eval(out[-1])
         return out
 
     base = logprobs()

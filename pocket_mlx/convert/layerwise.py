@@ -24,6 +24,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from pocket_mlx.convert.blas import numpy_matmuls
 from pocket_mlx.convert.recipes import Spec
 from pocket_mlx.convert.rounding import AWQ_ROWS, Inputs, quantize_matrix, sample_rows, select
 
@@ -123,9 +124,7 @@ def capture_layer(layer, prefix: str, hs: list[mx.array], want, method: str
     if routed:
         moe.observer = observe
     try:
-        for j, h in enumerate(hs):
-            hs[j] = layer(h)
-            mx.eval(hs[j])
+        forward(layer, hs)
     finally:
         if routed:
             moe.observer = None
@@ -175,9 +174,12 @@ def round_layer(layer, prefix: str, hs: list[mx.array], targets: dict[str, Targe
 
 
 def forward(layer, hs: list[mx.array]) -> None:
-    for j, h in enumerate(hs):
-        hs[j] = layer(h)
-        mx.eval(hs[j])
+    """Replace each hidden state in `hs` by `layer`'s output (float32 matmuls in numpy's BLAS
+    on the CPU: convert/blas.py)."""
+    with numpy_matmuls(layer):
+        for j, h in enumerate(hs):
+            hs[j] = layer(h)
+            mx.eval(hs[j])
 
 
 def _evaluate(module) -> None:

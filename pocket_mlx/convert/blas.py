@@ -1,0 +1,113 @@
+"""Convert's float32 forward passes on the CPU, with their matmuls in numpy's BLAS.
+
+Why: MLX's CPU wheel bundles the reference (netlib) BLAS, so a float32 GEMM runs at 2-4 GFLOP/s
+on the machines we measure on, where the OpenBLAS that numpy ships runs the same GEMM at ~120
+GFLOP/s on two cores. Calibration (REAP statistics), the GPTQ/AWQ input capture and the auto
+search run the float model over thousands of tokens: at the 35B shape one layer took ~50 s for
+512 tokens, nearly all of it in `Linear` and `gather_mm`. No new dependency: numpy is already
+one of MLX's.
+
+`numpy_matmuls(module)` swaps the float32 `Linear` and `SwitchLinear` modules inside `module`
+for ones that evaluate their input and multiply in numpy, for the length of a with-block, and
+puts the originals back after it. The results differ from MLX's only in the order float32
+products are summed. A no-op off the CPU (Metal, CUDA: their GEMMs are fast), for other
+dtypes, and with POCKET_MLX_NUMPY_BLAS=0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
+
+from pocket_mlx.models.layers import SwitchLinear
+
+
+def enabled() -> bool:
+    return (os.environ.get("POCKET_MLX_NUMPY_BLAS", "1") != "0"
+            and mx.default_device() == mx.cpu)
+
+
+def _np(x: mx.array) -> np.ndarray:
+    """A float32 numpy view of `x` (evaluated; no copy when it is float32 already)."""
+    return np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
+
+
+class NumpyLinear(nn.Module):
+    """A float32 `nn.Linear` (bias or not) computed by numpy's BLAS."""
+
+    def __init__(self, module: nn.Linear):
+        super().__init__()
+        self.module = module
+
+    def __call__(self, x: mx.array) -> mx.array:
+        m = self.module
+        w = _np(m.weight)
+        xs = _np(x).reshape(-1, w.shape[1])
+        y = xs @ w.T
+        if "bias" in m:
+            y += _np(m.bias)
+        return mx.array(y).reshape(*x.shape[:-1], w.shape[0])
+
+
+class NumpySwitchLinear(nn.Module):
+    """A float32 `SwitchLinear` (what `mx.gather_mm` computes for one-row left operands, as
+    SwitchGLU calls it): the rows grouped by expert, one GEMM per expert with rows."""
+
+    def __init__(self, module: SwitchLinear):
+        super().__init__()
+        self.module = module
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False
+                 ) -> mx.array:
+        w = _np(self.module.weight)  # [E, out, in]
+        if x.shape[-2] != 1:  # SwitchGLU passes one row per (token, expert): keep MLX's op
+            return self.module(x, indices, sorted_indices=sorted_indices)
+        batch = np.broadcast_shapes(x.shape[:-2], indices.shape)
+        xs = np.broadcast_to(_np(x), (*batch, *x.shape[-2:])).reshape(-1, w.shape[2])
+        ids = np.broadcast_to(np.asarray(indices), batch).reshape(-1)
+        order = np.argsort(ids, kind="stable")
+        ids_sorted = ids[order]
+        cuts = np.flatnonzero(np.diff(ids_sorted)) + 1
+        starts = np.concatenate(([0], cuts))
+        ends = np.concatenate((cuts, [len(ids_sorted)]))
+        xs = xs[order]
+        y = np.empty((len(ids_sorted), w.shape[1]), np.float32)
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            np.matmul(xs[s:e], w[ids_sorted[s]].T, out=y[s:e])
+        out = np.empty_like(y)
+        out[order] = y
+        return mx.array(out).reshape(*batch, 1, w.shape[1])
+
+
+def _swappable(m: nn.Module) -> type[nn.Module] | None:
+    if type(m) is not SwitchLinear and not (isinstance(m, nn.Linear) and "scales" not in m):
+        return None
+    if m["weight"].dtype != mx.float32:
+        return None
+    return NumpySwitchLinear if isinstance(m, SwitchLinear) else NumpyLinear
+
+
+@contextmanager
+def numpy_matmuls(module: nn.Module) -> Iterator[None]:
+    """Inside the block, `module`'s float32 matmuls run in numpy's BLAS (CPU only)."""
+    if not enabled():
+        yield
+        return
+    swaps = []
+    for path, m in module.named_modules():
+        wrapper = _swappable(m)
+        if wrapper is not None and path:
+            swaps.append((path, m, wrapper(m)))
+    if swaps:
+        module.update_modules(tree_unflatten([(p, w) for p, _, w in swaps]))
+    try:
+        yield
+    finally:
+        if swaps:
+            module.update_modules(tree_unflatten([(p, m) for p, m, _ in swaps]))
