@@ -4,6 +4,8 @@
 # the log. Heavy: runs under flock /work/wt/heavy.lock (shared machine), one mode at a time
 # (NOLOCK=1 when the caller already holds the lock for a batch).
 #   scripts/measure_convert.sh SLICE_DIR MODE [TOKENS]   MODE: 2bit | reap | gptq | auto
+# auto: TARGET (default: 20% of the slice's bf16 bytes, ~3.2 bits per weight), ROUNDING
+# (default: auto's own, gptq; rtn for the streamed search alone).
 set -euo pipefail
 src=$1; mode=$2; tok=${3:-2048}
 here=$(cd "$(dirname "$0")/.." && pwd); text=$here/assets/text
@@ -12,8 +14,10 @@ case $mode in
   2bit) args=(--recipe pocket-2bit) ;;
   reap) args=(--recipe pocket-2bit --prune-to 128 --calib "$text/en.calib.txt") ;;
   gptq) args=(--recipe pocket-2bit --rounding gptq --calib "$text/en.calib.txt") ;;
-  auto) args=(--recipe auto --target-size "${TARGET:-1000MB}" --calib "$text/en.calib.txt"
-              --calib "$text/zh.calib.txt" --calib "$text/code.calib.txt") ;;
+  auto) bytes=$(python3 -c "import glob,os,sys; print(sum(os.path.getsize(f) for f in glob.glob(sys.argv[1] + '/*.safetensors')))" "$src")
+        args=(--recipe auto --target-size "${TARGET:-$((bytes / 5))}" --calib "$text/en.calib.txt"
+              --calib "$text/zh.calib.txt" --calib "$text/code.calib.txt")
+        [ -n "${ROUNDING:-}" ] && args+=(--rounding "$ROUNDING") ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
 [ "$mode" = 2bit ] || args+=(--calib-tokens "$tok")

@@ -19,10 +19,10 @@ from pocket_mlx.convert.budget import (
     BUDGET_SPECS,
     Sizer,
     _allocate,
-    _Editor,
     options,
     spec_bytes,
 )
+from pocket_mlx.convert.budget_stream import Edit
 from pocket_mlx.convert.pipeline import ConvertOptions, inputs_for, quantizer_for
 from pocket_mlx.convert.recipes import Spec, load_recipe
 from pocket_mlx.engine.loader import load_model
@@ -156,8 +156,8 @@ def test_target_size_meets_the_budget_exactly(tmp_path, make_ckpt, fraction):
 
 
 def search_rounds_as_written(src, out, info):
-    """The search's in-memory build of the chosen candidate (float32 model, GPTQ from the
-    same captured inputs) holds exactly the written tensors: it rounds from the weights in the
+    """The search's build of the chosen candidate (float32 layers edited as the streamed judge
+    edits them, GPTQ from the same captured inputs) holds exactly the written tensors: it rounds from the weights in the
     output dtype (bfloat16 here, from a float32 source), so it judges the build it writes."""
     config = read_config(out)
     model = load_model(src, dtype="float32")
@@ -165,10 +165,14 @@ def search_rounds_as_written(src, out, info):
     specs = {p: Spec(*module_quantization(config["quantization"], p)) for p in paths}
     inputs = inputs_for(src, read_config(src), ConvertOptions(
         recipe=None, calib=[Path(c) for c in CALIB], calib_tokens=96))
-    edit = _Editor(model, quantizer_for("gptq", inputs), {p: mx.bfloat16 for p in paths})
-    if info["pruning"]:
-        edit.prune([info["kept_experts"][str(i)] for i in range(len(info["kept_experts"]))])
-    edit.quantize(specs)
+    quantizer, dtypes = quantizer_for("gptq", inputs), {p: mx.bfloat16 for p in paths}
+    for i, layer in enumerate(model.language_model.model.layers):  # as budget_stream.judge
+        edit = Edit(layer, f"language_model.model.layers.{i}.", quantizer, dtypes)
+        if info["pruning"]:
+            edit.prune(info["kept_experts"][str(i)])
+        edit.quantize(specs)
+    Edit(model, "", quantizer, dtypes).quantize({p: s for p, s in specs.items()
+                                                 if ".layers." not in p})
     mine, written = dict(model.named_modules()), dict(load_model(out).named_modules())
     assert any(s.bits <= 3 for s in specs.values())  # some modules went through GPTQ
     for p in paths:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 from conftest import ROOT
 
 from pocket_mlx.config import weights_bytes
+from pocket_mlx.convert.budget_stream import JUDGE_STATE, MEASURE_STATE
 from pocket_mlx.convert.resume import DIE_ENV, JOURNAL
 
 CALIB = [str(ROOT / "assets" / "text" / f"{d}.calib.txt") for d in ("en", "zh", "code")]
@@ -61,31 +61,32 @@ def reference(tmp_path_factory):
 
 
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, reference):
-    """Killed in the per-group measurements, resumed and killed again in the candidate
-    builds, resumed and killed again in the writing, resumed to the end: the same safetensors
+    """Killed in the per-layer measurements, resumed and killed again in the candidate
+    builds' pass, resumed and killed again in the writing, resumed to the end: the same safetensors
     files, byte for byte, as the uninterrupted run, and one temporary folder all along."""
     src, args, ref = reference
     out = tmp_path / "out"
     resume: tuple[str, ...] = ()
-    groups = 0
-    for die in ("measure:7", "search:2", "write:3"):
+    for die in ("measure:1", "search:1", "write:3"):
         r = convert(src, out, *args, *resume, die=die)
         assert r.returncode == -signal.SIGKILL, r.stderr
         assert not out.exists()
         (left,) = tmp_path.glob(".out.tmp-*")
         journal = json.loads((left / JOURNAL).read_text())
+        budget = journal["budget"]
         step, n = die.split(":")
-        if step == "measure":
-            assert len(journal["budget"]["kl"]) == int(n) and not journal["budget"]["tried"]
-            groups = int(re.search(r"measure: 1/(\d+) group", r.stderr).group(1))
-        elif step == "search":
-            assert len(journal["budget"]["tried"]) == int(n)
-            # the 7 measurements done came from the journal
-            assert f"measure: 1/{groups - 7} group" in r.stderr
+        if step == "measure":  # one of the two layers measured, its streams kept
+            assert budget["measure"]["layers"] == 1 and not budget["tried"]
+            assert (left / MEASURE_STATE).exists()
+        elif step == "search":  # only the second layer was measured again
+            assert budget["judge"]["layers"] == 1 and budget["measured"]
+            assert "measure: 1/1 layer" in r.stderr and (left / JUDGE_STATE).exists()
+            assert not (left / MEASURE_STATE).exists()
         else:
             assert journal["write"]["units"] == int(n)
             assert list(left.glob(".shard-*.safetensors"))
             assert "measure:" not in r.stderr  # all came from the journal
+            assert "search: 1/1 layer" in r.stderr and not (left / JUDGE_STATE).exists()
         if resume:
             assert f"resuming {left.name}" in r.stdout
         resume = ("--resume",)

@@ -340,7 +340,7 @@ def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
                quantizer: Quantizer | None = None, journal: Journal | None = None
                ) -> tuple[Recipe, int | None, dict]:
     """The --target-size search (convert/budget.py) on `opts.measure_tokens` per calibration
-    file. Loads the whole float model: small models only."""
+    file, reading the float model one layer at a time (convert/budget_stream.py)."""
     tokenizer = load_tokenizer(path, config)
     per_file = max(2, min(opts.calib_tokens or opts.measure_tokens, opts.measure_tokens))
     window = min(opts.window, per_file)
@@ -349,13 +349,14 @@ def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
     judge_window = min(opts.window, judge_per_file)
     judge, judge_infos = calibration_windows(opts.calib, tokenizer, judge_window, judge_per_file)
     sizer = sizer_for(config, weights, getattr(mx, opts.dtype) if opts.dtype else None)
-    model = load_model(path, config, dtype="float32")
-    return budget_recipe(model, chunks, stats, sizer, opts.target_size, opts.criterion,
+    return budget_recipe(lambda: load_model(path, config, dtype="float32", lazy=True),
+                         chunks, stats, sizer, opts.target_size, opts.criterion,
                          opts.seed, opts.progress, log, quantizer,
                          window_sources(infos, window),
                          (judge, window_sources(judge_infos, judge_window)),
                          journal.section("budget") if journal else None,
-                         journal.save if journal else None)
+                         journal.save if journal else None,
+                         journal.path.parent if journal else None)
 
 
 # Calibration tokens per file whose inputs the activation-aware rounding sees. GPTQ's error
@@ -515,9 +516,10 @@ def _open_journal(tmp: Path, fp: dict, opts: ConvertOptions,
     if opts.resume and (old := Journal.read(tmp)) is not None:
         journal.data = old
         w = old.get("write", {}).get("units", 0)
-        log(f"resuming {tmp.name}: {len(old.get('budget', {}).get('kl', {}))} measurements, "
-            f"{len(old.get('budget', {}).get('tried', {}))} candidate builds, "
-            f"{w} write units done")
+        b = old.get("budget", {})
+        log(f"resuming {tmp.name}: {b.get('measure', {}).get('layers', 0)} layers measured, "
+            f"{b.get('judge', {}).get('layers', 0)} layers of the candidate builds, "
+            f"{len(b.get('tried', {}))} candidate builds, {w} write units done")
     elif opts.resume:
         log("note: no interrupted run of this command to resume; starting afresh")
     journal.save()

@@ -1,0 +1,412 @@
+"""The measurements of `--recipe auto --target-size` (convert/budget.py), one layer at a time.
+
+Why: the search held the whole float32 model (139 GB at the 35B shape) and ran every group at
+every width through the rest of the model. Here a lazily loaded float model is read layer by
+layer, each layer used on every stream and dropped, in two passes:
+
+1. `measure`: per layer, the float output of the calibration windows, with each input
+   channel's sum of squares per quantizable matrix (routed experts: per expert, on the tokens
+   routed to it; llama.cpp's importance matrix). Each group (the layer's routed experts, its
+   dense rest) is quantized alone at PROBE and the layer's output error on the same input is
+   measured, relative to the output's energy; the other widths scale that error by the ratio
+   of their weight errors weighted by those channel squares (no forward pass per width).
+   The embeddings' error is exact (the rows the windows read); the lm_head's KL is measured
+   at every width. One more stream, every group at PROBE, is carried to the logits: its KL
+   over the sum of the groups' relative errors at PROBE converts relative error into KL.
+2. `judge`: every candidate build (pruned and quantized as it would be written) is a stream
+   of its own, run layer by layer beside the float stream; at the end each candidate's KL per
+   calibration file, the float log-probabilities computed window by window (never stored for
+   all windows).
+
+Memory: one layer (float32) plus the streams (windows x hidden x 4 bytes each), whatever the
+number of layers. --resume: after each layer the streams are saved in the temporary folder
+(write, rename) and the journal notes the layer, so a killed run continues from it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
+
+from pocket_mlx.convert.recipes import Spec
+from pocket_mlx.progress import progress as progress_bar
+
+PROBE = Spec(3)  # the width each group is run at through its layer (uniform-3: 1.13-1.17x ppl)
+MEASURE_STATE = "budget-measure.safetensors"
+JUDGE_STATE = "budget-judge.safetensors"
+
+# (path, float weight, spec, kept expert ids or None) -> (weight, scales, biases) or None: rtn
+Quantizer = Callable[[str, mx.array, Spec, "list[int] | None"],
+                     "tuple[mx.array, mx.array, mx.array] | None"]
+
+
+class Edit:
+    """Quantizes (and prunes) the modules of one part of the lazily loaded float model (a
+    layer, the embeddings, the lm_head), rounding each from its weight in the written dtype,
+    and puts them back as they were."""
+
+    def __init__(self, root: nn.Module, prefix: str, quantizer: Quantizer | None,
+                 dtypes: dict[str, mx.Dtype]):
+        self.root, self.prefix = root, prefix
+        self.quantizer, self.dtypes = quantizer, dtypes
+        self.kept: list[int] | None = None
+        self.saved: list[tuple[str, nn.Module]] = []
+        self.pruned: list[tuple[nn.Module, mx.array]] = []
+
+    def prune(self, ids: list[int]) -> None:
+        """Keep experts `ids` of this layer: sliced as `quantize` rounds them (from the
+        weights cast to the written dtype, so no float32 copy of the kept experts is made)."""
+        self.kept = ids
+
+    def _pruned(self, rel: str) -> bool:
+        return self.kept is not None and (".switch_mlp." in rel or rel.endswith("mlp.gate"))
+
+    def quantize(self, specs: dict[str, Spec | None]) -> None:
+        modules = dict(self.root.named_modules())
+        new = []
+        for p, spec in specs.items():
+            rel = p[len(self.prefix):]
+            if not p.startswith(self.prefix) or rel not in modules:
+                continue
+            m = modules[rel]
+            if spec is None:
+                if self._pruned(rel):
+                    self.pruned.append((m, m.weight))
+                    m.weight = m.weight[mx.array(self.kept, mx.int32)]
+                continue
+            self.saved.append((rel, m))
+            q = m.to_quantized(group_size=spec.group_size, bits=spec.bits)
+            w = m.weight.astype(self.dtypes.get(p, m.weight.dtype))
+            if self._pruned(rel):
+                w = w[mx.array(self.kept, mx.int32)]
+            got = self.quantizer(p, w, spec, self.kept) if self.quantizer else None
+            q.weight, q.scales, q.biases = (got if got is not None
+                                            else mx.quantize(w, spec.group_size, spec.bits))
+            new.append((rel, q))
+        if new:
+            self.root.update_modules(tree_unflatten(new))
+
+    def restore(self) -> None:
+        if self.saved:
+            self.root.update_modules(tree_unflatten(self.saved))
+        for m, w in reversed(self.pruned):
+            m.weight = w
+        self.saved, self.pruned, self.kept = [], [], None
+
+
+class _Squares(nn.Module):
+    """Stands in for a Linear or a routed experts' SwitchLinear while the float layer runs:
+    adds up each input channel's square (per expert for routed experts)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.sq: mx.array | None = None
+
+    def __call__(self, x: mx.array, indices: mx.array | None = None, **kw) -> mx.array:
+        if indices is None:
+            s = (x.astype(mx.float32) ** 2).reshape(-1, x.shape[-1]).sum(0)
+            out = self.module(x)
+        else:  # SwitchGLU: x [..., 1, K] broadcast over the k experts of each token
+            xs = mx.broadcast_to(x.squeeze(-2), (*indices.shape, x.shape[-1]))
+            n = self.module.weight.shape[0]
+            s = mx.zeros((n, x.shape[-1]), mx.float32).at[indices.reshape(-1)].add(
+                (xs.astype(mx.float32) ** 2).reshape(-1, x.shape[-1]))
+            out = self.module(x, indices, **kw)
+        self.sq = s if self.sq is None else self.sq + s
+        mx.eval(self.sq)
+        return out
+
+
+def _squares(layer: nn.Module, prefix: str, paths: list[str], run: Callable[[], None]
+             ) -> dict[str, mx.array]:
+    """Run `run` (the float layer on every window) with `paths` watched: each path's input
+    channel squares."""
+    mods = dict(layer.named_modules())
+    wrapped = [(p[len(prefix):], _Squares(mods[p[len(prefix):]])) for p in paths]
+    layer.update_modules(tree_unflatten(wrapped))
+    try:
+        run()
+    finally:
+        layer.update_modules(tree_unflatten([(r, w.module) for r, w in wrapped]))
+    return {prefix + r: w.sq for r, w in wrapped if w.sq is not None}
+
+
+def weight_error(w: mx.array, sq: mx.array, spec: Spec, dtype: mx.Dtype, path: str,
+                 quantizer: Quantizer | None) -> float:
+    """Sum over rows of (w - its rounding)^2 weighted by the input channels' squares `sq`
+    ([K], or [E, K] for stacked experts): the output error on the windows if the channels were
+    uncorrelated. Stacks are rounded a slice of experts at a time (bounded memory)."""
+    def part(wp: mx.array, sp: mx.array, whole: bool) -> float:
+        wd = wp.astype(dtype)
+        got = quantizer(path, wd, spec, None) if quantizer and whole else None
+        q, s, b = got if got is not None else mx.quantize(wd, spec.group_size, spec.bits)
+        err = (wp.astype(mx.float32) - mx.dequantize(q, s, b, spec.group_size, spec.bits)
+               .astype(mx.float32)) ** 2
+        return float((err * sp[..., None, :]).sum().item())
+
+    if w.ndim == 2 or quantizer is not None:
+        return part(w, sq, True)
+    step = max(1, (64 << 20) // max(1, math.prod(w.shape[1:])))
+    return sum(part(w[i:i + step], sq[i:i + step], False) for i in range(0, w.shape[0], step))
+
+
+def _energy(hs: list[mx.array]) -> float:
+    return float(sum((h.astype(mx.float32) ** 2).sum().item() for h in hs))
+
+
+def _err(a: list[mx.array], b: list[mx.array]) -> float:
+    return float(sum(((x - y) ** 2).sum().item() for x, y in zip(a, b)))
+
+
+def logp(lm, h: mx.array) -> mx.array:
+    h = lm.model.norm(h)
+    lg = (lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings
+          else lm.lm_head(h)).astype(mx.float32)
+    return lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+
+
+def kl_sum(p: mx.array, q: mx.array) -> float:
+    return float((mx.exp(p) * (p - q)).sum().item())
+
+
+class State:
+    """The streams of a pass after its n-th layer, in the temporary folder (--resume)."""
+
+    def __init__(self, folder: Path | None, name: str):
+        self.path = Path(folder) / name if folder is not None else None
+
+    def save(self, layers: int, streams: dict[str, list[mx.array]]) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_name(".new-" + self.path.name)
+        mx.save_safetensors(str(tmp), {f"{k}.{j}": h for k, hs in streams.items()
+                                       for j, h in enumerate(hs)}, {"layers": str(layers)})
+        fd = os.open(tmp, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        os.replace(tmp, self.path)
+
+    def load(self, layers: int, names: list[str], n: int) -> dict[str, list[mx.array]] | None:
+        if self.path is None or not self.path.exists() or layers == 0:
+            return None
+        data, meta = mx.load(str(self.path), return_metadata=True)
+        if meta.get("layers") != str(layers):
+            return None
+        return {k: [data[f"{k}.{j}"] for j in range(n)] for k in names}
+
+    def remove(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def _embed(lm, xs: list[mx.array], edit: Edit | None = None, spec: Spec | None = None,
+           path: str = "language_model.model.embed_tokens") -> list[mx.array]:
+    if edit is not None and spec is not None:
+        edit.quantize({path: spec})
+    hs = [lm.model.embed_tokens(x) for x in xs]
+    mx.eval(hs)
+    if edit is not None:
+        edit.restore()
+    return hs
+
+
+def measure(model, chunks: list[list[int]], groups: dict[str, list[str]],
+            specs_of: Callable[[str], list[Spec]], module_spec: Callable[[str, Spec], Spec],
+            quantizer: Quantizer | None, dtypes: dict[str, mx.Dtype], memo: dict,
+            save: Callable[[str], None] | None, folder: Path | None, progress: bool
+            ) -> dict[str, float]:
+    """{"group|bits|group_size": estimated KL} of every group at every width it can take
+    (module doc, pass 1). `memo` is the journal's section: each finished layer's numbers
+    are put there before `save("measure")`, with the streams in `folder`."""
+    lm = model.language_model
+    layers = lm.model.layers
+    L = len(layers)
+    xs = [mx.array(c, mx.int32)[None] for c in chunks]
+    rel: dict[str, float] = memo.setdefault("rel", {})  # relative error per group and width
+    state = State(folder, MEASURE_STATE)
+    done = memo.get("layers", 0)
+    got = state.load(done, ["h", "q"], len(xs))
+    if got is None:
+        done = 0
+    emb_path = "language_model.model.embed_tokens"
+    if got is None:
+        h = _embed(lm, xs)
+        edit = Edit(lm.model, "language_model.model.", quantizer, dtypes)
+        hq = _embed(lm, xs, edit, PROBE, emb_path)
+        if "embed_tokens" in groups:
+            _embed_errors(lm, xs, h, specs_of("embed_tokens"), dtypes, rel)
+    else:
+        h, hq = got["h"], got["q"]
+    if not lm.args.tie_word_embeddings:
+        lm.model.embed_tokens = None  # 2 GB in float32 at the 35B shape
+    for i in progress_bar(range(done, L), desc="measure", unit="layer", enabled=progress):
+        h, hq = _measure_layer(layers[i], i, h, hq, groups, specs_of, module_spec, quantizer,
+                               dtypes, rel)
+        layers[i] = None
+        memo["layers"] = i + 1
+        state.save(i + 1, {"h": h, "q": hq})
+        if save is not None:
+            save("measure")
+    # lm_head: KL at every width, on the float final hidden states; and the all-PROBE stream.
+    base = [logp(lm, x) for x in h]
+    mx.eval(base)
+    n = sum(x.shape[1] for x in h)
+    kl_all = sum(kl_sum(b, logp(lm, x)) for b, x in zip(base, hq)) / n
+    kl: dict[str, float] = {}
+    if "lm_head" in groups:
+        path = groups["lm_head"][0]
+        edit = Edit(lm, "language_model.", quantizer, dtypes)
+        for s in specs_of("lm_head"):
+            edit.quantize({path: module_spec(path, s)})
+            kl[_key("lm_head", s)] = sum(kl_sum(b, logp(lm, x)) for b, x in zip(base, h)) / n
+            edit.restore()
+    probe_sum = sum(v for k, v in rel.items() if k.endswith(f"|{PROBE.bits}|{PROBE.group_size}"))
+    scale = kl_all / probe_sum if probe_sum > 0 else 0.0
+    for k, v in rel.items():
+        kl[k] = scale * v
+    memo["scale"], memo["kl_all_probe"] = scale, kl_all
+    state.remove()
+    return kl
+
+
+def _key(group: str, spec: Spec) -> str:
+    return f"{group}|{spec.bits}|{spec.group_size}"
+
+
+def _embed_errors(lm, xs: list[mx.array], h: list[mx.array], specs: list[Spec],
+                  dtypes: dict[str, mx.Dtype], rel: dict[str, float]) -> None:
+    """The embeddings' relative error at each width: exact (the rows the windows read)."""
+    path = "language_model.model.embed_tokens"
+    w = lm.model.embed_tokens.weight
+    ids = np.concatenate([np.array(x).reshape(-1) for x in xs])
+    count = np.bincount(ids, minlength=w.shape[0]).astype(np.float32)
+    used = np.nonzero(count)[0]
+    rows = w[mx.array(used, mx.int32)]
+    weights = mx.array(count[used])[:, None]  # each row's reads, as a channel "square"
+    energy = _energy(h)
+    for s in specs:
+        wd = rows.astype(dtypes.get(path, rows.dtype))
+        q, sc, b = mx.quantize(wd, s.group_size, s.bits)
+        err = (rows.astype(mx.float32)
+               - mx.dequantize(q, sc, b, s.group_size, s.bits).astype(mx.float32)) ** 2
+        rel[_key("embed_tokens", s)] = float((err * weights).sum().item()) / energy
+
+
+def _measure_layer(layer, i: int, h: list[mx.array], hq: list[mx.array],
+                   groups: dict[str, list[str]], specs_of, module_spec, quantizer,
+                   dtypes: dict[str, mx.Dtype], rel: dict[str, float]
+                   ) -> tuple[list[mx.array], list[mx.array]]:
+    """One layer of `measure`: its groups' relative errors at every width into `rel`;
+    returns the float stream and the all-PROBE stream after the layer."""
+    prefix = f"language_model.model.layers.{i}."
+    mine = {g: ps for g, ps in groups.items() if g in (f"layers.{i}.dense",
+                                                        f"layers.{i}.experts")}
+    out: list[mx.array] = []
+
+    def run() -> None:
+        for x in h:
+            out.append(layer(x))
+            mx.eval(out[-1])
+
+    sq = _squares(layer, prefix, [p for ps in mine.values() for p in ps], run)
+    energy = _energy(out)
+    edit = Edit(layer, prefix, quantizer, dtypes)
+    probe_err = {}
+    for g, ps in mine.items():
+        edit.quantize({p: module_spec(p, PROBE) for p in ps})
+        probe_err[g] = _err([layer(x) for x in h], out)
+        edit.restore()
+    # The all-PROBE stream through this layer.
+    edit.quantize({p: module_spec(p, PROBE) for ps in mine.values() for p in ps})
+    nq = [layer(x) for x in hq]
+    mx.eval(nq)
+    edit.restore()
+    modules = dict(layer.named_modules())
+    for g, ps in mine.items():
+        werr = {s: sum(weight_error(modules[p[len(prefix):]].weight, sq[p], module_spec(p, s),
+                                    dtypes.get(p, mx.float32), p, quantizer)
+                       for p in ps if p in sq)
+                for s in specs_of(g)}
+        w0 = werr.get(PROBE) or 0.0
+        for s in specs_of(g):
+            rel[_key(g, s)] = probe_err[g] / energy * werr[s] / w0 if w0 > 0 else 0.0
+    return out, nq
+
+
+def judge(model, chunks: list[list[int]], sources: list[int],
+          builds: list[tuple[list[list[int]] | None, dict[str, Spec]]],
+          quantizer: Quantizer | None, dtypes: dict[str, mx.Dtype], memo: dict,
+          save: Callable[[str], None] | None, folder: Path | None, progress: bool
+          ) -> list[tuple[float, list[float]]]:
+    """(mean KL, KL per calibration file) of each complete build (experts kept per layer or
+    None, spec per module), all run as streams beside the float one (module doc, pass 2).
+    `memo`: the journal's section, "layers" done with the streams in `folder`."""
+    lm = model.language_model
+    layers = lm.model.layers
+    L = len(layers)
+    xs = [mx.array(c, mx.int32)[None] for c in chunks]
+    names = ["f"] + [f"c{i}" for i in range(len(builds))]
+    state = State(folder, JUDGE_STATE)
+    done = memo.get("layers", 0)
+    got = state.load(done, names, len(xs))
+    if got is None:
+        done = 0
+        streams = {"f": _embed(lm, xs)}
+        edit = Edit(lm.model, "language_model.model.", quantizer, dtypes)
+        path = "language_model.model.embed_tokens"
+        for n, (_, specs) in zip(names[1:], builds):
+            streams[n] = _embed(lm, xs, edit, specs.get(path), path)
+    else:
+        streams = got
+    if not lm.args.tie_word_embeddings:
+        lm.model.embed_tokens = None
+    for i in progress_bar(range(done, L), desc="search", unit="layer", enabled=progress):
+        layer = layers[i]
+        edit = Edit(layer, f"language_model.model.layers.{i}.", quantizer, dtypes)
+        for n, (kept, specs) in zip(names[1:], builds):
+            if kept is not None:
+                edit.prune(kept[i])
+            edit.quantize(specs)
+            streams[n] = [layer(x) for x in streams[n]]
+            mx.eval(streams[n])
+            edit.restore()
+        streams["f"] = [layer(x) for x in streams["f"]]
+        mx.eval(streams["f"])
+        layers[i] = None
+        del layer, edit
+        memo["layers"] = i + 1
+        state.save(i + 1, streams)
+        if save is not None:
+            save("search")
+    # The logits: the float log-probabilities one window at a time, each build's against them.
+    edit = Edit(lm, "language_model.", quantizer, dtypes)
+    S = max(sources) + 1
+    total = np.zeros((len(builds), S))
+    count = np.zeros(S)
+    heads: dict = {}
+    for n, (_, specs) in zip(names[1:], builds):
+        heads.setdefault(tuple(sorted((p, s) for p, s in specs.items()
+                                      if p.startswith("language_model.lm_head")
+                                      and s is not None)), []).append(n)
+    base = []
+    for j, x in enumerate(streams["f"]):
+        base.append(logp(lm, x))
+        mx.eval(base[-1])
+        count[sources[j]] += x.shape[1]
+        for head, ns in heads.items():
+            edit.quantize(dict(head))
+            for n in ns:
+                total[names.index(n) - 1, sources[j]] += kl_sum(base[-1], logp(lm, streams[n][j]))
+            edit.restore()
+        base.pop()
+    state.remove()
+    per = total / np.maximum(count, 1)
+    return [(float(t.sum() / count.sum()), [float(v) for v in p]) for t, p in zip(total, per)]
