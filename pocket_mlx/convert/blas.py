@@ -38,12 +38,18 @@ def _np(x: mx.array) -> np.ndarray:
     return np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
 
 
-class NumpyLinear(nn.Module):
-    """A float32 `nn.Linear` (bias or not) computed by numpy's BLAS."""
-
-    def __init__(self, module: nn.Linear):
+class _Wrapper(nn.Module):
+    def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
+
+    @property
+    def weight(self) -> mx.array:  # what observers wrapped around it read
+        return self.module.weight
+
+
+class NumpyLinear(_Wrapper):
+    """A float32 `nn.Linear` (bias or not) computed by numpy's BLAS."""
 
     def __call__(self, x: mx.array) -> mx.array:
         m = self.module
@@ -55,13 +61,9 @@ class NumpyLinear(nn.Module):
         return mx.array(y).reshape(*x.shape[:-1], w.shape[0])
 
 
-class NumpySwitchLinear(nn.Module):
+class NumpySwitchLinear(_Wrapper):
     """A float32 `SwitchLinear` (what `mx.gather_mm` computes for one-row left operands, as
     SwitchGLU calls it): the rows grouped by expert, one GEMM per expert with rows."""
-
-    def __init__(self, module: SwitchLinear):
-        super().__init__()
-        self.module = module
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False
                  ) -> mx.array:
@@ -91,6 +93,12 @@ def _swappable(m: nn.Module) -> type[nn.Module] | None:
     if m["weight"].dtype != mx.float32:
         return None
     return NumpySwitchLinear if isinstance(m, SwitchLinear) else NumpyLinear
+
+
+def numpy_matmul(m: nn.Module) -> nn.Module:
+    """`m` itself as a numpy-BLAS module where `numpy_matmuls` would swap it, else `m`."""
+    wrapper = _swappable(m) if enabled() else None
+    return wrapper(m) if wrapper is not None else m
 
 
 @contextmanager

@@ -9,8 +9,8 @@ calibration file contributes the same number of tokens, so domains weigh equally
    quantized alone at every width of BUDGET_SPECS (the rest float), rounded as the build will
    round them (`--rounding`: GPTQ by default, which changes the low-bit picture a lot):
    estimated in one pass over the layers, one layer in memory (budget_stream.measure: each
-   group run through its layer at one width, the other widths scaled by importance-weighted
-   weight errors, relative error turned into KL by one stream carried to the logits).
+   group quantized alone at one width and carried to the logits as a stream of its own, the
+   other widths scaled by importance-weighted weight errors).
 2. For each candidate expert count K (the same K in every layer: the config has one
    `num_experts`, and mlx-lm needs it), the K best experts per layer by the calibration
    statistics (REAP-sum, as `--prune-to`); the bytes freed go to bits: a greedy allocation
@@ -312,7 +312,7 @@ def budget_recipe(load: Callable[[], object], chunks: list[list[int]],
     recipe = Recipe(f"auto-{target}B", rules, default=Spec(4))
     report = _budget_report(target, best, tried, groups, kl, chunks,
                             judge[0] if judge is not None else chunks)
-    report["kl_scale"] = memo.get("measure", {}).get("scale")
+    report["kl_probe"] = memo.get("measure", {}).get("probe_kl")
     return recipe, (best["experts"] if best["experts"] < E else None), report
 
 
