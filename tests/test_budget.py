@@ -155,6 +155,28 @@ def test_target_size_meets_the_budget_exactly(tmp_path, make_ckpt, fraction):
     assert np.isfinite(logits(load_model(out))).all()
 
 
+def test_a_model_too_big_to_capture_is_searched_rtn_and_written_gptq(tmp_path, make_ckpt,
+                                                                       monkeypatch, capsys):
+    """Past SEARCH_CAPTURE_MAX (the 35B's float32 weights: 139 GB) the search cannot capture
+    every module's inputs at once: it measures rounding to nearest, says so in one line, and
+    the writing still rounds with GPTQ (streamed, a layer at a time)."""
+    from pocket_mlx.convert import pipeline
+
+    monkeypatch.setattr(pipeline, "SEARCH_CAPTURE_MAX", 0)
+    monkeypatch.setattr(pipeline, "inputs_for", None)  # never called
+    src = make_ckpt("src", vocab_size=8192)
+    out = tmp_path / "b"
+    target = int(weights_bytes(src) // 2 * 0.3)
+    assert main(["convert", str(src), str(out), "--recipe", "auto", "--target-size",
+                 str(target), "--calib", CALIB[0], "--calib-tokens", "96",
+                 "--dtype", "bfloat16"]) == 0
+    info = json.loads((out / "pocket.json").read_text())
+    assert info["rounding"] == {"method": "gptq", "max_bits": 3}
+    assert info["auto"]["search_rounding"] == "rtn"
+    assert "measures its candidates rounded to nearest" in capsys.readouterr().out
+    assert weights_bytes(out) <= target
+
+
 def search_rounds_as_written(src, out, info):
     """The search's build of the chosen candidate (float32 layers edited as the streamed judge
     edits them, GPTQ from the same captured inputs) holds exactly the written tensors: it rounds from the weights in the

@@ -314,6 +314,16 @@ def sizer_for(config: dict, weights: dict, dtype: mx.Dtype | None) -> Sizer:
                  dtypes)
 
 
+# The largest model (float32 bytes of its weights) whose --target-size search rounds its
+# candidates activation-aware: that needs every module's inputs captured on the whole float
+# model at once (inputs_for).
+SEARCH_CAPTURE_MAX = 1 << 30
+
+
+def _float32_bytes(weights: dict[str, mx.array]) -> int:
+    return sum(4 * v.size for v in weights.values() if mx.issubdtype(v.dtype, mx.floating))
+
+
 def quantizer_for(rounding: str, inputs: dict[str, Inputs] | None) -> Quantizer | None:
     """How the search rounds what it measures: as `converted_tensors` will write it."""
     if rounding == "rtn" or not inputs:
@@ -420,9 +430,19 @@ def convert(src: str, out: Path, opts: ConvertOptions,
     with atomic_dir(out, force=opts.force, resume=accept) as tmp:
         journal = _open_journal(tmp, fp, opts, log)
         # The --target-size search rounds its candidates from every module's inputs at once
-        # (small models); the writing streams them a layer at a time (rounder_for).
+        # (small models); the writing streams them a layer at a time (rounder_for). A model
+        # whose float32 weights pass SEARCH_CAPTURE_MAX (the 35B: 139 GB) is searched with
+        # rounding to nearest and written with `rounding`.
+        search_rounding = rounding
+        if rounding != "rtn" and opts.target_size is not None and \
+                _float32_bytes(weights) > SEARCH_CAPTURE_MAX:
+            search_rounding = "rtn"
+            log(f"note: the size search measures its candidates rounded to nearest (capturing "
+                f"every module's inputs would hold the float32 model, "
+                f"{_float32_bytes(weights) / 1e9:.0f} GB); the build is written with "
+                f"{rounding} rounding")
         inputs = (inputs_for(path, config, opts, rounding)
-                  if rounding != "rtn" and opts.target_size is not None else None)
+                  if search_rounding != "rtn" and opts.target_size is not None else None)
         plan = _choose_build(folder, args, opts, weights, rounding, inputs, journal, log,
                              stats, calib_info)
         stats, calib_info, kept = plan.stats, plan.calib_info, plan.kept
@@ -452,7 +472,7 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         if plan.auto is not None:
             info["auto"] = {"target_bpw": opts.auto_bpw, "groups": plan.auto}
         if plan.budget is not None:
-            info["auto"] = plan.budget
+            info["auto"] = {**plan.budget, "search_rounding": search_rounding}
         info["seconds"] = round(time.perf_counter() - t0, 1)
         (tmp / "pocket.json").write_text(json.dumps(info, indent=2))
     if note := remote_code_note(removed):
