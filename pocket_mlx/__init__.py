@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Before numpy loads its OpenBLAS: one thread; convert/blas.py splits its GEMMs itself (a
+# static two-thread split stalled 4-7x whenever another process held a core).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from pocket_mlx.engine import schemes
 from pocket_mlx.version import __version__
 

@@ -19,10 +19,10 @@ from pocket_mlx.convert.budget import (
     BUDGET_SPECS,
     Sizer,
     _allocate,
+    _Editor,
     options,
     spec_bytes,
 )
-from pocket_mlx.convert.budget_stream import Edit
 from pocket_mlx.convert.pipeline import ConvertOptions, inputs_for, quantizer_for
 from pocket_mlx.convert.recipes import Spec, load_recipe
 from pocket_mlx.engine.loader import load_model
@@ -155,31 +155,36 @@ def test_target_size_meets_the_budget_exactly(tmp_path, make_ckpt, fraction):
     assert np.isfinite(logits(load_model(out))).all()
 
 
-def test_a_model_too_big_to_capture_is_searched_rtn_and_written_gptq(tmp_path, make_ckpt,
-                                                                       monkeypatch, capsys):
-    """Past SEARCH_CAPTURE_MAX (the 35B's float32 weights: 139 GB) the search cannot capture
-    every module's inputs at once: it measures rounding to nearest, says so in one line, and
-    the writing still rounds with GPTQ (streamed, a layer at a time)."""
+def test_a_model_past_the_whole_search_limit_is_searched_layer_by_layer(tmp_path, make_ckpt,
+                                                                        monkeypatch, capsys):
+    """Past SEARCH_WHOLE_MAX (the 35B's float32 weights: 139 GB) the search reads the model a
+    layer at a time (budget_stream): it measures rounding to nearest, says so in one line, the
+    build meets the budget, and the writing still rounds with GPTQ (streamed)."""
     from pocket_mlx.convert import pipeline
 
-    monkeypatch.setattr(pipeline, "SEARCH_CAPTURE_MAX", 0)
+    monkeypatch.setenv("POCKET_MLX_SEARCH_WHOLE_MAX", "0")
     monkeypatch.setattr(pipeline, "inputs_for", None)  # never called
+    monkeypatch.setattr(pipeline, "budget_recipe", None)  # the in-memory search: not called
     src = make_ckpt("src", vocab_size=8192)
     out = tmp_path / "b"
     target = int(weights_bytes(src) // 2 * 0.3)
     assert main(["convert", str(src), str(out), "--recipe", "auto", "--target-size",
-                 str(target), "--calib", CALIB[0], "--calib-tokens", "96",
+                 str(target), "--calib", CALIB[0], "--calib", CALIB[1], "--calib-tokens", "96",
                  "--dtype", "bfloat16"]) == 0
     info = json.loads((out / "pocket.json").read_text())
     assert info["rounding"] == {"method": "gptq", "max_bits": 3}
     assert info["auto"]["search_rounding"] == "rtn"
-    assert "measures its candidates rounded to nearest" in capsys.readouterr().out
-    assert weights_bytes(out) <= target
+    assert "reads the model one layer at a time" in capsys.readouterr().out
+    got = weights_bytes(out)
+    assert got == info["auto"]["bytes"] and 0.98 * target <= got <= target
+    assert {c["criterion"] for c in info["auto"]["candidates"] if c["experts"] < 8} == \
+        {"reap-sum", "reap-max"}
+    assert np.isfinite(logits(load_model(out))).all()
 
 
 def search_rounds_as_written(src, out, info):
-    """The search's build of the chosen candidate (float32 layers edited as the streamed judge
-    edits them, GPTQ from the same captured inputs) holds exactly the written tensors: it rounds from the weights in the
+    """The search's in-memory build of the chosen candidate (float32 model, GPTQ from the
+    same captured inputs) holds exactly the written tensors: it rounds from the weights in the
     output dtype (bfloat16 here, from a float32 source), so it judges the build it writes."""
     config = read_config(out)
     model = load_model(src, dtype="float32")
@@ -187,14 +192,10 @@ def search_rounds_as_written(src, out, info):
     specs = {p: Spec(*module_quantization(config["quantization"], p)) for p in paths}
     inputs = inputs_for(src, read_config(src), ConvertOptions(
         recipe=None, calib=[Path(c) for c in CALIB], calib_tokens=96))
-    quantizer, dtypes = quantizer_for("gptq", inputs), {p: mx.bfloat16 for p in paths}
-    for i, layer in enumerate(model.language_model.model.layers):  # as budget_stream.judge
-        edit = Edit(layer, f"language_model.model.layers.{i}.", quantizer, dtypes)
-        if info["pruning"]:
-            edit.prune(info["kept_experts"][str(i)])
-        edit.quantize(specs)
-    Edit(model, "", quantizer, dtypes).quantize({p: s for p, s in specs.items()
-                                                 if ".layers." not in p})
+    edit = _Editor(model, quantizer_for("gptq", inputs), {p: mx.bfloat16 for p in paths})
+    if info["pruning"]:
+        edit.prune([info["kept_experts"][str(i)] for i in range(len(info["kept_experts"]))])
+    edit.quantize(specs)
     mine, written = dict(model.named_modules()), dict(load_model(out).named_modules())
     assert any(s.bits <= 3 for s in specs.values())  # some modules went through GPTQ
     for p in paths:

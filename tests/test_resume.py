@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,8 +25,9 @@ from pocket_mlx.convert.resume import DIE_ENV, JOURNAL
 CALIB = [str(ROOT / "assets" / "text" / f"{d}.calib.txt") for d in ("en", "zh", "code")]
 
 
-def convert(src: Path, out: Path, *extra: str, die: str | None = None):
-    env = {**os.environ, "POCKET_MLX_PROGRESS_INTERVAL": "0"}
+def convert(src: Path, out: Path, *extra: str, die: str | None = None,
+            env_extra: dict | None = None):
+    env = {**os.environ, "POCKET_MLX_PROGRESS_INTERVAL": "0", **(env_extra or {})}
     env.pop(DIE_ENV, None)
     if die:
         env[DIE_ENV] = die
@@ -61,14 +63,76 @@ def reference(tmp_path_factory):
 
 
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, reference):
-    """Killed in the per-layer measurements, resumed and killed again in the candidate
-    builds' pass, resumed and killed again in the writing, resumed to the end: the same safetensors
+    """Killed in the per-group measurements, resumed and killed again in the candidate
+    builds, resumed and killed again in the writing, resumed to the end: the same safetensors
     files, byte for byte, as the uninterrupted run, and one temporary folder all along."""
     src, args, ref = reference
     out = tmp_path / "out"
     resume: tuple[str, ...] = ()
-    for die in ("measure:1", "search:1", "write:3"):
+    groups = 0
+    for die in ("measure:7", "search:2", "write:3"):
         r = convert(src, out, *args, *resume, die=die)
+        assert r.returncode == -signal.SIGKILL, r.stderr
+        assert not out.exists()
+        (left,) = tmp_path.glob(".out.tmp-*")
+        journal = json.loads((left / JOURNAL).read_text())
+        step, n = die.split(":")
+        if step == "measure":
+            assert len(journal["budget"]["kl"]) == int(n) and not journal["budget"]["tried"]
+            groups = int(re.search(r"measure: 1/(\d+) group", r.stderr).group(1))
+        elif step == "search":
+            assert len(journal["budget"]["tried"]) == int(n)
+            # the 7 measurements done came from the journal
+            assert f"measure: 1/{groups - 7} group" in r.stderr
+        else:
+            assert journal["write"]["units"] == int(n)
+            assert list(left.glob(".shard-*.safetensors"))
+            assert "measure:" not in r.stderr  # all came from the journal
+        if resume:
+            assert f"resuming {left.name}" in r.stdout
+        resume = ("--resume",)
+    r = convert(src, out, *args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert f"resuming {left.name}" in r.stdout and "3 write units done" in r.stdout
+    assert not list(tmp_path.glob(".out.tmp-*"))  # renamed into place, no second copy
+    assert not (out / JOURNAL).exists()
+    a, b = tensors(ref), tensors(out)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]).item(), k
+    assert (json.loads((out / "pocket.json").read_text())["auto"]["candidates"]
+            == json.loads((ref / "pocket.json").read_text())["auto"]["candidates"])
+    shards = sorted(f.name for f in ref.glob("*.safetensors"))
+    assert len(shards) > 1 and shards == sorted(f.name for f in out.glob("*.safetensors"))
+    for name in shards:  # byte for byte, headers included
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+STREAMED = {"POCKET_MLX_SEARCH_WHOLE_MAX": "0"}
+
+
+@pytest.fixture(scope="module")
+def streamed_reference(reference, tmp_path_factory):
+    """The same build with the search forced layer by layer (budget_stream)."""
+    src, args, _ = reference
+    ref = tmp_path_factory.mktemp("streamed") / "ref"
+    r = convert(src, ref, *args, env_extra=STREAMED)
+    assert r.returncode == 0, r.stderr
+    assert "reads the model one layer at a time" in r.stdout
+    return src, args, ref
+
+
+def test_streamed_search_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path,
+                                                                        streamed_reference):
+    """The layer-by-layer search (a model past SEARCH_WHOLE_MAX, forced here): killed in the
+    per-layer measurements, resumed and killed again in the candidate
+    builds' pass, resumed and killed again in the writing, resumed to the end: the same safetensors
+    files, byte for byte, as the uninterrupted run, and one temporary folder all along."""
+    src, args, ref = streamed_reference
+    out = tmp_path / "out"
+    resume: tuple[str, ...] = ()
+    for die in ("measure:1", "search:1", "write:3"):
+        r = convert(src, out, *args, *resume, die=die, env_extra=STREAMED)
         assert r.returncode == -signal.SIGKILL, r.stderr
         assert not out.exists()
         (left,) = tmp_path.glob(".out.tmp-*")
@@ -90,7 +154,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, reference):
         if resume:
             assert f"resuming {left.name}" in r.stdout
         resume = ("--resume",)
-    r = convert(src, out, *args, "--resume")
+    r = convert(src, out, *args, "--resume", env_extra=STREAMED)
     assert r.returncode == 0, r.stderr
     assert f"resuming {left.name}" in r.stdout and "3 write units done" in r.stdout
     assert not list(tmp_path.glob(".out.tmp-*"))  # renamed into place, no second copy

@@ -7,6 +7,13 @@ search run the float model over thousands of tokens: at the 35B shape one layer 
 512 tokens, nearly all of it in `Linear` and `gather_mm`. No new dependency: numpy is already
 one of MLX's.
 
+Threads: numpy's OpenBLAS splits each GEMM over its threads with a static split, and a core
+held by another process stalls the whole call: an expert's GEMM (8-64 rows) ran 4-7x slower
+with two OpenBLAS threads than with one while another job used a core. So OpenBLAS gets one
+thread (pocket_mlx/__init__.py sets OPENBLAS_NUM_THREADS=1 unless the user set it) and the
+work is split here: the output columns (the weight's rows) or the experts into chunks that a
+small pool claims as it goes, so a busy core only slows its own chunks.
+
 `numpy_matmuls(module)` swaps the float32 `Linear` and `SwitchLinear` modules inside `module`
 for ones that evaluate their input and multiply in numpy, for the length of a with-block, and
 puts the originals back after it. The results differ from MLX's only in the order float32
@@ -17,8 +24,10 @@ dtypes, and with POCKET_MLX_NUMPY_BLAS=0.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +40,28 @@ from pocket_mlx.models.layers import SwitchLinear
 def enabled() -> bool:
     return (os.environ.get("POCKET_MLX_NUMPY_BLAS", "1") != "0"
             and mx.default_device() == mx.cpu)
+
+
+@cache
+def _pool() -> ThreadPoolExecutor | None:
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return ThreadPoolExecutor(n, thread_name_prefix="pocket-blas") if (n or 1) > 1 else None
+
+
+def _run(tasks: list[Callable[[], None]]) -> None:
+    """Run the tasks on the pool (claimed in order as threads free up), or inline."""
+    pool = _pool()
+    if pool is None or len(tasks) < 2:
+        for t in tasks:
+            t()
+        return
+    for f in [pool.submit(t) for t in tasks]:
+        f.result()
+
+
+def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
+    step = -(-n // parts)
+    return [(i, min(n, i + step)) for i in range(0, n, step)]
 
 
 def _np(x: mx.array) -> np.ndarray:
@@ -55,7 +86,13 @@ class NumpyLinear(_Wrapper):
         m = self.module
         w = _np(m.weight)
         xs = _np(x).reshape(-1, w.shape[1])
-        y = xs @ w.T
+        y = np.empty((xs.shape[0], w.shape[0]), np.float32)
+
+        def part(a: int, b: int) -> None:
+            np.matmul(xs, w[a:b].T, out=y[:, a:b])
+        # Column blocks of >= 64 outputs (4 per thread: claimed as threads free up).
+        _run([lambda a=a, b=b: part(a, b)
+              for a, b in _chunks(w.shape[0], max(1, min(8, w.shape[0] // 64)))])
         if "bias" in m:
             y += _np(m.bias)
         return mx.array(y).reshape(*x.shape[:-1], w.shape[0])
@@ -80,8 +117,12 @@ class NumpySwitchLinear(_Wrapper):
         ends = np.concatenate((cuts, [len(ids_sorted)]))
         xs = xs[order]
         y = np.empty((len(ids_sorted), w.shape[1]), np.float32)
-        for s, e in zip(starts.tolist(), ends.tolist()):
-            np.matmul(xs[s:e], w[ids_sorted[s]].T, out=y[s:e])
+        segments = list(zip(starts.tolist(), ends.tolist()))
+
+        def part(a: int, b: int) -> None:
+            for s, e in segments[a:b]:
+                np.matmul(xs[s:e], w[ids_sorted[s]].T, out=y[s:e])
+        _run([lambda a=a, b=b: part(a, b) for a, b in _chunks(len(segments), 8)])
         out = np.empty_like(y)
         out[order] = y
         return mx.array(out).reshape(*batch, 1, w.shape[1])
@@ -119,3 +160,33 @@ def numpy_matmuls(module: nn.Module) -> Iterator[None]:
     finally:
         if swaps:
             module.update_modules(tree_unflatten([(p, m) for p, m, _ in swaps]))
+
+
+# Calibration windows stacked into one batch per layer call, up to this many tokens: each
+# call reads the layer's weights once (a 35B layer's experts are 1 GB a matrix in float32), so
+# more rows per expert per read. Bounded so the batch's intermediates stay near 1 GB.
+BATCH_TOKENS = 4096
+
+
+def forward_windows(layer: nn.Module, hs: list[mx.array], keys: list | None = None,
+                    before: Callable[[int], None] | None = None) -> list[mx.array]:
+    """[layer(h) for h in hs] (each window [1, T, H]), with consecutive windows of the same
+    length and the same key (the calibration file, for per-file statistics) run as one batch
+    of up to BATCH_TOKENS tokens; `before(i)` is called ahead of the batch that starts at
+    window i. The matmuls run in numpy's BLAS (`numpy_matmuls`)."""
+    out: list[mx.array] = []
+    with numpy_matmuls(layer):
+        i = 0
+        while i < len(hs):
+            j = i + 1
+            while (j < len(hs) and hs[j].shape == hs[i].shape
+                   and (keys is None or keys[j] == keys[i])
+                   and (j + 1 - i) * hs[i].shape[1] <= BATCH_TOKENS):
+                j += 1
+            if before is not None:
+                before(i)
+            y = layer(mx.concatenate(hs[i:j]) if j - i > 1 else hs[i])
+            mx.eval(y)
+            out += [y[k:k + 1] for k in range(j - i)] if j - i > 1 else [y]
+            i = j
+    return out

@@ -7,18 +7,15 @@ calibration file contributes the same number of tokens, so domains weigh equally
 
 1. KL of every group (a layer's routed experts, a layer's dense part, embeddings, lm_head)
    quantized alone at every width of BUDGET_SPECS (the rest float), rounded as the build will
-   round them (`--rounding`: GPTQ by default, which changes the low-bit picture a lot):
-   estimated in one pass over the layers, one layer in memory (budget_stream.measure: each
-   group quantized alone at one width and carried to the logits as a stream of its own, the
-   other widths scaled by importance-weighted weight errors).
+   round them (`--rounding`: GPTQ by default, which changes the low-bit picture a lot); a group
+   in layer i is run from the cached input of layer i, so late groups cost less.
 2. For each candidate expert count K (the same K in every layer: the config has one
    `num_experts`, and mlx-lm needs it), the K best experts per layer by the calibration
    statistics (REAP-sum, as `--prune-to`); the bytes freed go to bits: a greedy allocation
    upgrades the module with the best measured KL drop per extra byte (a module gets its group's
    KL in proportion to its share of the group's weights) until no upgrade fits the budget.
-3. Each K's complete build (pruned and quantized layer by layer, all candidates as streams in
-   one more pass: budget_stream.judge; with several calibration files, once with reap-sum and
-   once with reap-max experts) is measured once more, as a whole, on
+3. Each K's complete build (pruned and quantized in memory; with several calibration files,
+   once with reap-sum and once with reap-max experts) is measured once more, as a whole, on
    more text (JUDGE_TOKENS per file: 256 tokens ranked the domains of pruned builds wrongly on
    the reference model, 2048 ranked them as the validation text does), per calibration file:
    each file's KL is divided by its KL in the least pruned candidate, and the build whose
@@ -36,15 +33,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
 
-from pocket_mlx.convert import budget_stream as stream
-from pocket_mlx.convert.budget_stream import Quantizer
+from pocket_mlx.convert.blas import numpy_matmuls
 from pocket_mlx.convert.prune import ExpertStats, select_experts
 from pocket_mlx.convert.recipes import DEFAULT_GROUP, Recipe, Spec, glob_rule
 from pocket_mlx.errors import PocketError
+from pocket_mlx.progress import progress as progress_bar
 from pocket_mlx.units import size as fmt_size
 
 # The widths the search hands out, cheapest first: 1-8 bits in groups of 64, and 1-4 bits in
@@ -114,6 +113,131 @@ def _groups(paths: list[str]) -> dict[str, list[str]]:
             key = parts[-1]
         groups.setdefault(key, []).append(path)
     return groups
+
+
+class _Measure:
+    """KL of the model's output distribution from its float baseline on calibration windows,
+    with each layer's input cached so a change in layer i is run from layer i on."""
+
+    def __init__(self, model, chunks: list[list[int]], sources: list[int] | None = None):
+        self.model = model
+        self.sources = sources or [0] * len(chunks)
+        self.num_sources = max(self.sources) + 1
+        self.lm = model.language_model
+        self.layers = self.lm.model.layers
+        self.xs = [mx.array(c, mx.int32)[None] for c in chunks]
+        self.inputs: list[list[mx.array]] = []  # [layer][chunk], plus the last layer's output
+        self.base: list[mx.array] = []
+        with numpy_matmuls(model):
+            for x in self.xs:
+                h = self.lm.model.embed_tokens(x)
+                row = [h]
+                for layer in self.layers:
+                    h = layer(h)
+                    mx.eval(h)
+                    row.append(h)
+                self.inputs.append(row)
+                self.base.append(self._logp(h))
+
+    def _logp(self, h: mx.array) -> mx.array:
+        h = self.lm.model.norm(h)
+        lg = (self.lm.model.embed_tokens.as_linear(h) if self.lm.args.tie_word_embeddings
+              else self.lm.lm_head(h)).astype(mx.float32)
+        out = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+        mx.eval(out)
+        return out
+
+    def kl(self, start: int = 0) -> float:
+        """Mean KL(base || current) over all tokens, running the layers from `start` (0: from
+        the embeddings; len(layers): only the final norm and lm_head)."""
+        return self.kl_by_source(start)[0]
+
+    def kl_by_source(self, start: int = 0) -> tuple[float, list[float]]:
+        """(mean KL over all tokens, mean KL over each calibration file's tokens)."""
+        total, n = np.zeros(self.num_sources), np.zeros(self.num_sources)
+        with numpy_matmuls(self.model):
+            for j, x in enumerate(self.xs):
+                h = self.lm.model.embed_tokens(x) if start == 0 else self.inputs[j][start]
+                for layer in self.layers[start:]:
+                    h = layer(h)
+                logp = self._logp(h)
+                p = self.base[j]
+                total[self.sources[j]] += float((mx.exp(p) * (p - logp)).sum(-1).sum().item())
+                n[self.sources[j]] += p.shape[1]
+        return float(total.sum() / n.sum()), (total / np.maximum(n, 1)).tolist()
+
+
+def _start_layer(group: str, num_layers: int) -> int:
+    if group.startswith("layers."):
+        return int(group.split(".")[1])
+    return num_layers if group == "lm_head" else 0
+
+
+# (module path, float weight, spec, kept expert ids of its layer or None) -> (weight, scales,
+# biases), or None for MLX's round-to-nearest: how the build will round (convert --rounding).
+Quantizer = Callable[[str, mx.array, Spec, "list[int] | None"],
+                     "tuple[mx.array, mx.array, mx.array] | None"]
+
+
+def _layer_of(path: str) -> int | None:
+    parts = path.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else None
+
+
+class _Editor:
+    """Prunes and quantizes the in-memory float model, and puts it back as it was.
+
+    The model is float32 (the measurements need it), but each module is rounded from its
+    weight in `dtypes[path]`, the dtype the writer quantizes it in (scales and biases come out
+    in it too): on the reference model, GPTQ of the same candidate from float32 and from
+    bfloat16 weights of equal value gave code 1.284x against 1.313x (the written build's
+    1.314x) on held-out text, so a search rounding in float32 judged a build it did not
+    write."""
+
+    def __init__(self, model, quantizer: Quantizer | None = None,
+                 dtypes: dict[str, mx.Dtype] | None = None):
+        self.model = model
+        self.modules = dict(model.named_modules())
+        self.quantizer = quantizer
+        self.dtypes = dtypes or {}
+        self.kept: list[list[int]] | None = None
+        self.saved: list[tuple[str, nn.Module]] = []
+        self.pruned: list[tuple[nn.Module, str, mx.array]] = []
+
+    def prune(self, kept: list[list[int]]) -> None:
+        self.kept = kept
+        for layer, ids in zip(self.model.language_model.model.layers, kept):
+            idx = mx.array(ids, mx.int32)
+            mlp = layer.mlp
+            for m in (mlp.gate, mlp.switch_mlp.gate_proj, mlp.switch_mlp.up_proj,
+                      mlp.switch_mlp.down_proj):
+                self.pruned.append((m, "weight", m.weight))
+                m.weight = m.weight[idx]
+
+    def quantize(self, specs: dict[str, Spec | None]) -> None:
+        new = []
+        for p, spec in specs.items():
+            if spec is None:
+                continue
+            m = self.modules[p]
+            self.saved.append((p, m))
+            q = m.to_quantized(group_size=spec.group_size, bits=spec.bits)  # lazy: replaced
+            w = m.weight.astype(self.dtypes.get(p, m.weight.dtype))
+            layer = _layer_of(p)
+            kept = self.kept[layer] if self.kept is not None and layer is not None else None
+            got = self.quantizer(p, w, spec, kept) if self.quantizer else None
+            q.weight, q.scales, q.biases = (got if got is not None
+                                            else mx.quantize(w, spec.group_size, spec.bits))
+            new.append((p, q))
+        if new:
+            self.model.update_modules(tree_unflatten(new))
+
+    def restore(self) -> None:
+        if self.saved:
+            self.model.update_modules(tree_unflatten(self.saved))
+        for m, name, w in reversed(self.pruned):
+            setattr(m, name, w)
+        self.saved, self.pruned, self.kept = [], [], None
 
 
 def _key(group: str, spec: Spec) -> str:
@@ -216,27 +340,23 @@ def check_target(sizer: Sizer, target: int, top_k: int) -> dict[int, int]:
     return lowest
 
 
-def budget_recipe(load: Callable[[], object], chunks: list[list[int]],
-                  stats: ExpertStats | None, sizer: Sizer, target: int,
-                  criterion: str = "reap-sum", seed: int = 0, progress: bool = True,
-                  log: Callable[[str], None] = print, quantizer: Quantizer | None = None,
-                  sources: list[int] | None = None,
+def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, sizer: Sizer,
+                  target: int, criterion: str = "reap-sum", seed: int = 0,
+                  progress: bool = True, log: Callable[[str], None] = print,
+                  quantizer: Quantizer | None = None, sources: list[int] | None = None,
                   judge: tuple[list[list[int]], list[int]] | None = None,
-                  memo: dict | None = None, save: Callable[[str | None], None] | None = None,
-                  folder: Path | None = None) -> tuple[Recipe, int | None, dict]:
+                  memo: dict | None = None, save: Callable[[str], None] | None = None
+                  ) -> tuple[Recipe, int | None, dict]:
     """(recipe, experts to keep per layer or None for all, report) for a build of at most
-    `target` weight bytes. `load()`: the float model, lazily loaded (each pass reads it layer
-    by layer and drops what it has used: convert/budget_stream.py). `sources`: the
-    calibration file of each chunk. `judge`: (chunks, sources) on which the complete candidate
-    builds are compared (default: `chunks`); the build with the lowest worst-file KL relative
-    to the least pruned build wins (`_judge`). The report's "criterion" is the expert
-    criterion the chosen build used. `memo` (--resume, convert/resume.py): the measurements of
-    an interrupted run, taken instead of measuring again, and where each new one is put before
-    `save(step)` is called; `folder` keeps the passes' streams between layers."""
+    `target` weight bytes; `model` is the float model, fully loaded (small models only).
+    `sources`: the calibration file of each chunk. `judge`: (chunks, sources) on which the
+    complete candidate builds are compared (default: `chunks`); the build with the lowest
+    worst-file KL relative to the least pruned build wins (`_judge`). The report's
+    "criterion" is the expert criterion the chosen build used. `memo` (--resume,
+    convert/resume.py): the measurements of an interrupted run, taken instead of measuring
+    again, and where each new one is put before `save(step)` is called."""
     memo = memo if memo is not None else {}
     done_kl, done_tried = memo.setdefault("kl", {}), memo.setdefault("tried", {})
-    sources = sources or [0] * len(chunks)
-    model = load()
     args = model.args
     E, top_k, L = args.num_experts, args.num_experts_per_tok, args.num_hidden_layers
     paths = [p for p, m in model.named_modules() if hasattr(m, "to_quantized")]
@@ -250,23 +370,10 @@ def budget_recipe(load: Callable[[], object], chunks: list[list[int]],
     gsize = {g: sum(math.prod(sizer.shapes[u]) for u in us) for g, us in groups.items()}
     share = {u: math.prod(sizer.shapes[u]) / gsize[group_of[u]] for u in units}
 
-    def specs_of(g: str) -> list[Spec]:
-        # A group is measured at every width one of its modules can take; a module that
-        # cannot take it is measured at the same bits in groups of DEFAULT_GROUP.
-        return [s for s in BUDGET_SPECS if any(s in options(sizer, u) for u in groups[g])]
-
-    def module_spec(p: str, s: Spec) -> Spec:
-        return s if s in options(sizer, p) else Spec(s.bits)
-
-    if not memo.get("measured"):
-        done_kl.update(stream.measure(model, chunks, groups, specs_of, module_spec, quantizer,
-                                      sizer.dtypes, memo.setdefault("measure", {}), save,
-                                      folder, progress))
-        memo["measured"] = True
-        if save is not None:
-            save(None)
-    del model
-    kl = {(g, s): done_kl[_key(g, s)] for g in groups for s in specs_of(g)}
+    meas = _Measure(model, chunks, sources)
+    whole = _Measure(model, *judge) if judge is not None else meas
+    edit = _Editor(model, quantizer, sizer.dtypes)
+    kl = _measure_groups(meas, edit, sizer, groups, L, done_kl, progress, save)
     # With several calibration files (domains), experts are also chosen by reap-max (each
     # domain's own REAP-sum share: what one domain relies on stays), and a build is judged by
     # its worst domain (relative to the least pruned build): the acceptance of a budget is
@@ -276,31 +383,27 @@ def budget_recipe(load: Callable[[], object], chunks: list[list[int]],
     if stats is not None and stats.num_sources > 1 and criterion == "reap-sum":
         criteria.append("reap-max")
     runs = [(k, c) for k in feasible for c in (criteria if k < E else [criterion])]
-    plans = []
+    tried = []
+    left = [r for r in runs if f"{r[0]}|{r[1]}" not in done_tried]
+    bar = iter(progress_bar(left, desc="search", unit="build", enabled=progress))
     for k, crit in runs:
         kept = select_experts(stats, k, crit, L, E, seed) if k < E else None
         specs, spent = _allocate(units, share, group_of, kl, sizer, k, fixed, target)
-        plans.append((k, crit, kept, specs, spent))
-    todo = [p for p in plans if f"{p[0]}|{p[1]}" not in done_tried]
-    if todo:
-        chunks_j, sources_j = judge if judge is not None else (chunks, sources)
-        got = stream.judge(load(), chunks_j, sources_j,
-                           [(kept, {**fixed, **specs}) for _, _, kept, specs, _ in todo],
-                           quantizer, sizer.dtypes, memo.setdefault("judge", {}), save, folder,
-                           progress)
-        for (k, crit, *_), (real, per_source) in zip(todo, got):
-            done_tried[f"{k}|{crit}"] = [None, real, per_source]
-        if save is not None:
-            save(None)
-    tried = []
-    for k, crit, kept, specs, spent in plans:
-        _, real, per_source = done_tried[f"{k}|{crit}"]
-        est = sum(share[u] * kl[(group_of[u], s)] for u, s in specs.items())
+        if (got := done_tried.get(f"{k}|{crit}")) is None:
+            next(bar, None)
+            got = done_tried[f"{k}|{crit}"] = _try_build(whole, edit, kept, {**fixed, **specs})
+            if save is not None:
+                save("search")
+        prune_kl, real, per_source = got
+        est = prune_kl + sum(share[u] * kl[(group_of[u], s)] for u, s in specs.items())
         tried.append({"experts": k, "criterion": crit if k < E else None, "bytes": spent,
-                      "kl_estimate": round(est, 5), "kl_measured": round(real, 5),
+                      "kl_pruning": round(prune_kl, 5), "kl_estimate": round(est, 5),
+                      "kl_measured": round(real, 5),
                       "kl_worst_source": round(max(per_source), 5),
                       "kl_by_source": [round(v, 5) for v in per_source],
                       "specs": specs, "kept": kept})
+    for _ in bar:  # the bar's closing line
+        pass
     best = _judge(tried)
     log(f"target {target:,} bytes: " + "; ".join(
         f"{t['experts']} experts{' ' + t['criterion'] if t['criterion'] else ''} KL "
@@ -312,8 +415,42 @@ def budget_recipe(load: Callable[[], object], chunks: list[list[int]],
     recipe = Recipe(f"auto-{target}B", rules, default=Spec(4))
     report = _budget_report(target, best, tried, groups, kl, chunks,
                             judge[0] if judge is not None else chunks)
-    report["kl_probe"] = memo.get("measure", {}).get("probe_kl")
     return recipe, (best["experts"] if best["experts"] < E else None), report
+
+
+def _measure_groups(meas: _Measure, edit: _Editor, sizer: Sizer, groups: dict[str, list[str]],
+                    num_layers: int, done_kl: dict, progress: bool,
+                    save: Callable[[str], None] | None) -> dict[tuple[str, Spec], float]:
+    """The KL of each group quantized alone at each width, the rest float: taken from
+    `done_kl` (an interrupted run's) where there, else measured and put there."""
+    kl: dict[tuple[str, Spec], float] = {}
+    # A group is measured at every width one of its modules can take; a module that cannot
+    # take it is measured at the same bits in groups of DEFAULT_GROUP.
+    todo = [(g, s) for g in groups for s in BUDGET_SPECS
+            if any(s in options(sizer, u) for u in groups[g])]
+    for g, s in [t for t in todo if _key(*t) in done_kl]:
+        kl[(g, s)] = done_kl[_key(g, s)]
+    todo = [t for t in todo if _key(*t) not in done_kl]
+    for g, s in progress_bar(todo, desc="measure", unit="group", enabled=progress):
+        edit.quantize({p: s if s in options(sizer, p) else Spec(s.bits) for p in groups[g]})
+        kl[(g, s)] = done_kl[_key(g, s)] = meas.kl(_start_layer(g, num_layers))
+        edit.restore()
+        if save is not None:
+            save("measure")
+    return kl
+
+
+def _try_build(whole: _Measure, edit: _Editor, kept: list[list[int]] | None,
+               specs: dict[str, Spec]) -> list:
+    """[KL of the pruning alone, KL of the complete build, its KL per calibration file] of one
+    candidate build, the model restored afterwards."""
+    if kept is not None:
+        edit.prune(kept)
+    prune_kl = whole.kl() if kept is not None else 0.0
+    edit.quantize(specs)
+    real, per_source = whole.kl_by_source()
+    edit.restore()
+    return [prune_kl, real, per_source]
 
 
 def _budget_report(target: int, best: dict, tried: list[dict], groups: dict[str, list[str]],

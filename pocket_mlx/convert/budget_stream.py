@@ -4,7 +4,7 @@ Why: the search held the whole float32 model (139 GB at the 35B shape) and ran e
 every width through the rest of the model. Here a lazily loaded float model is read layer by
 layer, each layer used on every stream and dropped, in two passes:
 
-1. `measure`: per layer, the float output of the calibration windows, with each input
+1. `measure_groups`: per layer, the float output of the calibration windows, with each input
    channel's sum of squares per quantizable matrix (routed experts: per expert, on the tokens
    routed to it; llama.cpp's importance matrix). Each group (the layer's routed experts, its
    dense rest; the embeddings) starts a probe stream of its own: the group quantized alone at
@@ -16,7 +16,7 @@ layer, each layer used on every stream and dropped, in two passes:
    for the whole model: it misjudged the layers against each other, and at 75% of the
    reference's IQ2_XS bytes chose a build 8-12% worse in perplexity.) The probe streams make
    this pass quadratic in layers (layer i runs 1 + 2i streams), on few tokens.
-2. `judge`: every candidate build (pruned and quantized as it would be written) is a stream
+2. `judge_builds`: every candidate build (pruned and quantized as it would be written) is a stream
    of its own, run layer by layer beside the float stream; at the end each candidate's KL per
    calibration file, the float log-probabilities computed window by window (never stored for
    all windows).
@@ -38,8 +38,22 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from pocket_mlx.convert.blas import numpy_matmul, numpy_matmuls
-from pocket_mlx.convert.recipes import Spec
+from pocket_mlx.convert.blas import forward_windows, numpy_matmul
+from pocket_mlx.convert.budget import (
+    BUDGET_SPECS,
+    MTP_SPEC,
+    ROUTER_SPEC,
+    Sizer,
+    _allocate,
+    _budget_report,
+    _groups,
+    _judge,
+    check_target,
+    is_router,
+    options,
+)
+from pocket_mlx.convert.prune import ExpertStats, select_experts
+from pocket_mlx.convert.recipes import Recipe, Spec, glob_rule
 from pocket_mlx.progress import progress as progress_bar
 
 PROBE = Spec(3)  # the width each group is run at through its layer (uniform-3: 1.13-1.17x ppl)
@@ -143,6 +157,12 @@ def _squares(layer: nn.Module, prefix: str, paths: list[str], run: Callable[[], 
     return {prefix + r: w.sq for r, w in wrapped if w.sq is not None}
 
 
+# Experts of a stack whose weight errors are computed (the most used on the windows): only
+# the ratios between a group's widths are used, and a 35B layer's 256 experts at 10 widths
+# took minutes a layer.
+WERR_EXPERTS = 32
+
+
 def weight_error(w: mx.array, sq: mx.array, spec: Spec, dtype: mx.Dtype, path: str,
                  quantizer: Quantizer | None) -> float:
     """Sum over rows of (w - its rounding)^2 weighted by the input channels' squares `sq`
@@ -158,6 +178,9 @@ def weight_error(w: mx.array, sq: mx.array, spec: Spec, dtype: mx.Dtype, path: s
 
     if w.ndim == 2 or quantizer is not None:
         return part(w, sq, True)
+    if w.shape[0] > WERR_EXPERTS:  # the most used experts stand for the stack
+        top = mx.argsort(-sq.sum(-1))[:WERR_EXPERTS]
+        w, sq = w[top], sq[top]
     step = max(1, (64 << 20) // max(1, math.prod(w.shape[1:])))
     return sum(part(w[i:i + step], sq[i:i + step], False) for i in range(0, w.shape[0], step))
 
@@ -214,7 +237,7 @@ def _embed(lm, xs: list[mx.array], edit: Edit | None = None, spec: Spec | None =
     return hs
 
 
-def measure(model, chunks: list[list[int]], groups: dict[str, list[str]],
+def measure_groups(model, chunks: list[list[int]], groups: dict[str, list[str]],
             specs_of: Callable[[str], list[Spec]], module_spec: Callable[[str, Spec], Spec],
             quantizer: Quantizer | None, dtypes: dict[str, mx.Dtype], memo: dict,
             save: Callable[[str], None] | None, folder: Path | None, progress: bool
@@ -315,23 +338,16 @@ def _measure_layer(layer, i: int, streams: dict[str, list[mx.array]],
     out: list[mx.array] = []
 
     def run() -> None:
-        with numpy_matmuls(layer):
-            for x in h:
-                out.append(layer(x))
-                mx.eval(out[-1])
+        out.extend(forward_windows(layer, h))
 
     sq = _squares(layer, prefix, [p for ps in mine.values() for p in ps], run)
-    with numpy_matmuls(layer):
-        for g, hs in streams.items():
-            if g != "h":
-                streams[g] = [layer(x) for x in hs]
-                mx.eval(streams[g])
+    for g, hs in streams.items():
+        if g != "h":
+            streams[g] = forward_windows(layer, hs)
     edit = Edit(layer, prefix, quantizer, dtypes)
     for g, ps in mine.items():
         edit.quantize({p: module_spec(p, PROBE) for p in ps})
-        with numpy_matmuls(layer):
-            streams[g] = [layer(x) for x in h]
-            mx.eval(streams[g])
+        streams[g] = forward_windows(layer, h)
         edit.restore()
     streams["h"] = out
     modules = dict(layer.named_modules())
@@ -343,7 +359,7 @@ def _measure_layer(layer, i: int, streams: dict[str, list[mx.array]],
                 for p in ps if p in sq)
 
 
-def judge(model, chunks: list[list[int]], sources: list[int],
+def judge_builds(model, chunks: list[list[int]], sources: list[int],
           builds: list[tuple[list[list[int]] | None, dict[str, Spec]]],
           quantizer: Quantizer | None, dtypes: dict[str, mx.Dtype], memo: dict,
           save: Callable[[str], None] | None, folder: Path | None, progress: bool
@@ -377,13 +393,9 @@ def judge(model, chunks: list[list[int]], sources: list[int],
             if kept is not None:
                 edit.prune(kept[i])
             edit.quantize(specs)
-            with numpy_matmuls(layer):
-                streams[n] = [layer(x) for x in streams[n]]
-                mx.eval(streams[n])
+            streams[n] = forward_windows(layer, streams[n])
             edit.restore()
-        with numpy_matmuls(layer):
-            streams["f"] = [layer(x) for x in streams["f"]]
-            mx.eval(streams["f"])
+        streams["f"] = forward_windows(layer, streams["f"])
         layers[i] = None
         del layer, edit
         memo["layers"] = i + 1
@@ -414,3 +426,104 @@ def judge(model, chunks: list[list[int]], sources: list[int],
     state.remove()
     per = total / np.maximum(count, 1)
     return [(float(t.sum() / count.sum()), [float(v) for v in p]) for t, p in zip(total, per)]
+
+
+def streamed_budget_recipe(load: Callable[[], object], chunks: list[list[int]],
+                  stats: ExpertStats | None, sizer: Sizer, target: int,
+                  criterion: str = "reap-sum", seed: int = 0, progress: bool = True,
+                  log: Callable[[str], None] = print, quantizer: Quantizer | None = None,
+                  sources: list[int] | None = None,
+                  judge: tuple[list[list[int]], list[int]] | None = None,
+                  memo: dict | None = None, save: Callable[[str | None], None] | None = None,
+                  folder: Path | None = None) -> tuple[Recipe, int | None, dict]:
+    """budget.budget_recipe for a model too big to hold in float32 (module doc): (recipe,
+    experts to keep per layer or None for all, report) for a build of at most `target` weight
+    bytes. `load()`: the float model, lazily loaded (each pass reads it layer by layer and
+    drops what it has used). `sources`: the
+    calibration file of each chunk. `judge`: (chunks, sources) on which the complete candidate
+    builds are compared (default: `chunks`); the build with the lowest worst-file KL relative
+    to the least pruned build wins (`_judge`). The report's "criterion" is the expert
+    criterion the chosen build used. `memo` (--resume, convert/resume.py): the measurements of
+    an interrupted run, taken instead of measuring again, and where each new one is put before
+    `save(step)` is called; `folder` keeps the passes' streams between layers."""
+    memo = memo if memo is not None else {}
+    done_kl, done_tried = memo.setdefault("kl", {}), memo.setdefault("tried", {})
+    sources = sources or [0] * len(chunks)
+    model = load()
+    args = model.args
+    E, top_k, L = args.num_experts, args.num_experts_per_tok, args.num_hidden_layers
+    paths = [p for p, m in model.named_modules() if hasattr(m, "to_quantized")]
+    fixed = {p: ROUTER_SPEC if is_router(p) else MTP_SPEC for p in paths
+             if is_router(p) or p.startswith("mtp.")}
+    units = [p for p in paths if p not in fixed]
+    lowest = check_target(sizer, target, top_k)
+    feasible = [k for k, b in lowest.items() if b <= target]
+    groups = _groups(units)
+    group_of = {u: g for g, us in groups.items() for u in us}
+    gsize = {g: sum(math.prod(sizer.shapes[u]) for u in us) for g, us in groups.items()}
+    share = {u: math.prod(sizer.shapes[u]) / gsize[group_of[u]] for u in units}
+
+    def specs_of(g: str) -> list[Spec]:
+        # A group is measured at every width one of its modules can take; a module that
+        # cannot take it is measured at the same bits in groups of DEFAULT_GROUP.
+        return [s for s in BUDGET_SPECS if any(s in options(sizer, u) for u in groups[g])]
+
+    def module_spec(p: str, s: Spec) -> Spec:
+        return s if s in options(sizer, p) else Spec(s.bits)
+
+    if not memo.get("measured"):
+        done_kl.update(measure_groups(model, chunks, groups, specs_of, module_spec, quantizer,
+                                      sizer.dtypes, memo.setdefault("measure", {}), save,
+                                      folder, progress))
+        memo["measured"] = True
+        if save is not None:
+            save(None)
+    del model
+    kl = {(g, s): done_kl[_key(g, s)] for g in groups for s in specs_of(g)}
+    # With several calibration files (domains), experts are also chosen by reap-max (each
+    # domain's own REAP-sum share: what one domain relies on stays), and a build is judged by
+    # its worst domain (relative to the least pruned build): the acceptance of a budget is
+    # "within X on every domain", and a domain hurt by pruning (code, on the reference model)
+    # would otherwise be sacrificed to a lower mean.
+    criteria = [criterion]
+    if stats is not None and stats.num_sources > 1 and criterion == "reap-sum":
+        criteria.append("reap-max")
+    runs = [(k, c) for k in feasible for c in (criteria if k < E else [criterion])]
+    plans = []
+    for k, crit in runs:
+        kept = select_experts(stats, k, crit, L, E, seed) if k < E else None
+        specs, spent = _allocate(units, share, group_of, kl, sizer, k, fixed, target)
+        plans.append((k, crit, kept, specs, spent))
+    todo = [p for p in plans if f"{p[0]}|{p[1]}" not in done_tried]
+    if todo:
+        chunks_j, sources_j = judge if judge is not None else (chunks, sources)
+        got = judge_builds(load(), chunks_j, sources_j,
+                           [(kept, {**fixed, **specs}) for _, _, kept, specs, _ in todo],
+                           quantizer, sizer.dtypes, memo.setdefault("judge", {}), save, folder,
+                           progress)
+        for (k, crit, *_), (real, per_source) in zip(todo, got):
+            done_tried[f"{k}|{crit}"] = [None, real, per_source]
+        if save is not None:
+            save(None)
+    tried = []
+    for k, crit, kept, specs, spent in plans:
+        _, real, per_source = done_tried[f"{k}|{crit}"]
+        est = sum(share[u] * kl[(group_of[u], s)] for u, s in specs.items())
+        tried.append({"experts": k, "criterion": crit if k < E else None, "bytes": spent,
+                      "kl_estimate": round(est, 5), "kl_measured": round(real, 5),
+                      "kl_worst_source": round(max(per_source), 5),
+                      "kl_by_source": [round(v, 5) for v in per_source],
+                      "specs": specs, "kept": kept})
+    best = _judge(tried)
+    log(f"target {target:,} bytes: " + "; ".join(
+        f"{t['experts']} experts{' ' + t['criterion'] if t['criterion'] else ''} KL "
+        f"{t['kl_measured']:.4f} (worst file x{t['kl_worst_relative']:.3f})" for t in tried)
+        + f" -> {best['experts']} experts" + (f" ({best['criterion']})" if best["criterion"]
+                                              else ""))
+    rules = [glob_rule(p, s) for p, s in fixed.items()]
+    rules += [glob_rule(p, s) for p, s in best["specs"].items()]
+    recipe = Recipe(f"auto-{target}B", rules, default=Spec(4))
+    report = _budget_report(target, best, tried, groups, kl, chunks,
+                            judge[0] if judge is not None else chunks)
+    report["kl_probe"] = memo.get("measure", {}).get("probe_kl")
+    return recipe, (best["experts"] if best["experts"] < E else None), report

@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from pocket_mlx.convert.blas import numpy_matmuls
+from pocket_mlx.convert.blas import forward_windows, numpy_matmuls
 from pocket_mlx.convert.prune import ExpertStats
 from pocket_mlx.convert.recipes import Recipe, Spec, glob_rule
 from pocket_mlx.corpus import read_documents, token_stream, windows
@@ -111,11 +111,8 @@ def collect_stats(model, chunks: list[list[int]], progress: bool = True,
                           enabled=progress):
         layer = layers[i]
         layer.mlp.observer = stats.observer(i)
-        with numpy_matmuls(layer):
-            for j, h in enumerate(hs):
-                stats.source = sources[j] if sources is not None else 0
-                hs[j] = layer(h)
-                mx.eval(hs[j])
+        hs = forward_windows(layer, hs, sources, lambda j: setattr(
+            stats, "source", sources[j] if sources is not None else 0))
         layer.mlp.observer = None
         layers[i] = None  # drop this layer's weights
         del layer

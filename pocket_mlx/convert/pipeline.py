@@ -9,6 +9,7 @@ folder beside OUT, renamed into place at the end.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -26,6 +27,7 @@ from pocket_mlx.config import (
     text_config,
 )
 from pocket_mlx.convert.budget import Quantizer, Sizer, budget_recipe, check_target
+from pocket_mlx.convert.budget_stream import streamed_budget_recipe
 from pocket_mlx.convert.calibrate import (
     auto_recipe,
     calibration_windows,
@@ -314,10 +316,18 @@ def sizer_for(config: dict, weights: dict, dtype: mx.Dtype | None) -> Sizer:
                  dtypes)
 
 
-# The largest model (float32 bytes of its weights) whose --target-size search rounds its
-# candidates activation-aware: that needs every module's inputs captured on the whole float
-# model at once (inputs_for).
-SEARCH_CAPTURE_MAX = 1 << 30
+# The largest model (float32 bytes of its weights) whose --target-size search holds it in
+# memory: it measures each group at every width through the rest of the model and rounds its
+# candidates activation-aware from every module's inputs (budget.budget_recipe; the quality
+# in docs/QUALITY.md). A bigger one (the 35B: 139 GB) is searched layer by layer
+# (budget_stream.streamed_budget_recipe), its candidates rounded to nearest; the build is
+# written with --rounding all the same. POCKET_MLX_SEARCH_WHOLE_MAX overrides it (bytes).
+SEARCH_WHOLE_MAX = 1 << 30
+
+
+def search_streams(weights: dict[str, mx.array]) -> bool:
+    limit = int(os.environ.get("POCKET_MLX_SEARCH_WHOLE_MAX", SEARCH_WHOLE_MAX))
+    return _float32_bytes(weights) > limit
 
 
 def _float32_bytes(weights: dict[str, mx.array]) -> int:
@@ -349,8 +359,9 @@ def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
                stats: ExpertStats | None, log: Callable[[str], None],
                quantizer: Quantizer | None = None, journal: Journal | None = None
                ) -> tuple[Recipe, int | None, dict]:
-    """The --target-size search (convert/budget.py) on `opts.measure_tokens` per calibration
-    file, reading the float model one layer at a time (convert/budget_stream.py)."""
+    """The --target-size search on `opts.measure_tokens` per calibration file: in memory
+    (convert/budget.py), or one layer at a time for a model past SEARCH_WHOLE_MAX
+    (convert/budget_stream.py)."""
     tokenizer = load_tokenizer(path, config)
     per_file = max(2, min(opts.calib_tokens or opts.measure_tokens, opts.measure_tokens))
     window = min(opts.window, per_file)
@@ -359,14 +370,19 @@ def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
     judge_window = min(opts.window, judge_per_file)
     judge, judge_infos = calibration_windows(opts.calib, tokenizer, judge_window, judge_per_file)
     sizer = sizer_for(config, weights, getattr(mx, opts.dtype) if opts.dtype else None)
-    return budget_recipe(lambda: load_model(path, config, dtype="float32", lazy=True),
-                         chunks, stats, sizer, opts.target_size, opts.criterion,
-                         opts.seed, opts.progress, log, quantizer,
-                         window_sources(infos, window),
-                         (judge, window_sources(judge_infos, judge_window)),
-                         journal.section("budget") if journal else None,
-                         journal.save if journal else None,
-                         journal.path.parent if journal else None)
+    if not search_streams(weights):
+        return budget_recipe(load_model(path, config, dtype="float32"), chunks, stats, sizer,
+                             opts.target_size, opts.criterion, opts.seed, opts.progress, log,
+                             quantizer, window_sources(infos, window),
+                             (judge, window_sources(judge_infos, judge_window)),
+                             journal.section("budget") if journal else None,
+                             journal.save if journal else None)
+    return streamed_budget_recipe(
+        lambda: load_model(path, config, dtype="float32", lazy=True), chunks, stats, sizer,
+        opts.target_size, opts.criterion, opts.seed, opts.progress, log, quantizer,
+        window_sources(infos, window), (judge, window_sources(judge_infos, judge_window)),
+        journal.section("budget") if journal else None, journal.save if journal else None,
+        journal.path.parent if journal else None)
 
 
 # Calibration tokens per file whose inputs the activation-aware rounding sees. GPTQ's error
@@ -431,16 +447,15 @@ def convert(src: str, out: Path, opts: ConvertOptions,
         journal = _open_journal(tmp, fp, opts, log)
         # The --target-size search rounds its candidates from every module's inputs at once
         # (small models); the writing streams them a layer at a time (rounder_for). A model
-        # whose float32 weights pass SEARCH_CAPTURE_MAX (the 35B: 139 GB) is searched with
+        # past SEARCH_WHOLE_MAX (the 35B: 139 GB in float32) is searched layer by layer with
         # rounding to nearest and written with `rounding`.
         search_rounding = rounding
-        if rounding != "rtn" and opts.target_size is not None and \
-                _float32_bytes(weights) > SEARCH_CAPTURE_MAX:
+        if opts.target_size is not None and search_streams(weights):
             search_rounding = "rtn"
-            log(f"note: the size search measures its candidates rounded to nearest (capturing "
-                f"every module's inputs would hold the float32 model, "
-                f"{_float32_bytes(weights) / 1e9:.0f} GB); the build is written with "
-                f"{rounding} rounding")
+            log(f"note: the size search reads the model one layer at a time (its float32 "
+                f"weights, {_float32_bytes(weights) / 1e9:.1f} GB, are past "
+                f"{SEARCH_WHOLE_MAX / 1e9:.1f} GB) and measures its candidates rounded to "
+                f"nearest; the build is written with {rounding} rounding")
         inputs = (inputs_for(path, config, opts, rounding)
                   if search_rounding != "rtn" and opts.target_size is not None else None)
         plan = _choose_build(folder, args, opts, weights, rounding, inputs, journal, log,
