@@ -107,6 +107,9 @@ class Edit:
             got = self.quantizer(p, w, spec, self.kept) if self.quantizer else None
             q.weight, q.scales, q.biases = (got if got is not None
                                             else mx.quantize(w, spec.group_size, spec.bits))
+            # Now, one matrix at a time: left lazy, every matrix's cast copy (0.5 GB each for a
+            # 35B layer's experts) would be alive at once when the layer first runs.
+            mx.eval(q.weight, q.scales, q.biases)
             new.append((rel, q))
         if new:
             self.root.update_modules(tree_unflatten(new))
