@@ -60,7 +60,7 @@ def _run(tasks: list[Callable[[], None]]) -> None:
 
 
 def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
-    step = -(-n // parts)
+    step = max(1, -(-n // parts))
     return [(i, min(n, i + step)) for i in range(0, n, step)]
 
 
