@@ -159,7 +159,9 @@ def test_greedy_lookup_equals_plain_with_rejections(bundled, plain, k):
     got, stats = _run(model, tok, PLAIN, "lookup", k)
     assert got == ref
     s = stats.speculative
-    assert s["drafted"] - s["accepted"] >= 5  # drafts were rejected, output unchanged
+    # Drafts were rejected, output unchanged. How many depends on the greedy text, which moves
+    # with the CPU's kernels (an AVX2 machine drafted 1 and 4, all rejected): at least one.
+    assert s["drafted"] - s["accepted"] >= 1
 
 
 def test_greedy_auto_and_repetition_penalty_equal_plain(headless):
