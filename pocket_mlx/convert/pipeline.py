@@ -552,9 +552,11 @@ def _open_journal(tmp: Path, fp: dict, opts: ConvertOptions,
         journal.data = old
         w = old.get("write", {}).get("units", 0)
         b = old.get("budget", {})
-        log(f"resuming {tmp.name}: {b.get('measure', {}).get('layers', 0)} layers measured, "
-            f"{b.get('judge', {}).get('layers', 0)} layers of the candidate builds, "
-            f"{len(b.get('tried', {}))} candidate builds, {w} write units done")
+        done = (f"{b.get('measure', {}).get('layers', 0)} layers measured, "
+                f"{b.get('judge', {}).get('layers', 0)} layers of the candidate builds"
+                if "measure" in b else f"{len(b.get('kl', {}))} measurements")
+        log(f"resuming {tmp.name}: {done}, {len(b.get('tried', {}))} candidate builds, "
+            f"{w} write units done")
     elif opts.resume:
         log("note: no interrupted run of this command to resume; starting afresh")
     journal.save()
