@@ -4,6 +4,7 @@
 # the log. Heavy: runs under flock /work/wt/heavy.lock (shared machine), one mode at a time
 # (NOLOCK=1 when the caller already holds the lock for a batch).
 #   scripts/measure_convert.sh SLICE_DIR MODE [TOKENS]   MODE: 2bit | reap | gptq | auto
+# TOKENS: --calib-tokens (default 2048; "default": none given, the command's own defaults)
 # auto: TARGET (default: 20% of the slice's bf16 bytes, ~3.2 bits per weight), ROUNDING
 # (default: auto's own, gptq; rtn for the streamed search alone).
 set -euo pipefail
@@ -20,7 +21,7 @@ case $mode in
         [ -n "${ROUNDING:-}" ] && args+=(--rounding "$ROUNDING") ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
-[ "$mode" = 2bit ] || args+=(--calib-tokens "$tok")
+[ "$mode" = 2bit ] || [ "$tok" = default ] || args+=(--calib-tokens "$tok")
 export POCKET_MLX_PROGRESS_INTERVAL=${POCKET_MLX_PROGRESS_INTERVAL:-30}
 { lscpu | grep -E 'Model name|^CPU\(s\)|Flags' | cut -c1-200; date -u; echo "args: ${args[*]}"; } > "$log"
 lock=(flock /work/wt/heavy.lock); [ -n "${NOLOCK:-}" ] && lock=()  # NOLOCK: the caller holds it
