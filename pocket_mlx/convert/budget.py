@@ -340,6 +340,83 @@ def check_target(sizer: Sizer, target: int, top_k: int) -> dict[int, int]:
     return lowest
 
 
+@dataclass
+class SearchPlan:
+    """What the in-memory search and the layer-by-layer one (budget_stream.py) share: the
+    modules the search sets (units, in groups) and the fixed ones, the expert counts that can
+    meet the target, and the candidate builds' rows, verdict and report."""
+
+    sizer: Sizer
+    E: int
+    L: int
+    fixed: dict[str, Spec]
+    units: list[str]
+    groups: dict[str, list[str]]
+    group_of: dict[str, str]
+    share: dict[str, float]  # each unit's share of its group's weights
+    feasible: list[int]
+
+    @classmethod
+    def of(cls, model, sizer: Sizer, target: int) -> SearchPlan:
+        """Refuses a target outside what the model can be built to (check_target)."""
+        args = model.args
+        paths = [p for p, m in model.named_modules() if hasattr(m, "to_quantized")]
+        fixed = {p: ROUTER_SPEC if is_router(p) else MTP_SPEC for p in paths
+                 if is_router(p) or p.startswith("mtp.")}
+        units = [p for p in paths if p not in fixed]
+        lowest = check_target(sizer, target, args.num_experts_per_tok)
+        groups = _groups(units)
+        group_of = {u: g for g, us in groups.items() for u in us}
+        gsize = {g: sum(math.prod(sizer.shapes[u]) for u in us) for g, us in groups.items()}
+        return cls(sizer, args.num_experts, args.num_hidden_layers, fixed, units, groups,
+                   group_of, {u: math.prod(sizer.shapes[u]) / gsize[group_of[u]] for u in units},
+                   [k for k, b in lowest.items() if b <= target])
+
+    def runs(self, stats: ExpertStats | None, criterion: str) -> list[tuple[int, str]]:
+        """The candidate builds: (experts kept, expert criterion)."""
+        # With several calibration files (domains), experts are also chosen by reap-max (each
+        # domain's own REAP-sum share: what one domain relies on stays), and a build is judged
+        # by its worst domain (relative to the least pruned build): the acceptance of a budget
+        # is "within X on every domain", and a domain hurt by pruning (code, on the reference
+        # model) would otherwise be sacrificed to a lower mean.
+        criteria = [criterion]
+        if stats is not None and stats.num_sources > 1 and criterion == "reap-sum":
+            criteria.append("reap-max")
+        return [(k, c) for k in self.feasible
+                for c in (criteria if k < self.E else [criterion])]
+
+    def tried_row(self, k: int, crit: str, kept, specs: dict[str, Spec], spent: int,
+                  kl: dict[tuple[str, Spec], float], real: float, per_source: list[float],
+                  prune_kl: float | None = None) -> dict:
+        """pocket.json's row of one candidate build (kl_pruning only where it was measured)."""
+        est = (prune_kl or 0.0) + sum(self.share[u] * kl[(self.group_of[u], s)]
+                                      for u, s in specs.items())
+        row = {"experts": k, "criterion": crit if k < self.E else None, "bytes": spent}
+        if prune_kl is not None:
+            row["kl_pruning"] = round(prune_kl, 5)
+        return {**row, "kl_estimate": round(est, 5), "kl_measured": round(real, 5),
+                "kl_worst_source": round(max(per_source), 5),
+                "kl_by_source": [round(v, 5) for v in per_source],
+                "specs": specs, "kept": kept}
+
+    def finish(self, target: int, tried: list[dict], kl: dict[tuple[str, Spec], float],
+               chunks: list[list[int]], judge_chunks: list[list[int]],
+               log: Callable[[str], None]) -> tuple[Recipe, int | None, dict]:
+        """The winner (`_judge`), one line on every candidate, and (recipe, experts to keep
+        or None for all, report)."""
+        best = _judge(tried)
+        log(f"target {target:,} bytes: " + "; ".join(
+            f"{t['experts']} experts{' ' + t['criterion'] if t['criterion'] else ''} KL "
+            f"{t['kl_measured']:.4f} (worst file x{t['kl_worst_relative']:.3f})"
+            for t in tried) + f" -> {best['experts']} experts"
+            + (f" ({best['criterion']})" if best["criterion"] else ""))
+        rules = [glob_rule(p, s) for p, s in self.fixed.items()]
+        rules += [glob_rule(p, s) for p, s in best["specs"].items()]
+        recipe = Recipe(f"auto-{target}B", rules, default=Spec(4))
+        report = _budget_report(target, best, tried, self.groups, kl, chunks, judge_chunks)
+        return recipe, (best["experts"] if best["experts"] < self.E else None), report
+
+
 def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, sizer: Sizer,
                   target: int, criterion: str = "reap-sum", seed: int = 0,
                   progress: bool = True, log: Callable[[str], None] = print,
@@ -357,65 +434,32 @@ def budget_recipe(model, chunks: list[list[int]], stats: ExpertStats | None, siz
     again, and where each new one is put before `save(step)` is called."""
     memo = memo if memo is not None else {}
     done_kl, done_tried = memo.setdefault("kl", {}), memo.setdefault("tried", {})
-    args = model.args
-    E, top_k, L = args.num_experts, args.num_experts_per_tok, args.num_hidden_layers
-    paths = [p for p, m in model.named_modules() if hasattr(m, "to_quantized")]
-    fixed = {p: ROUTER_SPEC if is_router(p) else MTP_SPEC for p in paths
-             if is_router(p) or p.startswith("mtp.")}
-    units = [p for p in paths if p not in fixed]
-    lowest = check_target(sizer, target, top_k)
-    feasible = [k for k, b in lowest.items() if b <= target]
-    groups = _groups(units)
-    group_of = {u: g for g, us in groups.items() for u in us}
-    gsize = {g: sum(math.prod(sizer.shapes[u]) for u in us) for g, us in groups.items()}
-    share = {u: math.prod(sizer.shapes[u]) / gsize[group_of[u]] for u in units}
-
+    plan = SearchPlan.of(model, sizer, target)
+    E, L, units, share, group_of = plan.E, plan.L, plan.units, plan.share, plan.group_of
     meas = _Measure(model, chunks, sources)
     whole = _Measure(model, *judge) if judge is not None else meas
     edit = _Editor(model, quantizer, sizer.dtypes)
-    kl = _measure_groups(meas, edit, sizer, groups, L, done_kl, progress, save)
-    # With several calibration files (domains), experts are also chosen by reap-max (each
-    # domain's own REAP-sum share: what one domain relies on stays), and a build is judged by
-    # its worst domain (relative to the least pruned build): the acceptance of a budget is
-    # "within X on every domain", and a domain hurt by pruning (code, on the reference model)
-    # would otherwise be sacrificed to a lower mean.
-    criteria = [criterion]
-    if stats is not None and stats.num_sources > 1 and criterion == "reap-sum":
-        criteria.append("reap-max")
-    runs = [(k, c) for k in feasible for c in (criteria if k < E else [criterion])]
+    kl = _measure_groups(meas, edit, sizer, plan.groups, L, done_kl, progress, save)
+    runs = plan.runs(stats, criterion)
     tried = []
     left = [r for r in runs if f"{r[0]}|{r[1]}" not in done_tried]
     bar = iter(progress_bar(left, desc="search", unit="build", enabled=progress))
     for k, crit in runs:
         kept = select_experts(stats, k, crit, L, E, seed) if k < E else None
-        specs, spent = _allocate(units, share, group_of, kl, sizer, k, fixed, target)
+        specs, spent = _allocate(units, share, group_of, kl, sizer, k, plan.fixed, target)
         if (got := done_tried.get(f"{k}|{crit}")) is None:
             next(bar, None)
-            got = done_tried[f"{k}|{crit}"] = _try_build(whole, edit, kept, {**fixed, **specs})
+            got = done_tried[f"{k}|{crit}"] = _try_build(whole, edit, kept,
+                                                         {**plan.fixed, **specs})
             if save is not None:
                 save("search")
         prune_kl, real, per_source = got
-        est = prune_kl + sum(share[u] * kl[(group_of[u], s)] for u, s in specs.items())
-        tried.append({"experts": k, "criterion": crit if k < E else None, "bytes": spent,
-                      "kl_pruning": round(prune_kl, 5), "kl_estimate": round(est, 5),
-                      "kl_measured": round(real, 5),
-                      "kl_worst_source": round(max(per_source), 5),
-                      "kl_by_source": [round(v, 5) for v in per_source],
-                      "specs": specs, "kept": kept})
+        tried.append(plan.tried_row(k, crit, kept, specs, spent, kl, real, per_source,
+                                    prune_kl))
     for _ in bar:  # the bar's closing line
         pass
-    best = _judge(tried)
-    log(f"target {target:,} bytes: " + "; ".join(
-        f"{t['experts']} experts{' ' + t['criterion'] if t['criterion'] else ''} KL "
-        f"{t['kl_measured']:.4f} (worst file x{t['kl_worst_relative']:.3f})" for t in tried)
-        + f" -> {best['experts']} experts" + (f" ({best['criterion']})" if best["criterion"]
-                                              else ""))
-    rules = [glob_rule(p, s) for p, s in fixed.items()]
-    rules += [glob_rule(p, s) for p, s in best["specs"].items()]
-    recipe = Recipe(f"auto-{target}B", rules, default=Spec(4))
-    report = _budget_report(target, best, tried, groups, kl, chunks,
-                            judge[0] if judge is not None else chunks)
-    return recipe, (best["experts"] if best["experts"] < E else None), report
+    return plan.finish(target, tried, kl, chunks, judge[0] if judge is not None else chunks,
+                       log)
 
 
 def _measure_groups(meas: _Measure, edit: _Editor, sizer: Sizer, groups: dict[str, list[str]],

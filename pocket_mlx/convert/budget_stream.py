@@ -41,19 +41,13 @@ from mlx.utils import tree_unflatten
 from pocket_mlx.convert.blas import forward_windows, numpy_matmul
 from pocket_mlx.convert.budget import (
     BUDGET_SPECS,
-    MTP_SPEC,
-    ROUTER_SPEC,
+    SearchPlan,
     Sizer,
     _allocate,
-    _budget_report,
-    _groups,
-    _judge,
-    check_target,
-    is_router,
     options,
 )
 from pocket_mlx.convert.prune import ExpertStats, select_experts
-from pocket_mlx.convert.recipes import Recipe, Spec, glob_rule
+from pocket_mlx.convert.recipes import Recipe, Spec
 from pocket_mlx.progress import progress as progress_bar
 
 PROBE = Spec(3)  # the width each group is run at through its layer (uniform-3: 1.13-1.17x ppl)
@@ -491,18 +485,8 @@ def streamed_budget_recipe(load: Callable[[], object], chunks: list[list[int]],
     done_kl, done_tried = memo.setdefault("kl", {}), memo.setdefault("tried", {})
     sources = sources or [0] * len(chunks)
     model = load()
-    args = model.args
-    E, top_k, L = args.num_experts, args.num_experts_per_tok, args.num_hidden_layers
-    paths = [p for p, m in model.named_modules() if hasattr(m, "to_quantized")]
-    fixed = {p: ROUTER_SPEC if is_router(p) else MTP_SPEC for p in paths
-             if is_router(p) or p.startswith("mtp.")}
-    units = [p for p in paths if p not in fixed]
-    lowest = check_target(sizer, target, top_k)
-    feasible = [k for k, b in lowest.items() if b <= target]
-    groups = _groups(units)
-    group_of = {u: g for g, us in groups.items() for u in us}
-    gsize = {g: sum(math.prod(sizer.shapes[u]) for u in us) for g, us in groups.items()}
-    share = {u: math.prod(sizer.shapes[u]) / gsize[group_of[u]] for u in units}
+    plan = SearchPlan.of(model, sizer, target)
+    E, L, groups = plan.E, plan.L, plan.groups
 
     def specs_of(g: str) -> list[Spec]:
         # A group is measured at every width one of its modules can take; a module that
@@ -521,50 +505,26 @@ def streamed_budget_recipe(load: Callable[[], object], chunks: list[list[int]],
             save(None)
     del model
     kl = {(g, s): done_kl[_key(g, s)] for g in groups for s in specs_of(g)}
-    # With several calibration files (domains), experts are also chosen by reap-max (each
-    # domain's own REAP-sum share: what one domain relies on stays), and a build is judged by
-    # its worst domain (relative to the least pruned build): the acceptance of a budget is
-    # "within X on every domain", and a domain hurt by pruning (code, on the reference model)
-    # would otherwise be sacrificed to a lower mean.
-    criteria = [criterion]
-    if stats is not None and stats.num_sources > 1 and criterion == "reap-sum":
-        criteria.append("reap-max")
-    runs = [(k, c) for k in feasible for c in (criteria if k < E else [criterion])]
     plans = []
-    for k, crit in runs:
+    for k, crit in plan.runs(stats, criterion):
         kept = select_experts(stats, k, crit, L, E, seed) if k < E else None
-        specs, spent = _allocate(units, share, group_of, kl, sizer, k, fixed, target)
+        specs, spent = _allocate(plan.units, plan.share, plan.group_of, kl, sizer, k,
+                                 plan.fixed, target)
         plans.append((k, crit, kept, specs, spent))
     todo = [p for p in plans if f"{p[0]}|{p[1]}" not in done_tried]
     if todo:
         chunks_j, sources_j = judge if judge is not None else (chunks, sources)
         got = judge_builds(load(), chunks_j, sources_j,
-                           [(kept, {**fixed, **specs}) for _, _, kept, specs, _ in todo],
+                           [(kept, {**plan.fixed, **specs}) for _, _, kept, specs, _ in todo],
                            quantizer, sizer.dtypes, memo.setdefault("judge", {}), save, folder,
                            progress)
         for (k, crit, *_), (real, per_source) in zip(todo, got):
             done_tried[f"{k}|{crit}"] = [None, real, per_source]
         if save is not None:
             save(None)
-    tried = []
-    for k, crit, kept, specs, spent in plans:
-        _, real, per_source = done_tried[f"{k}|{crit}"]
-        est = sum(share[u] * kl[(group_of[u], s)] for u, s in specs.items())
-        tried.append({"experts": k, "criterion": crit if k < E else None, "bytes": spent,
-                      "kl_estimate": round(est, 5), "kl_measured": round(real, 5),
-                      "kl_worst_source": round(max(per_source), 5),
-                      "kl_by_source": [round(v, 5) for v in per_source],
-                      "specs": specs, "kept": kept})
-    best = _judge(tried)
-    log(f"target {target:,} bytes: " + "; ".join(
-        f"{t['experts']} experts{' ' + t['criterion'] if t['criterion'] else ''} KL "
-        f"{t['kl_measured']:.4f} (worst file x{t['kl_worst_relative']:.3f})" for t in tried)
-        + f" -> {best['experts']} experts" + (f" ({best['criterion']})" if best["criterion"]
-                                              else ""))
-    rules = [glob_rule(p, s) for p, s in fixed.items()]
-    rules += [glob_rule(p, s) for p, s in best["specs"].items()]
-    recipe = Recipe(f"auto-{target}B", rules, default=Spec(4))
-    report = _budget_report(target, best, tried, groups, kl, chunks,
-                            judge[0] if judge is not None else chunks)
+    tried = [plan.tried_row(k, crit, kept, specs, spent, kl, *done_tried[f"{k}|{crit}"][1:])
+             for k, crit, kept, specs, spent in plans]
+    recipe, experts, report = plan.finish(target, tried, kl, chunks,
+                                          judge[0] if judge is not None else chunks, log)
     report["kl_probe"] = memo.get("measure", {}).get("probe_kl")
-    return recipe, (best["experts"] if best["experts"] < E else None), report
+    return recipe, experts, report
