@@ -174,7 +174,9 @@ def test_a_model_past_the_whole_search_limit_is_searched_layer_by_layer(tmp_path
     info = json.loads((out / "pocket.json").read_text())
     assert info["rounding"] == {"method": "gptq", "max_bits": 3}
     assert info["auto"]["search_rounding"] == "rtn"
-    assert "reads the model one layer at a time" in capsys.readouterr().out
+    note = capsys.readouterr().out
+    assert "reads the model one layer at a time" in note
+    assert "are past 0.0 GB" in note  # the limit in force (the override), not the default
     got = weights_bytes(out)
     assert got == info["auto"]["bytes"] and 0.98 * target <= got <= target
     assert {c["criterion"] for c in info["auto"]["candidates"] if c["experts"] < 8} == \

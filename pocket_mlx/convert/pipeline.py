@@ -325,9 +325,13 @@ def sizer_for(config: dict, weights: dict, dtype: mx.Dtype | None) -> Sizer:
 SEARCH_WHOLE_MAX = 1 << 30
 
 
+def search_whole_max() -> int:
+    """SEARCH_WHOLE_MAX, or POCKET_MLX_SEARCH_WHOLE_MAX where set (bytes)."""
+    return int(os.environ.get("POCKET_MLX_SEARCH_WHOLE_MAX", SEARCH_WHOLE_MAX))
+
+
 def search_streams(weights: dict[str, mx.array]) -> bool:
-    limit = int(os.environ.get("POCKET_MLX_SEARCH_WHOLE_MAX", SEARCH_WHOLE_MAX))
-    return _float32_bytes(weights) > limit
+    return _float32_bytes(weights) > search_whole_max()
 
 
 def _float32_bytes(weights: dict[str, mx.array]) -> int:
@@ -454,7 +458,7 @@ def convert(src: str, out: Path, opts: ConvertOptions,
             search_rounding = "rtn"
             log(f"note: the size search reads the model one layer at a time (its float32 "
                 f"weights, {_float32_bytes(weights) / 1e9:.1f} GB, are past "
-                f"{SEARCH_WHOLE_MAX / 1e9:.1f} GB) and measures its candidates rounded to "
+                f"{search_whole_max() / 1e9:.1f} GB) and measures its candidates rounded to "
                 f"nearest; the build is written with {rounding} rounding")
         inputs = (inputs_for(path, config, opts, rounding)
                   if search_rounding != "rtn" and opts.target_size is not None else None)
