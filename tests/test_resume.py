@@ -62,36 +62,24 @@ def reference(tmp_path_factory):
     return src, args, ref
 
 
-def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, reference):
-    """Killed in the per-group measurements, resumed and killed again in the candidate
-    builds, resumed and killed again in the writing, resumed to the end: the same safetensors
-    files, byte for byte, as the uninterrupted run, and one temporary folder all along."""
-    src, args, ref = reference
+def kill_resume_and_compare(tmp_path, src, args, ref, dies, check, env=None):
+    """Run `convert` killed at each of `dies` ("step:n", each run after the first with
+    --resume), calling `check(step, n, stderr, left folder, journal)` after each kill, then
+    resume it to the end: its files equal `ref`'s byte for byte (headers included), its
+    candidates too, and one temporary folder was there all along and none is left."""
     out = tmp_path / "out"
     resume: tuple[str, ...] = ()
-    groups = 0
-    for die in ("measure:7", "search:2", "write:3"):
-        r = convert(src, out, *args, *resume, die=die)
+    for die in dies:
+        r = convert(src, out, *args, *resume, die=die, env_extra=env)
         assert r.returncode == -signal.SIGKILL, r.stderr
         assert not out.exists()
         (left,) = tmp_path.glob(".out.tmp-*")
-        journal = json.loads((left / JOURNAL).read_text())
         step, n = die.split(":")
-        if step == "measure":
-            assert len(journal["budget"]["kl"]) == int(n) and not journal["budget"]["tried"]
-            groups = int(re.search(r"measure: 1/(\d+) group", r.stderr).group(1))
-        elif step == "search":
-            assert len(journal["budget"]["tried"]) == int(n)
-            # the 7 measurements done came from the journal
-            assert f"measure: 1/{groups - 7} group" in r.stderr
-        else:
-            assert journal["write"]["units"] == int(n)
-            assert list(left.glob(".shard-*.safetensors"))
-            assert "measure:" not in r.stderr  # all came from the journal
+        check(step, int(n), r.stderr, left, json.loads((left / JOURNAL).read_text()))
         if resume:
             assert f"resuming {left.name}" in r.stdout
         resume = ("--resume",)
-    r = convert(src, out, *args, "--resume")
+    r = convert(src, out, *args, "--resume", env_extra=env)
     assert r.returncode == 0, r.stderr
     assert f"resuming {left.name}" in r.stdout and "3 write units done" in r.stdout
     assert not list(tmp_path.glob(".out.tmp-*"))  # renamed into place, no second copy
@@ -104,8 +92,37 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, reference):
             == json.loads((ref / "pocket.json").read_text())["auto"]["candidates"])
     shards = sorted(f.name for f in ref.glob("*.safetensors"))
     assert len(shards) > 1 and shards == sorted(f.name for f in out.glob("*.safetensors"))
-    for name in shards:  # byte for byte, headers included
+    for name in shards:
         assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+def written_units_kept(n, stderr, left, journal):
+    assert journal["write"]["units"] == n
+    assert list(left.glob(".shard-*.safetensors"))
+    assert "measure:" not in stderr  # all came from the journal
+
+
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, reference):
+    """Killed in the per-group measurements, resumed and killed again in the candidate
+    builds, resumed and killed again in the writing, resumed to the end: the same safetensors
+    files, byte for byte, as the uninterrupted run, and one temporary folder all along."""
+    src, args, ref = reference
+    groups = 0
+
+    def check(step, n, stderr, left, journal):
+        nonlocal groups
+        budget = journal["budget"]
+        if step == "measure":
+            assert len(budget["kl"]) == n and not budget["tried"]
+            groups = int(re.search(r"measure: 1/(\d+) group", stderr).group(1))
+        elif step == "search":
+            assert len(budget["tried"]) == n
+            assert f"measure: 1/{groups - 7} group" in stderr  # the 7 done: from the journal
+        else:
+            written_units_kept(n, stderr, left, journal)
+
+    kill_resume_and_compare(tmp_path, src, args, ref, ("measure:7", "search:2", "write:3"),
+                            check)
 
 
 STREAMED = {"POCKET_MLX_SEARCH_WHOLE_MAX": "0"}
@@ -125,50 +142,26 @@ def streamed_reference(reference, tmp_path_factory):
 def test_streamed_search_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path,
                                                                         streamed_reference):
     """The layer-by-layer search (a model past SEARCH_WHOLE_MAX, forced here): killed in the
-    per-layer measurements, resumed and killed again in the candidate
-    builds' pass, resumed and killed again in the writing, resumed to the end: the same safetensors
-    files, byte for byte, as the uninterrupted run, and one temporary folder all along."""
+    per-layer measurements, resumed and killed again in the candidate builds' pass, resumed
+    and killed again in the writing, resumed to the end: the same safetensors files, byte for
+    byte, as the uninterrupted run, and one temporary folder all along."""
     src, args, ref = streamed_reference
-    out = tmp_path / "out"
-    resume: tuple[str, ...] = ()
-    for die in ("measure:1", "search:1", "write:3"):
-        r = convert(src, out, *args, *resume, die=die, env_extra=STREAMED)
-        assert r.returncode == -signal.SIGKILL, r.stderr
-        assert not out.exists()
-        (left,) = tmp_path.glob(".out.tmp-*")
-        journal = json.loads((left / JOURNAL).read_text())
+
+    def check(step, n, stderr, left, journal):
         budget = journal["budget"]
-        step, n = die.split(":")
         if step == "measure":  # one of the two layers measured, its streams kept
             assert budget["measure"]["layers"] == 1 and not budget["tried"]
             assert (left / MEASURE_STATE).exists()
         elif step == "search":  # only the second layer was measured again
             assert budget["judge"]["layers"] == 1 and budget["measured"]
-            assert "measure: 1/1 layer" in r.stderr and (left / JUDGE_STATE).exists()
+            assert "measure: 1/1 layer" in stderr and (left / JUDGE_STATE).exists()
             assert not (left / MEASURE_STATE).exists()
         else:
-            assert journal["write"]["units"] == int(n)
-            assert list(left.glob(".shard-*.safetensors"))
-            assert "measure:" not in r.stderr  # all came from the journal
-            assert "search: 1/1 layer" in r.stderr and not (left / JUDGE_STATE).exists()
-        if resume:
-            assert f"resuming {left.name}" in r.stdout
-        resume = ("--resume",)
-    r = convert(src, out, *args, "--resume", env_extra=STREAMED)
-    assert r.returncode == 0, r.stderr
-    assert f"resuming {left.name}" in r.stdout and "3 write units done" in r.stdout
-    assert not list(tmp_path.glob(".out.tmp-*"))  # renamed into place, no second copy
-    assert not (out / JOURNAL).exists()
-    a, b = tensors(ref), tensors(out)
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]).item(), k
-    assert (json.loads((out / "pocket.json").read_text())["auto"]["candidates"]
-            == json.loads((ref / "pocket.json").read_text())["auto"]["candidates"])
-    shards = sorted(f.name for f in ref.glob("*.safetensors"))
-    assert len(shards) > 1 and shards == sorted(f.name for f in out.glob("*.safetensors"))
-    for name in shards:  # byte for byte, headers included
-        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+            written_units_kept(n, stderr, left, journal)
+            assert "search: 1/1 layer" in stderr and not (left / JUDGE_STATE).exists()
+
+    kill_resume_and_compare(tmp_path, src, args, ref, ("measure:1", "search:1", "write:3"),
+                            check, STREAMED)
 
 
 def test_resume_ignores_a_run_of_other_options(tmp_path, reference):
