@@ -20,8 +20,10 @@ export POCKET_MLX_PROGRESS_INTERVAL=0
 lock=(flock /work/wt/heavy.lock); [ -n "${NOLOCK:-}" ] && lock=()
 run() { "${lock[@]}" "$py" -m pocket_mlx convert "$src" "$@" "${args[@]}"; }
 { lscpu | grep -E 'Model name|^CPU\(s\)' ; uptime; echo "args: ${args[*]}"; } | tee "$work/log"
-t=$(date +%s); run "$work/ref" > "$work/ref.log" 2>&1
-echo "uninterrupted: $(( $(date +%s) - t )) s" | tee -a "$work/log"
+t=$(date +%s)
+"${lock[@]}" /usr/bin/time -v "$py" -m pocket_mlx convert "$src" "$work/ref" "${args[@]}" \
+  > "$work/ref.log" 2>&1
+echo "uninterrupted: $(( $(date +%s) - t )) s, $(grep 'Maximum resident' "$work/ref.log" | xargs)" | tee -a "$work/log"
 t=$(date +%s)
 "${lock[@]}" bash -c 'exec "$0" -m pocket_mlx convert "$@"' "$py" "$src" "$work/out" "${args[@]}" \
   > "$work/killed.log" 2>&1 &

@@ -304,9 +304,8 @@ def measure_groups(model, chunks: list[list[int]], groups: dict[str, list[str]],
         state.save(i + 1, streams)
         if save is not None:
             save("measure")
-    # Each probe stream's KL at the logits; the lm_head's at every width, on the float stream.
-    # The float logits of every window (base) and each probe stream's and lm_head width's:
-    # 248320 x 2048 per token at the 35B shape, ~10 s for 768 tokens here (a progress line).
+    # Each probe stream's KL at the logits, and the lm_head's at every width on the float
+    # stream: 248320 x 2048 per token at the 35B shape, ~10 s for 768 tokens here.
     h = streams.pop("h")
     heads = specs_of("lm_head") if "lm_head" in groups else []
     bar = progress_bar(total=1 + len(streams) + len(heads), desc="measure logits",
