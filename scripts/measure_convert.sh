@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Measure `pocket-mlx convert` on a 35B-shape slice (scripts/make_shape_checkpoint.py): peak RSS
-# (/usr/bin/time -v) and wall time, with the per-phase progress lines (plain, every 30 s) kept in
-# the log. Heavy: runs under flock /work/wt/heavy.lock (shared machine), one mode at a time
+# (/usr/bin/time -v, and per phase: scripts/phase_rss.py) and wall time, with the per-phase
+# progress lines (plain, every 30 s; POCKET_MLX_PROGRESS_INTERVAL=0 for every step, which also
+# puts each phase's peak in the right phase) kept in the log. Heavy: runs under flock /work/wt/heavy.lock (shared machine), one mode at a time
 # (NOLOCK=1 when the caller already holds the lock for a batch).
 #   scripts/measure_convert.sh SLICE_DIR MODE [TOKENS]   MODE: 2bit | reap | gptq | auto
 # TOKENS: --calib-tokens (default 2048; "default": none given, the command's own defaults)
@@ -25,7 +26,7 @@ esac
 export POCKET_MLX_PROGRESS_INTERVAL=${POCKET_MLX_PROGRESS_INTERVAL:-30}
 { lscpu | grep -E 'Model name|^CPU\(s\)|Flags' | cut -c1-200; date -u; echo "args: ${args[*]}"; } > "$log"
 lock=(flock /work/wt/heavy.lock); [ -n "${NOLOCK:-}" ] && lock=()  # NOLOCK: the caller holds it
-"${lock[@]}" /usr/bin/time -v timeout "${LIMIT:-2400}" \
+"${lock[@]}" /usr/bin/time -v python3 "$here/scripts/phase_rss.py" -- timeout "${LIMIT:-2400}" \
   pocket-mlx convert "$src" "$out" --force "${args[@]}" >> "$log" 2>&1 || echo "exit $?" >> "$log"
-grep -E 'Maximum resident|Elapsed|wrote|exit|error' "$log" || true
+grep -E 'Maximum resident|Elapsed|wrote|exit|error|peak RSS per phase| GB( \(VmHWM\))?$' "$log" || true
 rm -rf "$out"

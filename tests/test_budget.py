@@ -234,3 +234,27 @@ def test_bad_target_sizes_are_one_line_errors(tmp_path, make_ckpt):
     p = cli(str(quantized), out, *base, "--target-size", "1MB")
     assert p.returncode == 2 and "needs a float source" in p.stderr
     assert load_recipe("uniform-1").default == Spec(1)
+
+
+def test_streamed_search_log_probabilities_and_kl_block_by_block(make_ckpt, monkeypatch):
+    """The layer-by-layer search's log-probabilities and KL, made ROWS tokens at a time (no
+    whole-window logits: the 35B's are 250 MB a 512-token window), equal a whole-window
+    computation, for windows that are not a multiple of ROWS."""
+    from pocket_mlx.convert import budget_stream
+
+    monkeypatch.setattr(budget_stream, "ROWS", 5)
+    lm = load_model(make_ckpt("src", vocab_size=8192), dtype="float32").language_model
+    h = mx.random.normal((1, 12, lm.args.hidden_size), key=mx.random.key(1))
+    h2 = h + 0.05 * mx.random.normal(h.shape, key=mx.random.key(2))
+
+    def whole(x):
+        lg = np.array(lm.lm_head(lm.model.norm(x)).astype(mx.float32))[0].astype(np.float64)
+        return lg - np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - lg.max(-1, keepdims=True)
+
+    p, q = whole(h), whole(h2)
+    got = budget_stream.logp(lm, h)
+    assert got.shape == p.shape and np.allclose(got, p, atol=2e-5)
+    kl = float((np.exp(p) * (p - q)).sum())
+    assert kl > 0
+    assert budget_stream.Base(got).kl_sum(lm, h2) == pytest.approx(kl, rel=1e-4)

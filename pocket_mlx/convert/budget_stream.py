@@ -190,24 +190,36 @@ def weight_error(w: mx.array, sq: mx.array, spec: Spec, dtype: mx.Dtype, path: s
 
 # The log-probabilities and KL run in numpy: at the 35B's 248320-word vocabulary a window's
 # logits are 250 MB, and MLX's CPU exp took ~80 ns an element here (numpy's SIMD one ~5x less).
-# Both work in place and in blocks of ROWS tokens: the measure pass holds every window's float
-# log-probabilities at once beside the 2 GB float32 head, where whole-array temporaries (and
-# a stored exp of each base) put its peak RSS at 5.2 GB on the 4-layer slice.
-ROWS = 32
+# Both go ROWS tokens at a time, from the head's product on: only the float stream's
+# log-probabilities are held whole (they are what every other stream is compared with); a
+# compared stream's exist one block at a time, and no whole-window logits are ever made (the
+# judge's logits phase, holding the float head and the candidates' quantized heads, was the
+# 4-layer auto run's peak at 6.04 GB with whole-window temporaries).
+ROWS = 128
 
 
-def logp(lm, h: mx.array) -> np.ndarray:
-    """Log-probabilities [tokens, vocab] (float32) of the final hidden states `h`."""
+def _logp_rows(lm, h: mx.array) -> np.ndarray:
+    """Log-probabilities [rows, vocab] (float32) of final hidden states `h` [1, rows, H]."""
     h = lm.model.norm(h)
     lg = (lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings
           else numpy_matmul(lm.lm_head)(h))
     z = np.array(lg.astype(mx.float32)).reshape(-1, lg.shape[-1])
     del lg
-    for a in range(0, len(z), ROWS):
-        b = z[a:a + ROWS]
-        b -= b.max(-1, keepdims=True)
-        b -= np.log(np.exp(b).sum(-1, keepdims=True))
+    z -= z.max(-1, keepdims=True)
+    z -= np.log(np.exp(z).sum(-1, keepdims=True))
     return z
+
+
+def logp(lm, h: mx.array) -> np.ndarray:
+    """Log-probabilities [tokens, vocab] (float32) of the final hidden states `h`."""
+    h = h.reshape(1, -1, h.shape[-1])
+    out = None
+    for a in range(0, h.shape[1], ROWS):
+        z = _logp_rows(lm, h[:, a:a + ROWS])
+        if out is None:
+            out = np.empty((h.shape[1], z.shape[1]), np.float32)
+        out[a:a + len(z)] = z
+    return out
 
 
 class Base:
@@ -216,11 +228,14 @@ class Base:
     def __init__(self, p: np.ndarray):
         self.p = p
 
-    def kl_sum(self, q: np.ndarray) -> float:
+    def kl_sum(self, lm, h: mx.array) -> float:
+        """KL summed over the window's tokens, q the log-probabilities of final hidden states
+        `h` (made ROWS tokens at a time)."""
+        h = h.reshape(1, -1, h.shape[-1])
         total = 0.0
         for a in range(0, len(self.p), ROWS):
-            p = self.p[a:a + ROWS]
-            total += float((np.exp(p) * (p - q[a:a + ROWS])).sum(dtype=np.float64))
+            p, q = self.p[a:a + ROWS], _logp_rows(lm, h[:, a:a + ROWS])
+            total += float((np.exp(p) * (p - q)).sum(dtype=np.float64))
         return total
 
 
@@ -316,14 +331,14 @@ def measure_groups(model, chunks: list[list[int]], groups: dict[str, list[str]],
     kl: dict[str, float] = {}
     probe_kl = {}
     for g, hs in streams.items():
-        probe_kl[g] = sum(b.kl_sum(logp(lm, x)) for b, x in zip(base, hs)) / n
+        probe_kl[g] = sum(b.kl_sum(lm, x) for b, x in zip(base, hs)) / n
         bar.update(1)
     if heads:
         path = groups["lm_head"][0]
         edit = Edit(lm, "language_model.", quantizer, dtypes)
         for s in heads:
             edit.quantize({path: module_spec(path, s)})
-            kl[_key("lm_head", s)] = sum(b.kl_sum(logp(lm, x)) for b, x in zip(base, h)) / n
+            kl[_key("lm_head", s)] = sum(b.kl_sum(lm, x) for b, x in zip(base, h)) / n
             edit.restore()
             bar.update(1)
     bar.close()
@@ -467,7 +482,7 @@ def judge_builds(model, chunks: list[list[int]], sources: list[int],
             if quantized[head] is not None:
                 lm.lm_head = quantized[head]
             for n in ns:
-                total[names.index(n) - 1, sources[j]] += base.kl_sum(logp(lm, streams[n][j]))
+                total[names.index(n) - 1, sources[j]] += base.kl_sum(lm, streams[n][j])
             if float_head is not None:
                 lm.lm_head = float_head
         del base
