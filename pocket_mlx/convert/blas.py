@@ -33,7 +33,7 @@ from functools import cache
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from pocket_mlx.models.layers import SwitchLinear
 
@@ -99,13 +99,51 @@ class NumpyLinear(_Wrapper):
         return mx.array(y).reshape(*x.shape[:-1], w.shape[0])
 
 
+def _experts(w: mx.array) -> Callable[[int], np.ndarray]:
+    """Expert e's weights [out, in] in float32: a view of a float32 stack; of a bf16 or fp16
+    stack (`narrow_experts`), widened when asked for, exactly (each value is exact in
+    float32), so no float32 copy of the whole stack is made."""
+    if w.dtype == mx.float32:
+        a = np.asarray(w)
+        return lambda e: a[e]
+    if w.dtype == mx.float16:
+        a = np.asarray(w)
+        return lambda e: a[e].astype(np.float32)
+    a = np.asarray(w.view(mx.uint16))  # bfloat16: the high half of a float32
+    return lambda e: (a[e].astype(np.uint32) << 16).view(np.float32)
+
+
+_NARROW = (mx.bfloat16, mx.float16)
+
+
+def narrow_experts(model: nn.Module) -> nn.Module:
+    """`model` (cast to float32, lazily loaded) with its routed experts back in the float dtype
+    the checkpoint stored (bf16, fp16), where numpy multiplies them (`enabled()`): each
+    expert's GEMM widens that expert alone (`_experts`), with the same float32 values, so a
+    35B layer holds 1.6 GB of experts instead of 3.2 GB. Elsewhere a no-op."""
+    if not enabled():
+        return model
+    stored = getattr(model, "stored_dtypes", {})
+    narrowed = []
+    for path, m in model.named_modules():
+        if type(m) is SwitchLinear and m["weight"].dtype == mx.float32:
+            d = stored.get(f"{path}.weight", (None,))[0]
+            if d in _NARROW:
+                narrowed.append((f"{path}.weight", m["weight"].astype(d)))
+    if narrowed:
+        model.update(tree_unflatten(narrowed))
+    return model
+
+
 class NumpySwitchLinear(_Wrapper):
     """A float32 `SwitchLinear` (what `mx.gather_mm` computes for one-row left operands, as
-    SwitchGLU calls it): the rows grouped by expert, one GEMM per expert with rows."""
+    SwitchGLU calls it): the rows grouped by expert, one GEMM per expert with rows. Its
+    stack may be bf16 or fp16 (`narrow_experts`): each expert is widened for its GEMM."""
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False
                  ) -> mx.array:
-        w = _np(self.module.weight)  # [E, out, in]
+        w = self.module.weight  # [E, out, in]
+        expert = _experts(w)
         if x.shape[-2] != 1:  # SwitchGLU passes one row per (token, expert): keep MLX's op
             return self.module(x, indices, sorted_indices=sorted_indices)
         batch = np.broadcast_shapes(x.shape[:-2], indices.shape)
@@ -125,7 +163,7 @@ class NumpySwitchLinear(_Wrapper):
 
         def part(a: int, b: int) -> None:
             for s, e in segments[a:b]:
-                np.matmul(xs[s:e], w[ids_sorted[s]].T, out=y[s:e])
+                np.matmul(xs[s:e], expert(ids_sorted[s]).T, out=y[s:e])
         _run([lambda a=a, b=b: part(a, b) for a, b in _chunks(len(segments), 8)])
         out = np.empty_like(y)
         out[order] = y
@@ -135,9 +173,9 @@ class NumpySwitchLinear(_Wrapper):
 def _swappable(m: nn.Module) -> type[nn.Module] | None:
     if type(m) is not SwitchLinear and not (isinstance(m, nn.Linear) and "scales" not in m):
         return None
-    if m["weight"].dtype != mx.float32:
-        return None
-    return NumpySwitchLinear if isinstance(m, SwitchLinear) else NumpyLinear
+    if isinstance(m, SwitchLinear):
+        return NumpySwitchLinear if m["weight"].dtype in (mx.float32, *_NARROW) else None
+    return NumpyLinear if m["weight"].dtype == mx.float32 else None
 
 
 def numpy_matmul(m: nn.Module) -> nn.Module:
@@ -146,9 +184,20 @@ def numpy_matmul(m: nn.Module) -> nn.Module:
     return wrapper(m) if wrapper is not None else m
 
 
+def materialize(module: nn.Module) -> None:
+    """Read a lazily loaded module's parameters one tensor at a time: a tensor's source copy
+    (bf16, or a 35B layer's 256 per-expert tensors before they are stacked) is freed before
+    the next is read. Left to the first forward, a 35B layer's three expert stacks were read
+    in one graph: 6.6 GB at its peak for a layer that holds 3.4 GB (MLX's peak memory)."""
+    for _, v in tree_flatten(module.parameters()):
+        mx.eval(v)
+
+
 @contextmanager
 def numpy_matmuls(module: nn.Module) -> Iterator[None]:
-    """Inside the block, `module`'s float32 matmuls run in numpy's BLAS (CPU only)."""
+    """Inside the block, `module`'s float32 matmuls run in numpy's BLAS (CPU only). Its
+    parameters are read first, a tensor at a time (`materialize`)."""
+    materialize(module)
     if not enabled():
         yield
         return

@@ -22,9 +22,9 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
-from pocket_mlx.convert.blas import numpy_matmuls
+from pocket_mlx.convert.blas import materialize, numpy_matmuls
 from pocket_mlx.convert.recipes import Spec
 from pocket_mlx.convert.rounding import AWQ_ROWS, Inputs, quantize_matrix, sample_rows, select
 
@@ -182,14 +182,6 @@ def forward(layer, hs: list[mx.array]) -> None:
             mx.eval(hs[j])
 
 
-def _evaluate(module) -> None:
-    """Read a lazily loaded module's parameters one tensor at a time: a tensor's source copy
-    (bf16, or a 35B layer's 256 per-expert tensors before they are stacked) is freed before
-    the next is read, instead of all of them sitting beside the float32 layer."""
-    for _, v in tree_flatten(module.parameters()):
-        mx.eval(v)
-
-
 def _lm_head_inputs(lm, hs: list[mx.array], method: str) -> Inputs:
     """lm_head's inputs (the final norm of the last hidden states); its logits, 248320 wide
     for the 35B, are not needed."""
@@ -249,7 +241,7 @@ class StreamedRounding:
             return {}
         if unit <= len(layers):
             layer, layers[unit - 1] = layers[unit - 1], None
-            _evaluate(layer)
+            materialize(layer)
             if skip:
                 forward(layer, self.hs)
                 return {}

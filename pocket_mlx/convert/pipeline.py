@@ -26,6 +26,7 @@ from pocket_mlx.config import (
     quantization,
     text_config,
 )
+from pocket_mlx.convert.blas import narrow_experts
 from pocket_mlx.convert.budget import Quantizer, Sizer, budget_recipe, check_target
 from pocket_mlx.convert.budget_stream import streamed_budget_recipe
 from pocket_mlx.convert.calibrate import (
@@ -262,6 +263,14 @@ def _run_dtype() -> str | None:
     return policy_dtype("cpu" if mx.default_device() == mx.cpu else "gpu")
 
 
+def _streamed_float_model(path: Path, config: dict, dtype: str | None = "float32"):
+    """The float model that convert's layer-by-layer passes (calibration, the streamed size
+    search, the streamed rounding) read a layer at a time: lazily loaded, cast to `dtype`,
+    its routed experts kept in the checkpoint's bf16/fp16 where numpy multiplies them
+    (blas.narrow_experts: half the memory of a 35B layer, the same products)."""
+    return narrow_experts(load_model(path, config, dtype=dtype, lazy=True))
+
+
 def collect_router_stats(path: Path, config: dict, files: list[Path], window: int,
                          max_tokens: int, progress: bool = True
                          ) -> tuple[ExpertStats, list[dict]]:
@@ -269,7 +278,7 @@ def collect_router_stats(path: Path, config: dict, files: list[Path], window: in
     choosing which experts to keep; also what each calibration file contributed."""
     tokenizer = load_tokenizer(path, config)
     chunks, infos = calibration_windows(files, tokenizer, window, max_tokens)
-    model = load_model(path, config, dtype=_run_dtype(), lazy=True)
+    model = _streamed_float_model(path, config, _run_dtype())
     stats = collect_stats(model, chunks, progress=progress,
                           sources=window_sources(infos, window))
     return stats, [i.as_dict() for i in infos]
@@ -382,7 +391,7 @@ def budget_for(path: Path, config: dict, opts: ConvertOptions, weights: dict,
                              journal.section("budget") if journal else None,
                              journal.save if journal else None)
     return streamed_budget_recipe(
-        lambda: load_model(path, config, dtype="float32", lazy=True), chunks, stats, sizer,
+        lambda: _streamed_float_model(path, config), chunks, stats, sizer,
         opts.target_size, opts.criterion, opts.seed, opts.progress, log, quantizer,
         window_sources(infos, window), (judge, window_sources(judge_infos, judge_window)),
         journal.section("budget") if journal else None, journal.save if journal else None,
@@ -422,7 +431,7 @@ def rounder_for(path: Path, config: dict, opts: ConvertOptions, method: str,
     targets = {p: Target(spec, _float_dtype(weights, p, dtype), _kept_of(p, kept, num_layers))
                for p, spec in specs.items()
                if spec is not None and spec.bits <= MAX_BITS and f"{p}.weight" in weights}
-    return StreamedRounding(load_model(path, config, dtype="float32", lazy=True),
+    return StreamedRounding(_streamed_float_model(path, config),
                             _rounding_windows(path, config, opts), targets, method)
 
 
