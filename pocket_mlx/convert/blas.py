@@ -143,9 +143,9 @@ class NumpySwitchLinear(_Wrapper):
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False
                  ) -> mx.array:
         w = self.module.weight  # [E, out, in]
-        expert = _experts(w)
         if x.shape[-2] != 1:  # SwitchGLU passes one row per (token, expert): keep MLX's op
             return self.module(x, indices, sorted_indices=sorted_indices)
+        expert = _experts(w)
         batch = np.broadcast_shapes(x.shape[:-2], indices.shape)
         ids = np.broadcast_to(np.asarray(indices), batch).reshape(-1)
         order = np.argsort(ids, kind="stable")

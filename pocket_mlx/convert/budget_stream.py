@@ -192,9 +192,9 @@ def weight_error(w: mx.array, sq: mx.array, spec: Spec, dtype: mx.Dtype, path: s
 # logits are 250 MB, and MLX's CPU exp took ~80 ns an element here (numpy's SIMD one ~5x less).
 # Both go ROWS tokens at a time, from the head's product on: only the float stream's
 # log-probabilities are held whole (they are what every other stream is compared with); a
-# compared stream's exist one block at a time, and no whole-window logits are ever made (the
-# judge's logits phase, holding the float head and the candidates' quantized heads, was the
-# 4-layer auto run's peak at 6.04 GB with whole-window temporaries).
+# compared stream's exist one block at a time, and no whole-window logits are ever made
+# (before, a window's logits, their copy and a compared stream's log-probabilities, 250 MB
+# each, sat beside the 2 GB float head and the candidates' quantized heads).
 ROWS = 128
 
 
