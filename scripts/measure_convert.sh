@@ -2,8 +2,9 @@
 # Measure `pocket-mlx convert` on a 35B-shape slice (scripts/make_shape_checkpoint.py): peak RSS
 # (/usr/bin/time -v, and per phase: scripts/phase_rss.py) and wall time, with the per-phase
 # progress lines (plain, every 30 s; POCKET_MLX_PROGRESS_INTERVAL=0 for every step, which also
-# puts each phase's peak in the right phase) kept in the log. Heavy: runs under flock /work/wt/heavy.lock (shared machine), one mode at a time
-# (NOLOCK=1 when the caller already holds the lock for a batch).
+# puts each phase's peak in the right phase) kept in the log. Heavy: runs under flock
+# /work/wt/heavy.lock (shared machine), one mode at a time (NOLOCK=1 when the caller already
+# holds the lock for a batch).
 #   scripts/measure_convert.sh SLICE_DIR MODE [TOKENS]   MODE: 2bit | reap | gptq | auto
 # TOKENS: --calib-tokens (default 2048; "default": none given, the command's own defaults)
 # auto: TARGET (default: 20% of the slice's bf16 bytes, ~3.2 bits per weight), ROUNDING

@@ -6,6 +6,8 @@ the colon of its latest progress line (`calibrate: 3/40 layer ...`, `search logi
 Why: /usr/bin/time -v gives one peak for the whole run; to bring a peak down one has to know
 which phase holds it. RSS is read from /proc/PID/status every 0.2 s (Linux only), for the
 process and its children; a phase shorter than that may be missed, the overall VmHWM is not.
+A phase's figure is the RSS seen while it ran, which can include memory an earlier phase freed
+but the allocator had not yet given back: the highest phase is where to look, not a ledger.
 The command's output is passed through (and to --log).
 """
 
