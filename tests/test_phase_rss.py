@@ -22,8 +22,9 @@ def test_peaks_per_phase_and_the_exit_status(tmp_path):
                         "--", sys.executable, "-c", CHILD],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 3
-    rows = {line.split()[0]: float(line.split()[-2]) for line in r.stdout.splitlines()
+    rows = {line.rsplit(None, 2)[0].strip(): float(line.split()[-2])
+            for line in r.stdout.splitlines()
             if line.startswith("  ") and line.endswith(" GB") and "whole" not in line}
-    assert "calibrate: 1/2" in r.stdout and set(rows) == {"start", "calibrate", "search"}
-    assert 0.05 <= rows["calibrate"] < 0.25 <= rows["search"]  # 50 MB, then 300 MB held
+    assert "calibrate: 1/2" in r.stdout and set(rows) == {"start", "calibrate", "search logits"}
+    assert 0.05 <= rows["calibrate"] < 0.25 <= rows["search logits"]  # 50 MB, then 300 MB held
     assert "whole run" in log.read_text()
