@@ -61,9 +61,12 @@ def main() -> int:
     def sample() -> None:
         nonlocal hwm
         while not done.is_set():
-            rss = sum(_rss_kb(p) for p in _tree(proc.pid))
+            tree = _tree(proc.pid)
+            rss = sum(_rss_kb(p) for p in tree)
             peaks[phase] = max(peaks.get(phase, 0), rss)
-            hwm = max(hwm, _rss_kb(proc.pid, "VmHWM"))
+            # Each process's own high-water mark: the command is often a wrapper (`timeout`)
+            # whose child is the one that peaks.
+            hwm = max(hwm, *(_rss_kb(p, "VmHWM") for p in tree))
             time.sleep(0.2)
 
     t = threading.Thread(target=sample, daemon=True)
