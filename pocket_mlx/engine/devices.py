@@ -72,6 +72,36 @@ def mx_device(name: str) -> mx.Device:
     return mx.gpu if name == "gpu" else mx.cpu
 
 
+# MLX's CPU allocator keeps freed buffers for reuse only up to its cache limit, 32 MiB by default
+# on Linux (on a Mac the Metal allocator serves the CPU stream too, with a limit near the memory
+# limit). Past it, freed buffers go back to malloc, which hands big ones back to the kernel, and
+# the next allocation of that size page-faults its pages in again, zeroed. A verify pass of
+# speculative decoding frees L linear-attention states per layer (5 rows on the 35B shape:
+# ~300 MB) and allocates them again on the next pass: 34,000 page faults, ~30 ms of a 170 ms
+# 4-row pass, measured (docs/SPECULATIVE.md).
+CPU_BUFFER_CACHE_MAX = 1 << 30
+
+
+def cpu_buffer_cache_bytes() -> int:
+    """The buffer cache the CPU path wants: 1/32 of the machine's memory, at most 1 GiB."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 << 30
+    return min(CPU_BUFFER_CACHE_MAX, ram // 32)
+
+
+def keep_cpu_buffers() -> int:
+    """Raise MLX's buffer cache limit to `cpu_buffer_cache_bytes()` (never lower it: a user's
+    or the platform's larger limit stays). Returns the limit in force."""
+    want = cpu_buffer_cache_bytes()
+    old = mx.set_cache_limit(want)
+    if old > want:
+        mx.set_cache_limit(old)
+        return old
+    return want
+
+
 def stream_for(name: str) -> mx.Stream:
     """The generation stream of a device, created once per device."""
     name = resolve_device(name)

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from pocket_mlx.config import ModelFolder, quantization, safetensors_header
 from pocket_mlx.engine import rank_shards, schemes
-from pocket_mlx.engine.devices import policy_dtype, resolve_device, stream_for
+from pocket_mlx.engine.devices import keep_cpu_buffers, policy_dtype, resolve_device, stream_for
 from pocket_mlx.engine.hub import fetch, parse_repo_id
 from pocket_mlx.engine.panels import use_panels
 from pocket_mlx.engine.tokenizer import load_tokenizer
@@ -243,6 +243,8 @@ def use_device(model: nn.Module, device: str, cache: list | None = None) -> bool
     `devices.stream_for`). Returns True when parameters were cast."""
     device = resolve_device(device)
     model.device = device
+    if device == "cpu":
+        keep_cpu_buffers()
     use_panels(model, device)
     if getattr(model, "dtype_override", None) is not None or not hasattr(model, "stored_dtypes"):
         return False  # the dtypes never change, so neither do the cache's
@@ -338,6 +340,8 @@ def load(path_or_repo: ModelFolder | str | os.PathLike | None = None,
                        shard=shard)
     model.device = device
     object.__setattr__(model, "dtype_override", dtype)
+    if device == "cpu":
+        keep_cpu_buffers()
     if not lazy:
         use_panels(model, device)
     tokenizer = load_tokenizer(folder.path, folder.config)
