@@ -93,7 +93,7 @@ def test_head_cache_follows_accepted_tokens(tiny_mtp, monkeypatch, exact_kernels
     seq = d.prompt + got
     # The head's cache plus the rows waiting cover every position but the pending token's.
     n = d.cache[0].offset
-    assert n + d.hidden.shape[0] == len(seq) - 1
+    assert n + sum(h.shape[0] for h in d.waiting) == len(seq) - 1
     # ... and its keys are what the head computes over the trunk's hidden of the sequence in
     # one call (batched, so equal up to rounding), not over drafts or the head's own hidden.
     x = mx.array(seq)[None]

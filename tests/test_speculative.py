@@ -146,9 +146,14 @@ def test_greedy_speculation_equals_plain_256_tokens(bundled, domain):
     ref, _ = _run(model, tok, DOMAINS[domain], max_tokens=256, raw=True)
     assert len(ref) == 256
     for spec in ("lookup", "mtp", "auto"):
+        # `auto` remembers per model that drafting lost (BackOff's memory); forget it, so it
+        # drafts here as on a first reply.
+        object.__setattr__(model, "_auto_backoff", None)
         got, stats = _run(model, tok, DOMAINS[domain], spec, 3, max_tokens=256, raw=True)
         assert got == ref, spec
-        assert stats.speculative["accepted"] > 0, spec
+        # auto tries the head a few times and backs off (it loses on this model): drafts, not
+        # necessarily accepted ones
+        assert stats.speculative["accepted" if spec != "auto" else "drafted"] > 0, spec
     assert stats.speculative["method"] == "auto:mtp"
 
 
@@ -251,24 +256,53 @@ def test_lookup_drafter_matches_ngrams():
 
 
 def test_back_off_skips_after_failures():
-    b = BackOff(LookupDrafter(), max_skip=16, idle=2, probe=4)
+    b = BackOff(LookupDrafter(), max_skip=64, idle=2, probe=4)
     seq = [1, 2, 3, 1, 2]
     assert b.draft(seq, 2) == [] and b.plain_steps() == 4  # probe plain decode's speed first
     assert b.draft(seq, 2) == [3, 1]
     b.accepted(2, 0)  # all rejected: 8 plain tokens
     assert b.draft(seq, 2) == [] and b.plain_steps() == 8
-    assert b.draft(seq, 2) == [3, 1]
-    b.accepted(2, 0)  # again: 16, the cap
-    assert b.draft(seq, 2) == [] and b.plain_steps() == 16
-    b.accepted(2, 0)
-    assert b.draft(seq, 2) == [] and b.plain_steps() == 16
-    b.accepted(2, 2)  # drafts that pay reset it
+    assert b.draft(seq, 2) == [3]  # trying again while backing off: one draft
+    b.accepted(1, 0)  # again: 4x longer
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 32
+    b.accepted(1, 0)  # the cap
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 64
+    b.accepted(1, 0)
+    assert b.draft(seq, 2) == [] and b.plain_steps() == 64
+    b.accepted(1, 1)  # drafts that pay reset it
     assert b.draft(seq, 2) == [3, 1]
     b.timed(1, 1.0, 10)  # plain: 10 tok/s
     b.timed(3, 1.0, 3)  # drafting: 3 tok/s, slower: back off although drafts were accepted
     b.accepted(2, 2)
     assert b.draft(seq, 2) == [] and b.plain_steps() == 8
-    assert b.draft([1, 2, 3, 4], 2) == [] and b.plain_steps() == 2  # no match: a few plain
+    assert b.draft([1, 2, 3, 4], 1) == [] and b.plain_steps() == 2  # no match: a few plain
+
+
+def test_back_off_remembers_across_generations():
+    """The next generation of the same model starts where the last one left off: one try
+    after at most `first_try` tokens, backing off from the level reached."""
+    memory: dict = {}
+    seq = [1, 2, 3, 1, 2]
+    b = BackOff(LookupDrafter(), max_skip=512, probe=4, first_try=32, memory=memory)
+    b.timed(1, 1.0, 10)
+    for _ in range(5):  # 8, 32, 128, 512, 512
+        b.wait = 0
+        assert b.draft(seq, 3)
+        b.accepted(1, 0)
+    assert memory["skip"] == 512 and memory["plain_rate"] == 10
+    again = BackOff(LookupDrafter(), max_skip=512, probe=4, first_try=32, memory=memory)
+    assert again.draft(seq, 3) == [] and again.plain_steps() == 32
+    assert again.draft(seq, 3) == [3]  # one draft, as while backing off
+    again.accepted(1, 1)  # paid: full drafts again, and remembered
+    assert again.draft(seq, 3) == [3, 1, 2] and memory["skip"] == 0
+    fresh = BackOff(LookupDrafter(), max_skip=512, probe=4, first_try=32, memory=memory)
+    assert fresh.draft(seq, 3) == [] and fresh.plain_steps() == 4
+
+
+def test_auto_memory_is_per_model(headless, bundled):
+    a, b = make_drafter("auto", headless[0]), make_drafter("auto", bundled[0])
+    assert a.memory is not b.memory
+    assert make_drafter("auto", headless[0]).memory is a.memory
 
 
 def test_mtp_without_head(headless, bundled):

@@ -34,6 +34,12 @@ class MTPDrafter:
     """Drafts up to `max_depth` tokens per pass from the model's MTP head."""
 
     name = "mtp"
+    # Rows the head takes in before a draft: all of them after a verify pass (at most k + 1),
+    # the last `catch_up` after a long plain stretch, when `auto` backs off. Feeding 128 rows
+    # through the head cost ~3 plain steps on the bundled model (a failed try's main cost);
+    # the positions skipped leave a gap in the head's cache, which only lowers its acceptance
+    # (drafts are proposals: the output is the trunk's either way).
+    catch_up = 32
 
     def __init__(self, model, max_depth: int = MAX_MTP_DEPTH) -> None:
         if getattr(model, "mtp", None) is None:
@@ -44,9 +50,9 @@ class MTPDrafter:
 
     def reset(self) -> None:
         self.cache = self.model.make_mtp_cache()
-        # Trunk hidden states [m, H] of the m positions before the pending token, not yet in
-        # the head's cache (each waits for the token after it).
-        self.hidden: mx.array | None = None
+        # Trunk hidden states ([n, H] pieces, m rows in all) of the m positions before the
+        # pending token, not yet in the head's cache (each waits for the token after it).
+        self.waiting: list[mx.array] = []
         self.marks: list[int] | None = None  # head-cache offsets before the deeper drafts
 
     def _head(self, hidden: mx.array, tokens: mx.array, step: int = 0) -> mx.array:
@@ -57,24 +63,27 @@ class MTPDrafter:
 
     def prompt_hidden(self, hidden: mx.array, tokens: mx.array) -> None:
         """One prefill chunk: `hidden` [n, H] the trunk's post-norm hidden of `tokens` [n]."""
-        if self.hidden is not None:  # the previous chunk's last row pairs with tokens[0]
-            rows, nxt = mx.concatenate([self.hidden, hidden[:-1]]), tokens
+        if self.waiting:  # the previous chunk's last row pairs with tokens[0]
+            rows, nxt = mx.concatenate([*self.waiting, hidden[:-1]]), tokens
         else:
             rows, nxt = hidden[:-1], tokens[1:]
         if nxt.size:
             self._head(rows, nxt)
-        self.hidden = hidden[-1:]
-        mx.eval(self.hidden, [a for c in self.cache for a in c.arrays])
+        self.waiting = [hidden[-1:]]
+        mx.eval(self.waiting, [a for c in self.cache for a in c.arrays])
 
     def draft(self, tokens: Sequence[int], k: int) -> list[int]:
         k = min(k, self.max_depth)
-        if k <= 0 or self.hidden is None or len(tokens) < self.hidden.shape[0]:
+        m = sum(h.shape[0] for h in self.waiting)
+        if k <= 0 or m == 0 or len(tokens) < m:
             return []
         self._trim()
         lm = self.model.language_model
-        m = self.hidden.shape[0]
-        g = self._head(self.hidden, mx.array(list(tokens[-m:]), mx.uint32))[:, -1:]
-        self.hidden = None
+        hidden = self.waiting[0] if len(self.waiting) == 1 else mx.concatenate(self.waiting)
+        if m > self.catch_up:  # after a long plain stretch (`auto` backing off): the recent
+            hidden, m = hidden[-self.catch_up :], self.catch_up  # rows only (see catch_up)
+        g = self._head(hidden, mx.array(list(tokens[-m:]), mx.uint32))[:, -1:]
+        self.waiting = []
         self.marks = [c.offset for c in self.cache]
         tok = mx.argmax(lm.logits(g)[:, -1], axis=-1)
         out = [tok]
@@ -94,4 +103,6 @@ class MTPDrafter:
     def accepted(self, drafted: int, accepted: int, hidden: mx.array | None = None) -> None:
         self._trim()
         if hidden is not None:
-            self.hidden = hidden if self.hidden is None else mx.concatenate([self.hidden, hidden])
+            # Collected, concatenated once when drafting: plain stretches of `auto` hand over
+            # one row per token, and a chain of concatenations would copy O(n^2) rows.
+            self.waiting.append(hidden)
