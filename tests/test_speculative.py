@@ -299,6 +299,21 @@ def test_back_off_remembers_across_generations():
     assert fresh.draft(seq, 3) == [] and fresh.plain_steps() == 4
 
 
+def test_back_off_try_is_judged_on_its_own_speed():
+    """After failures (drafting measured at a fifth of plain decode's speed), one try that is
+    faster than plain decode brings full drafts back at once."""
+    seq = [1, 2, 3, 1, 2]
+    b = BackOff(LookupDrafter(), max_skip=64, probe=0)
+    b.timed(1, 1.0, 10)
+    b.timed(4, 1.0, 2)  # drafting: 2 tok/s
+    b.accepted(3, 1)  # slower: back off
+    assert b.skip == 8 and b.draft(seq, 3) == [] and b.plain_steps() == 8
+    assert b.draft(seq, 3) == [3]
+    b.timed(2, 0.1, 2)  # the try: 20 tok/s
+    b.accepted(1, 1)
+    assert b.skip == 0 and b.draft(seq, 3) == [3, 1, 2]
+
+
 def test_auto_memory_is_per_model(headless, bundled):
     a, b = make_drafter("auto", headless[0]), make_drafter("auto", bundled[0])
     assert a.memory is not b.memory

@@ -152,10 +152,13 @@ class BackOff:
             self.plain_rate = (
                 rate if self.plain_rate is None else 0.7 * self.plain_rate + 0.3 * rate
             )
+        elif self.draft_rate is None or self.skip:
+            # A try while backing off is judged on its own speed, not averaged into the
+            # failures that caused the back-off (else a drafter that starts to pay, in a
+            # chat's next reply say, would need several good tries to count).
+            self.draft_rate = rate
         else:
-            self.draft_rate = (
-                rate if self.draft_rate is None else 0.7 * self.draft_rate + 0.3 * rate
-            )
+            self.draft_rate = 0.7 * self.draft_rate + 0.3 * rate
         self._remember()
 
     def accepted(self, drafted: int, accepted: int, hidden: mx.array | None = None) -> None:
