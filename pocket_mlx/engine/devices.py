@@ -76,9 +76,9 @@ def mx_device(name: str) -> mx.Device:
 # on Linux (on a Mac the Metal allocator serves the CPU stream too, with a limit near the memory
 # limit). Past it, freed buffers go back to malloc, which hands big ones back to the kernel, and
 # the next allocation of that size page-faults its pages in again, zeroed. A verify pass of
-# speculative decoding frees L linear-attention states per layer (5 rows on the 35B shape:
-# ~300 MB) and allocates them again on the next pass: 34,000 page faults, ~30 ms of a 170 ms
-# 4-row pass, measured (docs/SPECULATIVE.md).
+# speculative decoding frees L linear-attention states per layer (2 MiB each on the 35B shape,
+# 30 layers) and allocates them again on the next pass: 34,000 page faults a 4-row pass, which
+# took 275 ms with them and 194 ms without (docs/SPECULATIVE.md).
 CPU_BUFFER_CACHE_MAX = 1 << 30
 
 
