@@ -259,8 +259,8 @@ def test_back_off_skips_after_failures():
     b = BackOff(LookupDrafter(), max_skip=64, idle=2, probe=4)
     seq = [1, 2, 3, 1, 2]
     assert b.draft(seq, 2) == [] and b.plain_steps() == 4  # probe plain decode's speed first
-    assert b.draft(seq, 2) == [3, 1]
-    b.accepted(2, 0)  # all rejected: 8 plain tokens
+    assert b.draft(seq, 2) == [3]  # the first try: one draft, the cheapest pass
+    b.accepted(1, 0)  # rejected: 8 plain tokens
     assert b.draft(seq, 2) == [] and b.plain_steps() == 8
     assert b.draft(seq, 2) == [3]  # trying again while backing off: one draft
     b.accepted(1, 0)  # again: 4x longer
@@ -269,7 +269,7 @@ def test_back_off_skips_after_failures():
     assert b.draft(seq, 2) == [] and b.plain_steps() == 64
     b.accepted(1, 0)
     assert b.draft(seq, 2) == [] and b.plain_steps() == 64
-    b.accepted(1, 1)  # drafts that pay reset it
+    b.accepted(1, 1)  # drafts that pay reset it, and bring full drafts
     assert b.draft(seq, 2) == [3, 1]
     b.timed(1, 1.0, 10)  # plain: 10 tok/s
     b.timed(3, 1.0, 3)  # drafting: 3 tok/s, slower: back off although drafts were accepted
@@ -297,6 +297,7 @@ def test_back_off_remembers_across_generations():
     assert again.draft(seq, 3) == [3, 1, 2] and memory["skip"] == 0
     fresh = BackOff(LookupDrafter(), max_skip=512, probe=4, first_try=32, memory=memory)
     assert fresh.draft(seq, 3) == [] and fresh.plain_steps() == 4
+    assert fresh.draft(seq, 3) == [3, 1, 2]  # the last reply's drafts paid: full drafts
 
 
 def test_back_off_try_is_judged_on_its_own_speed():
@@ -305,8 +306,8 @@ def test_back_off_try_is_judged_on_its_own_speed():
     seq = [1, 2, 3, 1, 2]
     b = BackOff(LookupDrafter(), max_skip=64, probe=0)
     b.timed(1, 1.0, 10)
-    b.timed(4, 1.0, 2)  # drafting: 2 tok/s
-    b.accepted(3, 1)  # slower: back off
+    b.timed(2, 1.0, 2)  # drafting: 2 tok/s
+    b.accepted(1, 1)  # slower: back off
     assert b.skip == 8 and b.draft(seq, 3) == [] and b.plain_steps() == 8
     assert b.draft(seq, 3) == [3]
     b.timed(2, 0.1, 2)  # the try: 20 tok/s

@@ -100,8 +100,9 @@ class BackOff:
     a draft found nothing (`idle`), run as plain pipelined decode (`plain_steps`). It starts
     with `probe` plain tokens, to know plain decode's speed. A verify pass costs more than a
     one-token step (its MoE routes k + 1 tokens to more experts, and on a CPU the products'
-    work grows with the rows), so drafts that keep failing are a loss; while backing off, the
-    pass that tries again drafts one token (`probe_k`), the cheapest verify pass.
+    work grows with the rows), so drafts that keep failing are a loss; until a pass has paid
+    (the first try, and every try after backing off) it drafts one token (`probe_k`), the
+    cheapest verify pass, judged on its own speed.
 
     `memory` (a dict kept by the caller, one per model and drafter: `make_drafter` keeps it on
     the model) carries the speeds and the back-off level from one generation to the next, so a
@@ -126,6 +127,7 @@ class BackOff:
     def reset(self) -> None:
         m = self.memory or {}
         self.skip = m.get("skip", 0)
+        self.paying = m.get("paying", False)  # a pass paid since the last back-off
         self.wait = max(self.probe, min(self.skip, self.first_try))
         self.plain_rate: float | None = m.get("plain_rate")  # tokens/s of plain decode
         self.draft_rate: float | None = m.get("draft_rate")  # tokens/s of drafting passes
@@ -133,13 +135,13 @@ class BackOff:
 
     def _remember(self) -> None:
         if self.memory is not None:
-            self.memory.update(skip=self.skip, plain_rate=self.plain_rate,
+            self.memory.update(skip=self.skip, paying=self.paying, plain_rate=self.plain_rate,
                                draft_rate=self.draft_rate)
 
     def draft(self, tokens: Sequence[int], k: int) -> list[int]:
         if self.wait > 0:
             return []
-        return self.inner.draft(tokens, min(k, self.probe_k) if self.skip else k)
+        return self.inner.draft(tokens, k if self.paying else min(k, self.probe_k))
 
     def plain_steps(self) -> int:
         """Plain tokens to decode now (asked when `draft` gave nothing)."""
@@ -152,10 +154,10 @@ class BackOff:
             self.plain_rate = (
                 rate if self.plain_rate is None else 0.7 * self.plain_rate + 0.3 * rate
             )
-        elif self.draft_rate is None or self.skip:
-            # A try while backing off is judged on its own speed, not averaged into the
-            # failures that caused the back-off (else a drafter that starts to pay, in a
-            # chat's next reply say, would need several good tries to count).
+        elif self.draft_rate is None or not self.paying:
+            # A try is judged on its own speed, not averaged into the failures that caused a
+            # back-off (else a drafter that starts to pay, in a chat's next reply say, would
+            # need several good tries to count).
             self.draft_rate = rate
         else:
             self.draft_rate = 0.7 * self.draft_rate + 0.3 * rate
@@ -172,9 +174,9 @@ class BackOff:
         )
         if accepted == 0 or slower:
             self.skip = min(self.max_skip, max(8, 4 * self.skip))
-            self.wait = self.skip
+            self.wait, self.paying = self.skip, False
         else:
-            self.skip = 0
+            self.skip, self.paying = 0, True
         self._remember()
 
 
