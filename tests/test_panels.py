@@ -124,7 +124,8 @@ def test_model_with_panels(tiny_ckpt, monkeypatch):
     from pocket_mlx.engine import loader, panels
 
     tokens = mx.array([[1, 5, 9, 2, 7, 3]])
-    model, _ = loader.load(str(tiny_ckpt), device="cpu")
+    monkeypatch.delenv("POCKET_MLX_PANELS", raising=False)  # the reference: the MLX layout,
+    model, _ = loader.load(str(tiny_ckpt), device="cpu")  # also when the suite runs with panels
     kernels.set_mode("exact")
     ref = np.array(model(tokens), dtype=np.float32)
     before = {k: _np(v) for k, v in tree_flatten(model.parameters())}
