@@ -1,6 +1,6 @@
 """CPU panel layout (csrc/core/qk_panel*): matrices packed from MLX arrays give FAST's
 int8-activation result and EXACT's float result, the same bits for a row alone and inside a B-row
-product (B = 1..20), unpack back to the MLX bytes, and a model loaded with POCKET_MLX_PANELS=1
+product (B = 1..20), unpack back to the MLX bytes, and a model loaded for the CPU (panels by default)
 generates what it generates without them and converts back for another device."""
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_panel_isas_identical():
 
 def test_model_with_panels(tiny_ckpt, monkeypatch):
     """The tiny pocket-2bit model (2-bit experts, 4-bit attention, 6-bit lm_head, 8-bit routers)
-    loaded for the CPU with POCKET_MLX_PANELS=1: its matrices are packed, EXACT computes the
+    loaded for the CPU (the panel layout by default): its matrices are packed, EXACT computes the
     logits it computes without panels (up to float summation order), FAST gives each sequence
     of a batched decode step the bits it gets alone, and unpacking for another device gives back
     the checkpoint's arrays bit for bit. (FAST logits are not compared with the unpacked model:
@@ -124,8 +124,8 @@ def test_model_with_panels(tiny_ckpt, monkeypatch):
     from pocket_mlx.engine import loader, panels
 
     tokens = mx.array([[1, 5, 9, 2, 7, 3]])
-    monkeypatch.delenv("POCKET_MLX_PANELS", raising=False)  # the reference: the MLX layout,
-    model, _ = loader.load(str(tiny_ckpt), device="cpu")  # also when the suite runs with panels
+    monkeypatch.setenv("POCKET_MLX_PANELS", "0")  # the reference: the MLX layout
+    model, _ = loader.load(str(tiny_ckpt), device="cpu")
     kernels.set_mode("exact")
     ref = np.array(model(tokens), dtype=np.float32)
     before = {k: _np(v) for k, v in tree_flatten(model.parameters())}

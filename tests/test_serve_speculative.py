@@ -28,6 +28,9 @@ CODE = (
     "    def __init__(self, w, h):\n        self.w = w\n        self.h = h\n"
 )
 EDIT = "# original\n" + CODE + "\n# edited\n" + CODE[:120]  # raw: the model copies, lookup drafts
+# Raw, the code twice and a start of a third copy: the model repeats a line, lookup drafts it
+# (EDIT's reply drafts nothing under `auto` in one of the layouts, panels or rows).
+REPEAT = CODE + "\n" + CODE + "\n" + CODE[:60]
 # Chat-templated: drafts partly accepted.
 COPY = [
     {"role": "user", "content": "Repeat this code exactly, with add renamed to plus:\n\n" + CODE}
@@ -129,7 +132,7 @@ def test_auto_and_mtp_without_head(headless_asset):
         BatchDecoder(
             model, tok, stream=devices.stream_for("cpu"), store=Stored(), speculative="mtp"
         )
-    ids = tok.encode(EDIT)
+    ids = tok.encode(REPEAT)
     plain, _, _ = _run(tiny, "off", [(ids, 32, {})])
     auto, dec, _ = _run(tiny, "auto", [(ids, 32, {})])
     assert auto == plain and dec.drafted > 0

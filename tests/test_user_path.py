@@ -73,11 +73,13 @@ def test_cpu_load_runs_float32_with_scales_as_stored():
     assert all(p[k].dtype == mx.float32 for k in floats)
 
 
-def test_generate_decode_graph_is_bench_graph():
+def test_generate_decode_graph_is_bench_graph(monkeypatch):
     """`generate` (and so `chat` and `load()`) and `bench` load the same way: the models their
     own loading code builds (cli/generate.load_for, cli/bench.load_for with --dtype auto, from
     their parsed command lines) have the same parameters and decode graph, the extension's nodes
-    in it, far smaller than the checkpoint-dtype (bf16) graph."""
+    in it, far smaller than the checkpoint-dtype (bf16) graph. (The MLX layout: the parameters
+    are compared, and packed matrices' MLX arrays are hollow; test_panels covers the layout.)"""
+    monkeypatch.setenv("POCKET_MLX_PANELS", "0")
     from pocket_mlx.cli import bench as bench_cmd
     from pocket_mlx.cli import generate as generate_cmd
     from pocket_mlx.cli.main import build_parser
@@ -105,9 +107,11 @@ def test_dtype_override_sticks_across_devices():
         load(ASSET, device="cpu", dtype="float8")
 
 
-def test_switch_casts_back_to_the_stored_dtypes_without_reloading():
+def test_switch_casts_back_to_the_stored_dtypes_without_reloading(monkeypatch):
     """A GPU switch is cast_model(model, None) (the checkpoint's dtypes): exactly a fresh
-    checkpoint-dtype load; back on the CPU, exactly a fresh CPU load."""
+    checkpoint-dtype load; back on the CPU, exactly a fresh CPU load. (The MLX layout, as
+    above: parameters compared.)"""
+    monkeypatch.setenv("POCKET_MLX_PANELS", "0")
     model, _ = load(ASSET, device="cpu", fuse=True)
     cpu_ref = load_model(ASSET, dtype="float32", fuse=True)
     stored_ref = load_model(ASSET, fuse=True)

@@ -121,8 +121,12 @@ NB_MODULE(_qkernels, m) {
         "(they read as zeros or the file's bytes until panel_unpack). Returns the bytes "
         "allocated, 0 when the layout does not hold these bits or this CPU has no panel kernels.");
   m.def("panel_unpack", &panel_unpack, nb::arg("w"),
-        "The MLX layout of a packed matrix as new arrays (w, scales, biases); frees the panels.");
+        "The MLX layout of a packed matrix written back into its own arrays (w, scales, biases), which are returned; frees the panels.");
   m.def("panel_release", &panel_release, nb::arg("w"), "Frees the panels of w; False if none.");
+  m.def("panel_packed", &panel_packed, nb::arg("w"),
+        "Whether w's memory belongs to a packed matrix (MLX's ops would read zeros there).");
+  m.def("panel_variant", &panel_variant,
+        "The panel kernels' ISA variant; 'portable' where this CPU has none (no packing).");
   m.def("panel_bytes", []() { return pqk::panel_bytes_total(); }, "Bytes of all panels.");
   m.attr("MODE_EXACT") = (int)pqk::MODE_EXACT;
   m.attr("MODE_FAST") = (int)pqk::MODE_FAST;

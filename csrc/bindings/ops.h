@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -68,5 +69,7 @@ int64_t panel_pack(const mx::array& w, const mx::array& scales, const mx::array&
                    int group_size, bool release);
 std::tuple<mx::array, mx::array, mx::array> panel_unpack(const mx::array& w);
 bool panel_release(const mx::array& w);
+bool panel_packed(const mx::array& w);
+std::string panel_variant();
 
 }  // namespace pocket_ext

@@ -10,6 +10,7 @@
 
 #include "bindings/common.h"
 #include "bindings/ops.h"
+#include "qk_panel.h"
 
 namespace pocket_ext {
 namespace {
@@ -65,6 +66,10 @@ int64_t panel_pack(const mx::array& w, const mx::array& scales, const mx::array&
   return bytes;
 }
 
+// The MLX layout is written back into the packed matrix's own arrays (their released pages fault
+// back in), which are returned: a graph built while the matrix was packed and evaluated after
+// (e.g. a device switch with a step still lazy) then reads the right bytes through either path,
+// and the peak is still one matrix more than the panels.
 std::tuple<mx::array, mx::array, mx::array> panel_unpack(const mx::array& w) {
   std::vector<mx::array> arrs;
   {
@@ -73,19 +78,16 @@ std::tuple<mx::array, mx::array, mx::array> panel_unpack(const mx::array& w) {
     if (it == held().end()) throw std::invalid_argument("panel_unpack: w is not packed");
     arrs = it->second;
   }
-  std::vector<mx::array> out;
-  for (const mx::array& a : arrs) {
-    mx::array n(mx::allocator::malloc(a.nbytes()), a.shape(), a.dtype());
-    out.push_back(n);
-  }
   const void* key = arrs[0].data<uint32_t>();
-  pqk::panel_unpack(key, out[0].data<uint32_t>(), out[1].data<uint8_t>(), out[2].data<uint8_t>());
+  pqk::panel_unpack(key, const_cast<uint32_t*>(arrs[0].data<uint32_t>()),
+                    const_cast<uint8_t*>(arrs[1].data<uint8_t>()),
+                    const_cast<uint8_t*>(arrs[2].data<uint8_t>()));
   pqk::panel_release(key);
   {
     std::lock_guard<std::mutex> lk(g_mu);
     held().erase(key);
   }
-  return {out[0], out[1], out[2]};
+  return {arrs[0], arrs[1], arrs[2]};
 }
 
 bool panel_release(const mx::array& w) {
@@ -95,5 +97,16 @@ bool panel_release(const mx::array& w) {
   held().erase(key);
   return r;
 }
+
+// Whether w's memory is (part of) a packed matrix: its MLX pages were handed back, so anything
+// but the extension's kernels reading it would see zeros (kernels.packed guards MLX's fallbacks).
+bool panel_packed(const mx::array& w) {
+  if (!w.is_available() || w.nbytes() == 0) return false;
+  const void* p = w.data<uint8_t>();
+  return pqk::detail::panel_find(p) != nullptr || pqk::detail::panel_covers(p);
+}
+
+// The panel kernels' variant ("portable" where this CPU has none: packing is then refused).
+std::string panel_variant() { return pqk::detail::panel_kernels().variant; }
 
 }  // namespace pocket_ext

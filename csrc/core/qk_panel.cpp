@@ -230,6 +230,8 @@ int64_t panel_pack(const QMatrix& q) {
   pm.bits = q.bits;
   pm.gs = q.group_size;
   pm.sdt = q.sdt;
+  pm.scales_src = q.scales;
+  pm.biases_src = q.biases;
   pm.npan = (q.N + PANEL_W - 1) / PANEL_W;
   pm.code_bytes = (int64_t)PANEL_W * q.group_size * q.bits / 8;
   pm.rec_bytes = pm.code_bytes + 2 * PANEL_W * (q.sdt == F32 ? 4 : 2);

@@ -35,6 +35,8 @@ struct PanelMatrix {
   int64_t E = 1, N = 0, K = 0, npan = 0;
   int bits = 2, gs = 64;
   DType sdt = F32;
+  const void* scales_src = nullptr;  // the MLX scales and biases it was packed from: a call
+  const void* biases_src = nullptr;  // with others means they were replaced after packing
   int64_t rec_bytes = 0;  // one record
   int64_t code_bytes = 0;  // codes part of a record
   const uint8_t* panel(int64_t e, int64_t p) const {

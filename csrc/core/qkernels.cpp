@@ -496,8 +496,13 @@ void gather_qmm(const GatherProblem& p) {
   const bool fast_isa = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[p.bits];
   if (const PanelMatrix* pm = panel_find(p.w)) {
     if (pm->E == p.E && pm->N == p.N && pm->K == p.K && pm->bits == p.bits &&
-        pm->gs == p.group_size && pm->sdt == p.sdt)
+        pm->gs == p.group_size && pm->sdt == p.sdt) {
+      if (pm->scales_src != p.scales || pm->biases_src != p.biases)
+        throw std::runtime_error(
+            "pocket_mlx: scales or biases of weights packed in the panel layout were replaced "
+            "after packing (unpack the model first: engine.panels.unpack_model)");
       return gather_panels(p, *pm, g, fast_isa);
+    }
     throw std::runtime_error("pocket_mlx: weights packed in the panel layout read with another shape");
   }
   if (panel_covers(p.w))  // a view into packed weights: their MLX bytes may be gone

@@ -1,16 +1,34 @@
-"""The CPU panel layout for a whole model (POCKET_MLX_PANELS=1): the quantized matrices the
+"""The CPU panel layout for a whole model (default where the CPU has panel kernels;
+POCKET_MLX_PANELS=0 turns it off): the quantized matrices the
 CPU kernels read are packed once when the model is to run on the CPU, one matrix at a time so the
 weights are never in memory twice, and unpacked into MLX arrays before another device runs it."""
 
 from __future__ import annotations
 
 import time
+import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from pocket_mlx import kernels
 from pocket_mlx.models.layers import QuantizedLinear, QuantizedSwitchLinear
+
+
+# Models with packed matrices, so that turning the extension off (kernels.set_enabled(False): a
+# script about to take gradients, a test comparing with MLX's ops) unpacks them first.
+# (Keyed by id: a module is a dict, so not hashable; the finalizer below drops the entry.)
+_packed_models: dict[int, weakref.ref] = {}
+
+
+def _unpack_all() -> None:
+    for ref in list(_packed_models.values()):
+        model = ref()
+        if model is not None:
+            unpack_model(model)
+
+
+kernels.on_disable(_unpack_all)
 
 
 def _panel_modules(model: nn.Module):
@@ -22,12 +40,32 @@ def _panel_modules(model: nn.Module):
             yield m
 
 
+def _held(model: nn.Module) -> list:
+    """The model's packed modules: one list per model for its lifetime (packing appends,
+    unpacking empties it in place), which a finalizer frees the panels of when the model is
+    collected (the extension holds packed matrices until told: a chat or server that loads
+    another model must not keep the old one's panels)."""
+    held = getattr(model, "panel_modules", None)
+    if held is None:
+        held = []
+        object.__setattr__(model, "panel_modules", held)
+        weakref.finalize(model, _release, held, id(model))
+    return held
+
+
+def _release(held: list, key: int) -> None:
+    _packed_models.pop(key, None)
+    for m in held:
+        kernels.release_matrix(m["weight"])
+    held.clear()
+
+
 def pack_model(model: nn.Module) -> dict:
     """Packs every such matrix (bits the layout holds; the rest stay as they are). Peak memory:
     the weights plus one matrix. Returns {"matrices", "bytes", "seconds"}."""
     t0 = time.perf_counter()
     n = total = 0
-    packed = list(getattr(model, "panel_modules", []))
+    packed = _held(model)
     for m in _panel_modules(model):
         if any(m is p for p in packed):
             continue
@@ -38,7 +76,8 @@ def pack_model(model: nn.Module) -> dict:
             packed.append(m)
             n += 1
             total += b
-    object.__setattr__(model, "panel_modules", packed)
+    if packed:
+        _packed_models[id(model)] = weakref.ref(model)
     return {"matrices": n, "bytes": total, "seconds": time.perf_counter() - t0}
 
 
@@ -46,11 +85,13 @@ def unpack_model(model: nn.Module) -> dict:
     """The MLX layout back, matrix by matrix (each one's panels freed as its arrays are
     rebuilt). Returns {"matrices", "seconds"}."""
     t0 = time.perf_counter()
-    mods = list(getattr(model, "panel_modules", []))
-    for m in mods:
+    mods = _held(model)
+    n = len(mods)
+    while mods:
+        m = mods.pop()
         m.weight, m.scales, m.biases = kernels.unpack_matrix(m["weight"])
-    object.__setattr__(model, "panel_modules", [])
-    return {"matrices": len(mods), "seconds": time.perf_counter() - t0}
+    _packed_models.pop(id(model), None)
+    return {"matrices": n, "seconds": time.perf_counter() - t0}
 
 
 def use_panels(model: nn.Module, device: str) -> dict | None:

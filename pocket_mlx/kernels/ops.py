@@ -184,6 +184,7 @@ def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int):
     k = _cpu_kernels()
     if k is not None and k.supports(x, bits, group_size):
         return k.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+    kernels.check_mlx_layout(w)
     return mx.quantized_matmul(
         x, w, scales, biases, transpose=True, group_size=group_size, bits=bits
     )
@@ -196,6 +197,7 @@ def gather_qmm(x, w, scales, biases, indices, *, group_size: int, bits: int,
     if k is not None and k.supports(x, bits, group_size):
         return k.gather_qmm(x, w, scales, biases, indices, group_size=group_size, bits=bits,
                             sorted_indices=sorted_indices)
+    kernels.check_mlx_layout(w)
     return mx.gather_qmm(
         x, w, scales, biases, rhs_indices=indices, transpose=True,
         group_size=group_size, bits=bits, sorted_indices=sorted_indices,
