@@ -35,7 +35,7 @@ CHROMIUM_ARGS = [
 ]
 # At temperature 0 the bundled model answers this with code that never ends: ~2,000 tokens
 # (its full window) over several seconds on a CPU, time enough to press Stop mid-reply.
-ENDLESS = "def main():"
+ENDLESS = "Count from 1 to 200."  # past 300 tokens in both CPU layouts (panels and rows)
 
 
 @pytest.fixture(scope="module")

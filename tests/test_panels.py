@@ -144,3 +144,101 @@ def test_model_with_panels(tiny_ckpt, monkeypatch):
     assert back["to"] == "gpu" and back["matrices"] == report["matrices"]
     for k, v in tree_flatten(packed.parameters()):
         assert np.array_equal(_np(v), before[k]), k
+
+
+def _packed_model(tiny_ckpt, monkeypatch):
+    """The tiny pocket-2bit model loaded for the CPU the default way (no POCKET_MLX_PANELS)."""
+    _packable()
+    from pocket_mlx.engine import loader
+
+    monkeypatch.delenv("POCKET_MLX_PANELS", raising=False)
+    model, _ = loader.load(str(tiny_ckpt), device="cpu")
+    if not model.panel_report or not model.panel_report["matrices"]:
+        pytest.skip("no panel kernels on this CPU")
+    return model
+
+
+def test_panels_are_the_default_and_can_be_turned_off(tiny_ckpt, monkeypatch):
+    from pocket_mlx.engine import loader
+
+    model = _packed_model(tiny_ckpt, monkeypatch)
+    assert kernels.panels_wanted() and model.panel_report["to"] == "cpu"
+    monkeypatch.setenv("POCKET_MLX_PANELS", "0")
+    plain, _ = loader.load(str(tiny_ckpt), device="cpu")
+    assert getattr(plain, "panel_report", None) is None
+    assert not kernels.packed(plain.layers[0].mlp.switch_mlp.gate_proj["weight"])
+
+
+def test_mlx_ops_never_read_packed_matrices(tiny_ckpt, monkeypatch):
+    """MLX's own quantized ops would read the released pages (zeros): with the extension off
+    behind the loader's back they raise instead of answering garbage; turning the extension off
+    with set_enabled(False) unpacks the model first, so MLX's ops then give the right answer."""
+    model = _packed_model(tiny_ckpt, monkeypatch)
+    tokens = mx.array([[1, 5, 9, 2]])
+    lm_head = model.language_model.lm_head
+    assert kernels.packed(lm_head["weight"])
+    monkeypatch.setenv("POCKET_MLX_KERNELS", "0")
+    with pytest.raises(kernels.PanelLayoutError):
+        model(tokens)
+    monkeypatch.delenv("POCKET_MLX_KERNELS")
+    kernels.set_mode("exact")
+    got = np.array(model(tokens), dtype=np.float32)
+    kernels.set_enabled(False)
+    try:
+        assert not model.panel_modules and not kernels.packed(lm_head["weight"])
+        ref = np.array(model(tokens), dtype=np.float32)
+    finally:
+        kernels.set_enabled(True)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_replaced_scales_of_a_packed_matrix_raise(tiny_ckpt, monkeypatch):
+    """The panels hold the scales they were packed with: new ones set on the module afterwards
+    (weight surgery) must not be silently ignored."""
+    model = _packed_model(tiny_ckpt, monkeypatch)
+    gate = model.layers[0].mlp.gate
+    gate.scales = mx.zeros_like(gate.scales)
+    with pytest.raises(RuntimeError, match="replaced after packing"):
+        mx.eval(model(mx.array([[1, 2, 3]])))
+
+
+def test_a_graph_built_while_packed_reads_right_after_unpacking(tiny_ckpt, monkeypatch):
+    """Unpacking writes the MLX layout back into the packed arrays themselves: a step still lazy
+    when the model switches device evaluates to what it would have given packed (through the
+    row kernels then: EXACT's float sums in another order, not zeros read from released
+    pages)."""
+    from pocket_mlx.engine import panels
+
+    model = _packed_model(tiny_ckpt, monkeypatch)
+    kernels.set_mode("exact")
+    tokens = mx.array([[3, 1, 4, 1, 5]])
+    want = np.array(model(tokens), dtype=np.float32)
+    lazy = model(tokens)
+    panels.unpack_model(model)
+    got = np.array(lazy, dtype=np.float32)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_panels_are_freed_with_their_model(tiny_ckpt, monkeypatch):
+    import gc
+
+    before = kernels._ext.panel_bytes()
+    model = _packed_model(tiny_ckpt, monkeypatch)
+    assert kernels._ext.panel_bytes() == before + model.panel_report["bytes"]
+    del model
+    gc.collect()
+    assert kernels._ext.panel_bytes() == before
+
+
+def test_expert_parallel_over_packed_experts(tiny_ckpt, monkeypatch):
+    """Expert parallelism (a group of one) on the packed model: its held experts are a view of
+    the first experts of the packed stack (the zero expert left out), the same logits."""
+    from pocket_mlx.engine import loader
+
+    ref = _packed_model(tiny_ckpt, monkeypatch)
+    group = mx.distributed.init()
+    model, _ = loader.load(str(tiny_ckpt), device="cpu", shard=lambda m: m.shard_experts(group))
+    assert kernels.packed(model.layers[0].mlp.switch_mlp.gate_proj["weight"])
+    caches = ref.make_cache(), model.make_cache()
+    for x in (mx.array([[1, 50, 30, 7]]), mx.array([[42]])):
+        assert mx.array_equal(ref(x, caches[0]), model(x, caches[1]))

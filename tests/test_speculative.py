@@ -129,8 +129,11 @@ def test_greedy_lookup_equals_plain_copy_heavy(bundled, plain, k):
     assert s["passes"] < len(got)  # more tokens than trunk passes
 
 
+# Code for the 256-token run: the code twice and the start of a third copy (EDIT's reply ends
+# after 60 tokens in the panel layout; this one runs to the cap in both layouts).
+REPEAT = CODE + "\n" + CODE + "\n" + CODE[:60]
 DOMAINS = {
-    "code": EDIT,
+    "code": REPEAT,
     "story": "Once upon a time, in a small village by the river,",
     "qa": "Question: Why is the sky blue?\nAnswer:",
 }
@@ -192,8 +195,9 @@ def test_rejection_runs_no_second_trunk_pass(bundled):
     calls: list[int] = []
     block.observer = lambda x, *_: calls.append(x.shape[1])
     try:
-        # (The observer routes in MLX's ops: other bits, another reply, another prompt.)
-        _, stats = _run(model, tok, "Write a story about the sea, the sea, the sea.", "lookup", 4,
+        # (The observer routes in MLX's ops: other bits, another reply, another prompt; this
+        # one drafts with rejections in both CPU layouts, panels and rows.)
+        _, stats = _run(model, tok, "Repeat: the sea, the sea, the sea, the sea.", "lookup", 4,
                         max_tokens=120)
     finally:
         block.observer = None

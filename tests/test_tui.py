@@ -31,7 +31,9 @@ from pocket_mlx.tui.app import ChatApp
 from pocket_mlx.tui.conversation import AssistantMessage, ConversationView, Notice, UserMessage
 from pocket_mlx.tui.stats_panel import StatsPanel
 
-LONG_PROMPT = "def main():"  # the bundled model writes code here without stopping
+# The bundled model writes past 300 tokens here without stopping, in both CPU layouts (panels
+# and rows; "def main():" ended after 21 tokens with panels).
+LONG_PROMPT = "Count from 1 to 200."
 SMALL_CONTEXT = 256  # the bundled model's context in `small_ctx`: full after a few turns
 # ~35 tokens as a user turn: six fill the small context
 PARAGRAPH = "Tell me about the weather in a small town by the sea, with boats."

@@ -495,7 +495,8 @@ void gather_qmm(const GatherProblem& p) {
   ExpertRows g = group_rows_by_expert(p);
   const bool fast_isa = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[p.bits];
   if (const PanelMatrix* pm = panel_find(p.w)) {
-    if (pm->E == p.E && pm->N == p.N && pm->K == p.K && pm->bits == p.bits &&
+    // p.E < pm->E: a view of the first experts (expert parallelism leaves out its zero expert)
+    if (pm->E >= p.E && pm->N == p.N && pm->K == p.K && pm->bits == p.bits &&
         pm->gs == p.group_size && pm->sdt == p.sdt) {
       if (pm->scales_src != p.scales || pm->biases_src != p.biases)
         throw std::runtime_error(
