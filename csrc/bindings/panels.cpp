@@ -71,6 +71,7 @@ int64_t panel_pack(const mx::array& w, const mx::array& scales, const mx::array&
 // (e.g. a device switch with a step still lazy) then reads the right bytes through either path,
 // and the peak is still one matrix more than the panels.
 std::tuple<mx::array, mx::array, mx::array> panel_unpack(const mx::array& w) {
+  if (!w.is_available()) throw std::invalid_argument("panel_unpack: w is not packed");
   std::vector<mx::array> arrs;
   {
     std::lock_guard<std::mutex> lk(g_mu);
@@ -91,6 +92,7 @@ std::tuple<mx::array, mx::array, mx::array> panel_unpack(const mx::array& w) {
 }
 
 bool panel_release(const mx::array& w) {
+  if (!w.is_available()) return false;
   const void* key = w.data<uint32_t>();
   const bool r = pqk::panel_release(key);
   std::lock_guard<std::mutex> lk(g_mu);

@@ -14,7 +14,6 @@ import mlx.nn as nn
 from pocket_mlx import kernels
 from pocket_mlx.models.layers import QuantizedLinear, QuantizedSwitchLinear
 
-
 # Models with packed matrices, so that turning the extension off (kernels.set_enabled(False): a
 # script about to take gradients, a test comparing with MLX's ops) unpacks them first.
 # (Keyed by id: a module is a dict, so not hashable; the finalizer below drops the entry.)
@@ -41,10 +40,11 @@ def _panel_modules(model: nn.Module):
 
 
 def _held(model: nn.Module) -> list:
-    """The model's packed modules: one list per model for its lifetime (packing appends,
-    unpacking empties it in place), which a finalizer frees the panels of when the model is
-    collected (the extension holds packed matrices until told: a chat or server that loads
-    another model must not keep the old one's panels)."""
+    """The model's packed matrices as (module, packed weight array): one list per model for its
+    lifetime (packing appends, unpacking empties it in place), which a finalizer frees the
+    panels of when the model is collected (the extension holds packed matrices until told: a
+    chat or server that loads another model must not keep the old one's panels). The packed
+    array is kept beside its module: code may have replaced the module's arrays since."""
     held = getattr(model, "panel_modules", None)
     if held is None:
         held = []
@@ -55,8 +55,8 @@ def _held(model: nn.Module) -> list:
 
 def _release(held: list, key: int) -> None:
     _packed_models.pop(key, None)
-    for m in held:
-        kernels.release_matrix(m["weight"])
+    for _, w in held:
+        kernels.release_matrix(w)
     held.clear()
 
 
@@ -67,13 +67,13 @@ def pack_model(model: nn.Module) -> dict:
     n = total = 0
     packed = _held(model)
     for m in _panel_modules(model):
-        if any(m is p for p in packed):
+        if any(m is p for p, _ in packed):
             continue
         mx.eval(m["weight"], m["scales"], m["biases"])
         b = kernels.pack_matrix(m["weight"], m["scales"], m["biases"], bits=m.bits,
                                 group_size=m.group_size)
         if b > 0:
-            packed.append(m)
+            packed.append((m, m["weight"]))
             n += 1
             total += b
     if packed:
@@ -88,8 +88,10 @@ def unpack_model(model: nn.Module) -> dict:
     mods = _held(model)
     n = len(mods)
     while mods:
-        m = mods.pop()
-        m.weight, m.scales, m.biases = kernels.unpack_matrix(m["weight"])
+        m, w = mods.pop()
+        arrays = kernels.unpack_matrix(w)
+        if m["weight"] is w:  # else the module's arrays were replaced: they stay
+            m.weight, m.scales, m.biases = arrays
     _packed_models.pop(id(model), None)
     return {"matrices": n, "seconds": time.perf_counter() - t0}
 
