@@ -86,9 +86,16 @@ Registry& registry() {
 
 constexpr int64_t kHuge = 2 << 20;
 
+// Matrices of 2 MiB and more: 2 MiB aligned with transparent huge pages asked for; the size is
+// not rounded up to huge pages (that cost a small model's ~50 matrices 2 MiB each in RSS: the
+// kernel backs only the whole 2 MiB chunks with huge pages). Smaller ones: cache-line aligned.
 uint8_t* alloc_huge(int64_t bytes) {
   void* p = nullptr;
-  const int64_t sz = (bytes + kHuge - 1) / kHuge * kHuge;
+  if (bytes < kHuge) {
+    if (posix_memalign(&p, 64, (bytes + 63) / 64 * 64) != 0) return nullptr;
+    return static_cast<uint8_t*>(p);
+  }
+  const int64_t sz = (bytes + 4095) / 4096 * 4096;
   if (posix_memalign(&p, kHuge, sz) != 0) return nullptr;
 #ifdef MADV_HUGEPAGE
   madvise(p, sz, MADV_HUGEPAGE);
