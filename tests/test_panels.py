@@ -147,23 +147,39 @@ def test_model_with_panels(tiny_ckpt, monkeypatch):
 
 
 def _packed_model(tiny_ckpt, monkeypatch):
-    """The tiny pocket-2bit model loaded for the CPU the default way (no POCKET_MLX_PANELS)."""
+    """The tiny pocket-2bit model loaded for the CPU in the panel layout."""
     _packable()
     from pocket_mlx.engine import loader
 
-    monkeypatch.delenv("POCKET_MLX_PANELS", raising=False)
+    monkeypatch.setenv("POCKET_MLX_PANELS", "1")
     model, _ = loader.load(str(tiny_ckpt), device="cpu")
     if not model.panel_report or not model.panel_report["matrices"]:
         pytest.skip("no panel kernels on this CPU")
     return model
 
 
-def test_panels_are_the_default_and_can_be_turned_off(tiny_ckpt, monkeypatch):
+def test_panels_are_the_default_on_avx512_vnni_and_can_be_turned_off(tiny_ckpt, monkeypatch):
+    """The layout is the default where the panel kernels are the measured-faster ones (AVX-512
+    VNNI), opt-in elsewhere (AVX2 here), and POCKET_MLX_PANELS=0 turns it off."""
     from pocket_mlx.engine import loader
 
-    model = _packed_model(tiny_ckpt, monkeypatch)
-    assert kernels.panels_wanted() and model.panel_report["to"] == "cpu"
+    _packable()
+    if not kernels.panels_available():
+        pytest.skip("no panel kernels on this CPU")
+    monkeypatch.delenv("POCKET_MLX_PANELS", raising=False)
+    default_on = kernels._ext.panel_variant() in kernels.PANELS_BY_DEFAULT
+    model, _ = loader.load(str(tiny_ckpt), device="cpu")
+    assert bool(getattr(model, "panel_report", None)) == default_on
+    assert kernels.panels_wanted() == default_on
+    try:
+        if kernels.set_isa("avx2"):
+            assert not kernels.panels_wanted()
+            monkeypatch.setenv("POCKET_MLX_PANELS", "1")
+            assert kernels.panels_wanted()
+    finally:
+        kernels.set_isa("auto")
     monkeypatch.setenv("POCKET_MLX_PANELS", "0")
+    assert not kernels.panels_wanted()
     plain, _ = loader.load(str(tiny_ckpt), device="cpu")
     assert getattr(plain, "panel_report", None) is None
     assert not kernels.packed(plain.layers[0].mlp.switch_mlp.gate_proj["weight"])

@@ -8,9 +8,9 @@ Environment:
   POCKET_MLX_THREADS=N        worker threads (default: physical cores)
   POCKET_MLX_KERNEL_MODE=exact|fast  start mode (default: fast; see set_mode)
   POCKET_MLX_ISA=avx2|scalar|neon-dotprod|...  force an instruction set (testing; see set_isa)
-  POCKET_MLX_PANELS=0         keep the MLX layout on the CPU (default: where this CPU has panel
-                              kernels, x86-64 AVX2/AVX-512, models loaded for the CPU have
-                              their 2/4/6/8-bit matrices packed into the panel layout; one copy)
+  POCKET_MLX_PANELS=0|1       the CPU panel layout off / on (default: on where the panel kernels
+                              are AVX-512 VNNI, see PANELS_BY_DEFAULT): models loaded for the CPU
+                              keep their 2/4/6/8-bit matrices packed in it, one copy
   POCKET_MLX_REQUIRE_KERNELS=1  CI: a failed build of the extension fails `pip install`, and the
                               kernel tests fail instead of skipping when it is missing (required())
 """
@@ -335,6 +335,14 @@ def label(status: dict | None = None) -> str:
     return text
 
 
+# Panel kernel variants on which the panel layout is the default, by end-to-end measurement
+# (docs/BENCHMARKS.md, 2026-12-05): AVX-512 VNNI on a quiet AMD Zen 4, decode 0.84x -> 0.99x
+# llama.cpp, `bench --parallel` B=4 72% -> 91% of the bytes bound, a 4-row verify pass 2.31x ->
+# 1.78x a step. The AVX2 kernels decoded ~4% slower than the row kernels on the same CPU, and
+# AVX-512 without VNNI was not measured: there the layout is opt-in (POCKET_MLX_PANELS=1).
+PANELS_BY_DEFAULT = ("avx512-vnni",)
+
+
 def panels_available() -> bool:
     """Whether this CPU has panel kernels (x86-64 AVX2 / AVX-512; not NEON yet, not scalar)."""
     return (_ext is not None and hasattr(_ext, "panel_variant")
@@ -343,12 +351,16 @@ def panels_available() -> bool:
 
 def panels_wanted() -> bool:
     """Models loaded for the CPU keep their quantized matrices in the panel layout: by default
-    where this CPU has panel kernels and the extension is enabled; POCKET_MLX_PANELS=0 keeps
-    the MLX layout. Measured on a quiet AMD Zen 4 (docs/BENCHMARKS.md): decode +17%, a 4-row
-    verify pass 2.31x -> 1.79x a step, batched B=4 72% -> 91% of the bytes bound."""
-    return (panels_available() and enabled()
-            and os.environ.get("POCKET_MLX_PANELS", "1").strip().lower() not in ("0", "false",
-                                                                                 "no", "off"))
+    where the panel kernels are PANELS_BY_DEFAULT's; POCKET_MLX_PANELS=1 asks for the layout on
+    any CPU with panel kernels, POCKET_MLX_PANELS=0 keeps the MLX layout everywhere."""
+    if not (panels_available() and enabled()):
+        return False
+    env = os.environ.get("POCKET_MLX_PANELS", "").strip().lower()
+    if env in ("0", "false", "no", "off"):
+        return False
+    if env in ("1", "true", "yes", "on"):
+        return True
+    return _ext.panel_variant() in PANELS_BY_DEFAULT
 
 
 _packed_count = 0  # matrices packed now (pack_matrix / unpack_matrix): the guard's fast path
