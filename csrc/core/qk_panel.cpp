@@ -113,7 +113,8 @@ void pack_panel(const QMatrix& q, const PanelMatrix& pm, int64_t e, int64_t p) {
   const uint8_t* sb = static_cast<const uint8_t*>(q.scales) + e * N * G * ssz;
   const uint8_t* bb = static_cast<const uint8_t*>(q.biases) + e * N * G * ssz;
   uint8_t* rec0 = const_cast<uint8_t*>(pm.panel(e, p));
-  std::memset(rec0, 0, G * pm.rec_bytes);
+  // A full panel writes every byte below; only a last, partial one has rows to zero.
+  if ((p + 1) * PANEL_W > N) std::memset(rec0, 0, G * pm.rec_bytes);
   for (int r = 0; r < PANEL_W; r++) {
     const int64_t n = p * PANEL_W + r;
     if (n >= N) break;
