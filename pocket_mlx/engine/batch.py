@@ -347,6 +347,7 @@ class BatchDecoder:
         y = int(s.unread.item())
         # Tokens this pass may yield after y: all but the last are read now, the last next step.
         k = min(self.num_draft_tokens, s.limit - s.read - 2)
+        t = time.perf_counter()  # the drafter's own work counts against its passes
         drafts: list[int] = []
         if k > 0 and s.plain_left > 0:
             s.plain_left -= 1
@@ -356,7 +357,6 @@ class BatchDecoder:
                 s.plain_left = d.plain_steps() - 1
         rows = [y, *drafts]
         hist = [*s.history.tolist(), y] if s.processors else []
-        t = time.perf_counter()
         logits, hidden, tape = verify_forward(self.model, mx.array(rows, mx.uint32), s.cache)
         out, a = accept_drafts(logits, rows, hist, True, None, s.sampler, s.processors, s.keep, None)
         if (timed := getattr(d, "timed", None)) is not None:
