@@ -1,6 +1,6 @@
-"""The CPU panel layout for a whole model (default where the CPU has panel kernels;
-POCKET_MLX_PANELS=0 turns it off): the quantized matrices the
-CPU kernels read are packed once when the model is to run on the CPU, one matrix at a time so the
+"""The CPU panel layout for a whole model (`kernels.panels_wanted`: by default where the panel
+kernels are AVX-512 VNNI, POCKET_MLX_PANELS=0/1 to choose): the quantized matrices the CPU
+kernels read are packed once when the model is to run on the CPU, one matrix at a time so the
 weights are never in memory twice, and unpacked into MLX arrays before another device runs it."""
 
 from __future__ import annotations
