@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pocket_mlx import kernels
 from pocket_mlx.analysis import info
 from pocket_mlx.engine import devices
 from pocket_mlx.system import chips
@@ -86,6 +87,7 @@ def test_bundled_model_by_hand(monkeypatch, gpu):
     assert d["quantization"]["experts"]["bits"] == []
     assert d["quantization"]["experts"]["float_dtypes"] == ["bfloat16"]
     assert d["kernels"] and d["decode_ceiling_tps"] is None
+    assert d["cpu_layout"].startswith("panels") == kernels.panels_wanted()
 
 
 def test_synthetic_35b_by_hand():

@@ -215,6 +215,7 @@ def describe(model: str | None = None, context: int | None = None,
         "decode_ceiling_tps": (bandwidth_gbps * GB / stats.bytes_per_token
                                if bandwidth_gbps else None),
         "kernels": kernels.label(),
+        "cpu_layout": kernels.layout_label(),
     }
     if dist is not None:
         out["distributed"] = dist
@@ -273,6 +274,7 @@ def format_text(d: dict) -> str:
         lines.append("decode ceiling   unknown: pass --bandwidth GBPS (measure it with "
                      "`pocket-mlx bench --bandwidth`)")
     lines.append(f"kernels          {d['kernels']}")
+    lines.append(f"cpu layout       {d['cpu_layout']}")
     if d.get("distributed"):
         lines += dist_est.format_text(d["distributed"])
     return "\n".join(lines)

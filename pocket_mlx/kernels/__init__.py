@@ -363,6 +363,16 @@ def panels_wanted() -> bool:
     return _ext.panel_variant() in PANELS_BY_DEFAULT
 
 
+def layout_label() -> str:
+    """The weight layout a model loaded for the CPU gets, for `info`: "panels" or "mlx", with
+    the switch that changes it."""
+    if not panels_available():
+        return "mlx (no panel kernels on this CPU)"
+    if panels_wanted():
+        return f"panels ({_ext.panel_variant()}; POCKET_MLX_PANELS=0 for the MLX layout)"
+    return f"mlx (POCKET_MLX_PANELS=1 for the {_ext.panel_variant()} panel layout)"
+
+
 _packed_count = 0  # matrices packed now (pack_matrix / unpack_matrix): the guard's fast path
 
 
