@@ -33,9 +33,10 @@ CHROMIUM_ARGS = [
     "--no-first-run",
     "--disable-default-apps",
 ]
-# At temperature 0 the bundled model answers this with code that never ends: ~2,000 tokens
-# (its full window) over several seconds on a CPU, time enough to press Stop mid-reply.
-ENDLESS = "Count from 1 to 200."  # past 300 tokens in both CPU layouts (panels and rows)
+# At temperature 0 the bundled model answers this with a reply past 300 tokens in both CPU
+# layouts (panels and rows; "def main():" ended after 21 tokens with panels): time enough to
+# press Stop mid-reply.
+ENDLESS = "Count from 1 to 200."
 
 
 @pytest.fixture(scope="module")
