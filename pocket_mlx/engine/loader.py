@@ -234,6 +234,17 @@ def cast_cache(model: nn.Module, cache: list) -> int:
     return n
 
 
+def _place(model: nn.Module, device: str, pack: bool = True) -> None:
+    """What a model needs on `device` besides its dtypes: the device noted, MLX's CPU buffer
+    cache kept (`keep_cpu_buffers`), the weight layout of that device (`use_panels`; not for a
+    lazy load, whose arrays are not read yet)."""
+    model.device = device
+    if device == "cpu":
+        keep_cpu_buffers()
+    if pack:
+        use_panels(model, device)
+
+
 def use_device(model: nn.Module, device: str, cache: list | None = None) -> bool:
     """Make `model` the model of `device` under the dtype policy (`devices.policy_dtype`),
     unless `load(..., dtype=...)` fixed its dtype, and `cache` (a conversation's, if given)
@@ -242,10 +253,7 @@ def use_device(model: nn.Module, device: str, cache: list | None = None) -> bool
     model) and evaluates them. The casts run on the device's stream (this thread's, see
     `devices.stream_for`). Returns True when parameters were cast."""
     device = resolve_device(device)
-    model.device = device
-    if device == "cpu":
-        keep_cpu_buffers()
-    use_panels(model, device)
+    _place(model, device)
     if getattr(model, "dtype_override", None) is not None or not hasattr(model, "stored_dtypes"):
         return False  # the dtypes never change, so neither do the cache's
     want = policy_dtype(device)
@@ -338,11 +346,7 @@ def load(path_or_repo: ModelFolder | str | os.PathLike | None = None,
               else open_model(path_or_repo, getattr(shard, "group", None)))
     model = load_model(folder, dtype=dtype or policy_dtype(device), lazy=lazy, fuse=fuse,
                        shard=shard)
-    model.device = device
     object.__setattr__(model, "dtype_override", dtype)
-    if device == "cpu":
-        keep_cpu_buffers()
-    if not lazy:
-        use_panels(model, device)
+    _place(model, device, pack=not lazy)
     tokenizer = load_tokenizer(folder.path, folder.config)
     return model, tokenizer

@@ -85,7 +85,7 @@ def unpack_model(model: nn.Module) -> dict:
     """The MLX layout back, matrix by matrix (each one's panels freed as its arrays are
     rebuilt). Returns {"matrices", "seconds"}."""
     t0 = time.perf_counter()
-    mods = _held(model)
+    mods = getattr(model, "panel_modules", None) or []  # never packed: nothing to track
     n = len(mods)
     while mods:
         m, w = mods.pop()
