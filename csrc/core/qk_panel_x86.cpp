@@ -17,6 +17,7 @@
 namespace pqk {
 namespace panel_avx512vnni {
 #define QK_W 16
+#define QK_DOT_WIDE 1
 typedef float pv_f __attribute__((vector_size(64)));
 typedef int32_t pv_i __attribute__((vector_size(64)));
 typedef uint32_t pv_u __attribute__((vector_size(64)));
@@ -31,6 +32,7 @@ static inline pv_f qk_h2f(const uint16_t* p) {
 }
 #include "qk_panel.inc"
 #undef QK_W
+#undef QK_DOT_WIDE
 }  // namespace panel_avx512vnni
 }  // namespace pqk
 #pragma GCC pop_options
@@ -39,6 +41,7 @@ static inline pv_f qk_h2f(const uint16_t* p) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
 namespace pqk {
 namespace panel_avx512 {
+#define QK_DOT_WIDE 0
 #define QK_W 16
 typedef float pv_f __attribute__((vector_size(64)));
 typedef int32_t pv_i __attribute__((vector_size(64)));
@@ -55,6 +58,7 @@ static inline pv_f qk_h2f(const uint16_t* p) {
 }
 #include "qk_panel.inc"
 #undef QK_W
+#undef QK_DOT_WIDE
 }  // namespace panel_avx512
 }  // namespace pqk
 #pragma GCC pop_options
@@ -63,6 +67,7 @@ static inline pv_f qk_h2f(const uint16_t* p) {
 #pragma GCC target("avx2,fma,f16c,bmi2")
 namespace pqk {
 namespace panel_avx2 {
+#define QK_DOT_WIDE 0
 #define QK_W 8
 typedef float pv_f __attribute__((vector_size(32)));
 typedef int32_t pv_i __attribute__((vector_size(32)));
@@ -79,6 +84,7 @@ static inline pv_f qk_h2f(const uint16_t* p) {
 }
 #include "qk_panel.inc"
 #undef QK_W
+#undef QK_DOT_WIDE
 }  // namespace panel_avx2
 }  // namespace pqk
 #pragma GCC pop_options
@@ -89,6 +95,7 @@ static inline pv_f qk_h2f(const uint16_t* p) {
 namespace pqk {
 namespace panel_portable {
 #define QK_W 4
+#define QK_DOT_WIDE 1
 typedef float pv_f __attribute__((vector_size(16)));
 typedef int32_t pv_i __attribute__((vector_size(16)));
 typedef uint32_t pv_u __attribute__((vector_size(16)));
@@ -110,6 +117,7 @@ static inline pv_f qk_h2f(const uint16_t* p) {
 }
 #include "qk_panel.inc"
 #undef QK_W
+#undef QK_DOT_WIDE
 }  // namespace panel_portable
 }  // namespace pqk
 
