@@ -1,5 +1,5 @@
-// Small per-layer float32 decode ops: rms_norm (plain and gated), causal_conv_silu, rope and the
-// MoE router, one primitive class for the four.
+// Small per-layer float32 decode ops: rms_norm (plain and gated), causal_conv_silu, rope, the
+// MoE router and sampling's log_softmax, one primitive class for the five.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -17,7 +17,7 @@ namespace {
 // CPU backend runs a graph of composed ops (mx.fast.rms_norm alone is ~10 nodes on the CPU).
 class PocketSmallOp : public CpuPrimitive {
  public:
-  enum Kind { RMS_NORM, CONV_SILU, ROPE, ROUTE };
+  enum Kind { RMS_NORM, CONV_SILU, ROPE, ROUTE, LOG_SOFTMAX };
   PocketSmallOp(mx::Stream s, Kind kind, int64_t a = 0, int64_t b = 0, float f = 0.f)
       : CpuPrimitive(s), kind_(kind), a_(a), b_(b), f_(f) {}
 
@@ -40,6 +40,9 @@ class PocketSmallOp : public CpuPrimitive {
       } else if (kind == ROPE) {  // x [..., L, D]; a = dims, b = offset, f = base
         const int64_t D = x.shape(-1), L = x.shape(-2);
         pqk::rope(in[0], outputs[0].data<float>(), (int64_t)x.size() / (L * D), L, D, a, f, b);
+      } else if (kind == LOG_SOFTMAX) {  // x [..., V]
+        const int64_t V = x.shape(-1);
+        pqk::log_softmax(in[0], outputs[0].data<float>(), (int64_t)x.size() / V, V);
       } else {  // logits [..., E]; a = k, b = normalize
         const int64_t E = x.shape(-1);
         pqk::moe_route(in[0], (int64_t)x.size() / E, E, a, b != 0,
@@ -53,6 +56,7 @@ class PocketSmallOp : public CpuPrimitive {
       case RMS_NORM: return "PocketRMSNorm";
       case CONV_SILU: return "PocketConvSilu";
       case ROPE: return "PocketRope";
+      case LOG_SOFTMAX: return "PocketLogSoftmax";
       default: return "PocketRoute";
     }
   }
@@ -108,6 +112,15 @@ mx::array rope(const mx::array& x, int dims, float base, int64_t offset, mx::Str
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<PocketSmallOp>(cpu_stream(s), PocketSmallOp::ROPE, dims,
                                                    offset, base),
+                   {x});
+}
+
+mx::array log_softmax(const mx::array& x, mx::StreamOrDevice s) {
+  require_f32(x, "log_softmax");
+  if (x.ndim() < 1 || x.size() == 0)
+    throw std::invalid_argument("pocket_mlx._qkernels.log_softmax: empty input");
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<PocketSmallOp>(cpu_stream(s), PocketSmallOp::LOG_SOFTMAX),
                    {x});
 }
 

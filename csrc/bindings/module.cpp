@@ -1,7 +1,8 @@
 // MLX extension: custom CPU primitives around the plain core in core/qkernels.h.
 //   _qkernels.quantized_matmul(x, w, scales, biases, group_size, bits)        (transpose=True)
 //   _qkernels.gather_qmm(x, w, scales, biases, indices, group_size, bits)     (rhs_indices)
-//   _qkernels.gated_delta, rms_norm, causal_conv_silu, rope, moe_route        (decode helpers)
+//   _qkernels.gated_delta, rms_norm, causal_conv_silu, rope, moe_route,
+//             log_softmax                                                 (decode helpers)
 //   _qkernels.moe_block, moe_block_parts, moe_combine, linear_attn_step, linear_attn_rows       (whole decode blocks)
 //   _qkernels.causal_attention                                                (prefill attention)
 // eval_gpu throws (bindings/common.h): these primitives are for the CPU device only. They live
@@ -51,6 +52,8 @@ NB_MODULE(_qkernels, m) {
   m.def("moe_route", &moe_route, nb::arg("logits"), nb::kw_only(), nb::arg("k"),
         nb::arg("normalize"), nb::arg("stream") = nb::none(),
         "softmax + top-k of router logits on the CPU: (indices uint32, scores float32).");
+  m.def("log_softmax", &log_softmax, nb::arg("x"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "x - logsumexp(x, axis=-1) on the CPU (sampling's log-probabilities), float32.");
   m.def("moe_block", &moe_block, nb::arg("x"), nb::arg("mats"), nb::kw_only(), nb::arg("k"),
         nb::arg("normalize"), nb::arg("stream") = nb::none(),
         "A whole Qwen3.5-MoE sparse block on the CPU (router, top-k SwiGLU experts, gated shared "

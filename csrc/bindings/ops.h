@@ -35,6 +35,7 @@ mx::array causal_conv_silu(const mx::array& x, const mx::array& w, mx::StreamOrD
 mx::array rope(const mx::array& x, int dims, float base, int64_t offset, mx::StreamOrDevice s);
 std::vector<mx::array> moe_route(const mx::array& logits, int k, bool normalize,
                                  mx::StreamOrDevice s);
+mx::array log_softmax(const mx::array& x, mx::StreamOrDevice s);
 
 // blocks.cpp
 mx::array moe_block(const mx::array& x,

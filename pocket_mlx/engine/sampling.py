@@ -18,6 +18,7 @@ from functools import partial
 import mlx.core as mx
 
 from pocket_mlx.engine.params import DEFAULT_REPETITION_CONTEXT
+from pocket_mlx.kernels import ops
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -142,7 +143,7 @@ def sample(logits: mx.array, sampler: Sampler, processors: list | tuple = (),
     `generate_step` and of the batched decode (engine/batch.py)."""
     for proc in processors:
         logits = proc(history, logits)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = ops.log_softmax(logits)
     return sampler(logprobs), logprobs
 
 

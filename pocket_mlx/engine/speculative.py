@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from pocket_mlx.engine.drafters import Drafter
 from pocket_mlx.engine.sampling import logit_filters, sample
+from pocket_mlx.kernels import ops
 from pocket_mlx.models.verify import commit, verify_forward
 
 
@@ -206,7 +207,7 @@ def _row_logprobs(logits: mx.array, processors, history: list[int], keep: int) -
     hist = mx.array(history[-keep:], mx.uint32)
     for proc in processors:
         logits = proc(hist, logits)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return ops.log_softmax(logits)
 
 
 def accept_drafts(
