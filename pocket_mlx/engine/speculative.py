@@ -109,8 +109,9 @@ def speculative_step(
                 keep=keep,
                 fed=fed,
                 drafter=drafter,
+                until=getattr(drafter, "has_draft", None),
+                counts=counts,
             )
-            counts.passes += m
             n += m
             first = False
             if timed is not None:
@@ -161,10 +162,15 @@ def _plain(
     keep: int,
     fed,
     drafter,
+    until: Callable[[list[int]], bool] | None = None,
+    counts: SpecCounts | None = None,
 ):
     """`count` one-token steps from the pending token `y`, pipelined as `generate_step`
     decodes (the next step queued before the token is read): yields them, returns (the new
-    pending token, how many were yielded). The drafter hears each step's hidden state."""
+    pending token, how many were yielded). The drafter hears each step's hidden state. With
+    `until`, the stretch ends early once `until(tokens)` holds (lookup: a match to draft from),
+    after the step already queued then (ending a stretch costs its last step's overlap, never a
+    step thrown away)."""
     lm = model.language_model
 
     def step(tok: mx.array, hist: mx.array | None):
@@ -181,9 +187,10 @@ def _plain(
         hist = mx.array(tokens[-keep:], mx.uint32) if processors else None
         t, lp, h = step(mx.array([y], mx.uint32), hist)
         mx.async_eval(t, lp)
+    stop = False
     for i in range(count):
         nxt = None
-        if i + 1 < count:  # queue the successor from the still-lazy token, then read it
+        if i + 1 < count and not stop:  # queue the successor from the still-lazy token, read it
             with mx.stream(stream):
                 if processors:
                     hist = mx.concatenate([hist, t.astype(mx.uint32)])[-keep:]
@@ -194,9 +201,13 @@ def _plain(
         if nxt is not None and fed is not None:
             fed.append(tok)
         drafter.accepted(0, 0, h)
+        if counts is not None:  # counted before the yield: a reply may end (EOS) right there
+            counts.passes += 1
         yield tok, lp
         if nxt is None:
             return tok, i + 1
+        if until is not None and not stop:
+            stop = until(tokens)
         t, lp, h = nxt
     raise AssertionError("unreachable")
 
