@@ -163,7 +163,7 @@ void log_softmax(const float* x, float* out, int64_t rows, int64_t n) {
     part[r * nch + c] = std::isinf(lse[r]) ? 0.f : chunk_expsum(xc, len, lse[r]);
   });
   for (int64_t r = 0; r < rows; r++) {
-    if (std::isinf(lse[r])) continue;  // (also NaN-free for rows of -inf only: lse = -inf)
+    if (std::isinf(lse[r])) continue;  // an infinite max is the lse itself, as in MLX
     float sum = 0.f;
     for (int64_t c = 0; c < nch; c++) sum += part[r * nch + c];
     lse[r] = std::log(sum) + lse[r];
