@@ -97,12 +97,39 @@ def test_moe_route(E, k, normalize):
     close(mx.sort(scores, -1), mx.sort(ref_s, -1))
 
 
+@pytest.mark.parametrize("rows,V", [(1, 248320), (3, 8192), (2, 100), (1, 8195)])
+def test_log_softmax(rows, V):
+    """Sampling's log-probabilities: one node, close to MLX's (and closer than it to float64),
+    each row's bits its own (a verify pass's rows equal one-token decode's), infinite maxima as
+    MLX has them."""
+    x = rand(rows, V, scale=5.0)
+    y = ops.log_softmax(x)
+    assert "PocketLogSoftmax" in nodes(y)
+    ref = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    x64 = np.array(x).astype(np.float64)
+    m = x64.max(-1, keepdims=True)
+    exact = x64 - (np.log(np.exp(x64 - m).sum(-1, keepdims=True)) + m)
+    assert np.abs(np.array(y) - exact).max() <= max(1e-5, np.abs(np.array(ref) - exact).max())
+    for r in range(rows):
+        assert np.array_equal(np.array(ops.log_softmax(x[r : r + 1])), np.array(y)[r : r + 1])
+    inf = mx.array([[-np.inf] * 5, [0.0, -np.inf, 1.0, 2.0, 3.0], [np.inf, 0.0, 1.0, 2.0, 3.0]],
+                   mx.float32)
+    got, want = np.array(ops.log_softmax(inf)), np.array(inf - mx.logsumexp(inf, axis=-1,
+                                                                            keepdims=True))
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(np.isposinf(got), np.isposinf(want))
+    assert np.array_equal(np.isneginf(got), np.isneginf(want))
+    finite = np.isfinite(want)
+    assert np.allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6)
+
+
 def test_without_the_extension_ops_are_mlx():
     x, w = rand(1, 1, 64), rand(64)
     kernels.set_enabled(False)
     try:
         for y in (ops.rms_norm(x, w, 1e-6), ops.causal_conv_silu(rand(1, 4, 64), rand(64, 4, 1)),
-                  ops.rope(rand(1, 2, 1, 64), 32, 1e4, 3), ops.moe_route(x, 4, True)[1]):
+                  ops.rope(rand(1, 2, 1, 64), 32, 1e4, 3), ops.moe_route(x, 4, True)[1],
+                  ops.log_softmax(x)):
             assert "Pocket" not in nodes(y)
     finally:
         kernels.set_enabled(True)
