@@ -353,9 +353,7 @@ class BatchDecoder:
             s.plain_left -= 1
         elif k > 0:
             drafts = d.draft([*s.seen, y], k)[:k]
-            # (Not for a drafter that says when it has a draft, lookup: asking it is cheap, and
-            # its plain stretch lasts until it finds one.)
-            if not drafts and hasattr(d, "plain_steps") and not hasattr(d, "has_draft"):
+            if not drafts and hasattr(d, "plain_steps"):
                 s.plain_left = d.plain_steps() - 1
         rows = [y, *drafts]
         hist = [*s.history.tolist(), y] if s.processors else []

@@ -93,9 +93,6 @@ class LookupDrafter:
     # Where no n-gram matches, the decode loop runs plain pipelined decode (a one-row verify
     # pass waits for each token: on the bundled model ~1.5x a pipelined step, and on its
     # code-edit prompt half the passes found no match) until `has_draft` sees a match.
-    def plain_steps(self) -> int:
-        return 1 << 30
-
     def has_draft(self, tokens: Sequence[int]) -> bool:
         return bool(self.draft(tokens, 1))
 

@@ -82,7 +82,8 @@ def speculative_step(
     y = int(rest[0].item())
     first = True
     n = 0
-    plain_steps = getattr(drafter, "plain_steps", None)
+    plain_steps = getattr(drafter, "plain_steps", None)  # auto: how long to back off
+    has_draft = getattr(drafter, "has_draft", None)  # lookup: plain until a match
     timed = getattr(drafter, "timed", None)
     while n < max_tokens:
         k = min(num_draft_tokens, max_tokens - n - 1)
@@ -95,7 +96,9 @@ def speculative_step(
         window = 0
         if not drafts and plain_steps is not None:
             window = min(plain_steps(), max_tokens - n)
-        if window > 0:  # a stretch of plain, pipelined decode (auto backing off)
+        elif not drafts and has_draft is not None:
+            window = max_tokens - n  # ended by `has_draft` (at the latest by max_tokens)
+        if window > 0:  # a stretch of plain, pipelined decode (auto backing off, no match)
             y, m = yield from _plain(
                 model,
                 cache,
@@ -109,7 +112,7 @@ def speculative_step(
                 keep=keep,
                 fed=fed,
                 drafter=drafter,
-                until=getattr(drafter, "has_draft", None),
+                until=has_draft,
                 counts=counts,
             )
             n += m
