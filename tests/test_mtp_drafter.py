@@ -15,7 +15,7 @@ import pytest
 from conftest import speculative_run
 
 from pocket_mlx.convert import synthetic
-from pocket_mlx.engine.drafters import BackOff, make_drafter
+from pocket_mlx.engine.drafters import BackOff, LookupDrafter, LookupFirst, make_drafter
 from pocket_mlx.engine.loader import load
 from pocket_mlx.engine.mtp_drafter import MAX_MTP_DEPTH, MTPDrafter
 
@@ -42,7 +42,8 @@ def test_make_drafter_picks_the_head(tiny_mtp):
     _, model, _ = tiny_mtp
     assert isinstance(make_drafter("mtp", model), MTPDrafter)
     auto = make_drafter("auto", model)
-    assert isinstance(auto, BackOff) and isinstance(auto.inner, MTPDrafter)
+    assert isinstance(auto, LookupFirst) and isinstance(auto.head.inner, MTPDrafter)
+    assert isinstance(auto.lookup, BackOff) and isinstance(auto.lookup.inner, LookupDrafter)
 
 
 @pytest.mark.parametrize("spec", ["mtp", "auto"])
@@ -52,7 +53,7 @@ def test_greedy_mtp_equals_plain(tiny_mtp, plain, spec, k):
     got, stats = _run(model, tok, spec, k)
     assert got == plain[0]
     sp = stats.speculative
-    assert sp["method"] == ("mtp" if spec == "mtp" else "auto:mtp") and sp["drafted"] > 0
+    assert sp["method"] == ("mtp" if spec == "mtp" else "auto:lookup+mtp") and sp["drafted"] > 0
     if spec == "mtp" and sp["accepted"] == 0:  # each pass drafts min(k, depth, tokens left - 1)
         n = len(got)
         assert sp["drafted"] == sum(min(k, MAX_MTP_DEPTH, n - 1 - i) for i in range(n))

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import KERNEL_PATHS, kernel_path, speculative_run
 
-from pocket_mlx.engine.drafters import BackOff, LookupDrafter, make_drafter
+from pocket_mlx.engine.drafters import BackOff, LookupDrafter, LookupFirst, make_drafter
 from pocket_mlx.engine.generation import SamplingParams, stream_generate
 from pocket_mlx.engine.loader import load
 from pocket_mlx.engine.sampling import greedy, sample
@@ -157,7 +157,7 @@ def test_greedy_speculation_equals_plain_256_tokens(bundled, domain):
         # auto tries the head a few times and backs off (it loses on this model): drafts, not
         # necessarily accepted ones
         assert stats.speculative["accepted" if spec != "auto" else "drafted"] > 0, spec
-    assert stats.speculative["method"] == "auto:mtp"
+    assert stats.speculative["method"] == "auto:lookup+mtp"
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -347,10 +347,58 @@ def test_back_off_try_is_judged_on_its_own_speed():
     assert b.skip == 0 and b.draft(seq, 3) == [3, 1, 2]
 
 
+class _Head:
+    """A head that drafts `tokens` (a fixed guess) and records the trunk rows it hears."""
+
+    name = "mtp"
+    last_probs = None
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def reset(self) -> None:
+        self.rows = []
+
+    def draft(self, tokens, k):
+        return [7] * k
+
+    def accepted(self, drafted, accepted, hidden=None):
+        if hidden is not None:
+            self.rows.extend(hidden.tolist())
+
+
+def test_lookup_first_takes_matches_then_the_head():
+    """auto with a head: lookup's drafts where the context matches, the head's elsewhere, each
+    backing off on its own; the head hears every trunk row, lookup's passes included."""
+    head = _Head()
+    d = LookupFirst(BackOff(LookupDrafter(), probe=0), BackOff(head, probe=0))
+    match, none = [1, 2, 3, 1, 2], [1, 2, 3, 4]
+    assert d.draft(match, 3) == [3] and d.source is d.lookup  # a try: one draft
+    d.timed(2, 1.0, 2)
+    d.accepted(1, 1, mx.array([10, 11]))
+    assert head.rows == [10, 11] and d.lookup.paying
+    assert d.draft(match, 3) == [3, 1, 2]  # lookup paid: full drafts
+    d.accepted(3, 3, mx.array([12]))
+    assert d.draft(none, 3) == [7] and d.source is d.head  # no match: the head tries
+    d.accepted(1, 0, mx.array([13]))  # and fails: the head backs off, lookup does not
+    assert head.rows == [10, 11, 12, 13] and d.head.wait == 8 and d.lookup.wait == 0
+    assert d.draft(none, 3) == []
+    assert d.plain_steps() == 8 and d.has_draft(match) and not d.has_draft(none)
+    d.timed(1, 0.1, 3)  # a plain stretch of 3 tokens (a match ended it): counted off
+    assert d.head.wait == 5 and d.draft(match, 3) == [3, 1, 2]
+    d.accepted(3, 0, mx.array([14]))  # lookup fails too: both back off, each its own wait
+    assert d.lookup.wait == 8 and not d.has_draft(match)
+    assert d.plain_steps() == 5
+    d.timed(1, 0.1, 5)
+    assert d.head.wait == 0 and d.draft(none, 3) == [7]  # the head's turn comes first
+
+
 def test_auto_memory_is_per_model(headless, bundled):
     a, b = make_drafter("auto", headless[0]), make_drafter("auto", bundled[0])
-    assert a.memory is not b.memory
+    assert a.memory is not b.lookup.memory  # lookup on another model learns apart
+    assert b.lookup.memory is not b.head.memory  # and so do two drafters of one model
     assert make_drafter("auto", headless[0]).memory is a.memory
+    assert make_drafter("auto", bundled[0]).head.memory is b.head.memory
 
 
 def test_mtp_without_head(headless, bundled):
@@ -359,7 +407,7 @@ def test_mtp_without_head(headless, bundled):
         make_drafter("mtp", model)
     assert make_drafter("auto", model).name == "lookup"
     assert make_drafter("off", model) is None
-    assert make_drafter("auto", bundled[0]).name == "mtp"  # the bundled model has a head
+    assert make_drafter("auto", bundled[0]).name == "lookup+mtp"  # the bundled model has a head
 
 
 def _first_token_counts(logits, drafts, q, draws, temperature=1.0, top_k=0):
@@ -583,6 +631,7 @@ class _SlowPerfectDrafter:
 
     def __init__(self, prompt_len: int, reply: list[int], delay: float) -> None:
         self.prompt_len, self.reply, self.delay = prompt_len, reply, delay
+        self.drafted = 0
 
     def reset(self) -> None:
         pass
@@ -592,6 +641,7 @@ class _SlowPerfectDrafter:
 
         time.sleep(self.delay)
         i = len(tokens) - self.prompt_len
+        self.drafted += len(self.reply[i : i + k])
         return self.reply[i : i + k]
 
     def accepted(self, drafted, accepted, hidden=None):
@@ -607,8 +657,8 @@ def test_auto_counts_the_drafters_own_time(headless):
     prompt = "Once upon a time"
     ref, _ = _run(model, tok, prompt, max_tokens=128, raw=True)
     ids = tok.encode(prompt)
-    object.__setattr__(model, "mtp_drafter",
-                       lambda: _SlowPerfectDrafter(len(ids), ref, delay=0.03))
+    head = _SlowPerfectDrafter(len(ids), ref, delay=0.03)
+    object.__setattr__(model, "mtp_drafter", lambda: head)
     object.__setattr__(model, "_auto_backoff", None)
     try:
         got, stats = _run(model, tok, prompt, "auto", 3, max_tokens=128, raw=True)
@@ -616,6 +666,7 @@ def test_auto_counts_the_drafters_own_time(headless):
         object.__delattr__(model, "mtp_drafter")
         object.__setattr__(model, "_auto_backoff", None)
     assert got == ref
-    s = stats.speculative
-    assert s["accepted"] == s["drafted"] > 0  # right every time...
-    assert s["drafted"] <= 12  # ...yet tried only a few times (one draft a try)
+    # (auto drafts with lookup first where the reply matches its context: those drafts are
+    # lookup's, counted in "drafted" too; the slow head's are its own count)
+    assert stats.speculative["drafted"] >= head.drafted > 0  # right every time...
+    assert head.drafted <= 12  # ...yet tried only a few times (one draft a try)

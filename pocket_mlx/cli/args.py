@@ -171,8 +171,9 @@ def add_speculative_args(p: argparse.ArgumentParser, default: str = "auto",
 
     p.add_argument("--speculative", choices=list(METHODS), default=default,
                    help="speculative decoding: lookup = n-gram drafts from the prompt and reply, "
-                        "mtp = the model's multi-token-prediction head, auto = mtp when the "
-                        "model has one, else lookup, backing off while drafts fail; greedy "
+                        "mtp = the model's multi-token-prediction head, auto = lookup where the "
+                        "context matches, else the head when the model has one, each backing "
+                        "off while its drafts fail; greedy "
                         "output is the same as off, token for token"
                         + (f"; applies to {where}" if where else "")
                         + f" (default: {default})")

@@ -342,16 +342,18 @@ class BatchDecoder:
         it yields is read (and the cache committed to it) by `_read`."""
         d = s.drafter
         if not s.synced:  # it missed batched steps' hidden states: start it over
-            getattr(d, "inner", d).reset()
+            getattr(d, "reset_sequence", d.reset)()
             s.synced = True
         y = int(s.unread.item())
         # Tokens this pass may yield after y: all but the last are read now, the last next step.
         k = min(self.num_draft_tokens, s.limit - s.read - 2)
         t = time.perf_counter()  # the drafter's own work counts against its passes
         drafts: list[int] = []
-        if k > 0 and s.plain_left > 0:
-            s.plain_left -= 1
+        has_draft = getattr(d, "has_draft", None)
+        if k > 0 and s.plain_left > 0 and not (has_draft and has_draft([*s.seen, y])):
+            s.plain_left -= 1  # backing off (lookup's match ends it, as in plain decode's loop)
         elif k > 0:
+            s.plain_left = 0
             drafts = d.draft([*s.seen, y], k)[:k]
             if not drafts and hasattr(d, "plain_steps"):
                 s.plain_left = d.plain_steps() - 1

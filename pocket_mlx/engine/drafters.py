@@ -19,6 +19,10 @@ them.
   fewer tokens per second than plain decode, it stops asking (plain pipelined decode runs
   instead) for a number of tokens that grows 4x with each failure, up to `max_skip`, tries
   again with one draft, and remembers per model what it learnt for the next generation.
+- `LookupFirst` is `auto` on a model with a head: lookup's draft where the context has a match,
+  the head's otherwise, each behind its own `BackOff` (lookup's matches pay where the head's
+  guesses do not: on the bundled model lookup decoded 1.25x of plain on ordinary prompts while
+  the head alone, backing off, gave 0.95x).
 """
 
 from __future__ import annotations
@@ -154,6 +158,10 @@ class BackOff:
         n, self.wait = max(self.wait, self.idle), 0
         return n
 
+    def reset_sequence(self) -> None:
+        """Forget the sequence (the inner drafter's state), keep what was learnt about speed."""
+        self.inner.reset()
+
     def timed(self, rows: int, seconds: float, tokens: int) -> None:
         rate = tokens / max(seconds, 1e-9)
         if rows == 1:
@@ -186,6 +194,74 @@ class BackOff:
         self._remember()
 
 
+class LookupFirst:
+    """`auto` on a model with an MTP head: lookup drafts where an n-gram of the context
+    matches, the head where none does, each behind its own `BackOff` (its speeds, failures and
+    memory its own: a head that loses backs off without silencing lookup, and the other way
+    round). Plain stretches last until the drafter that can draft next may try again; while
+    lookup is not backing off a match ends them early (`has_draft`), as with lookup alone. The
+    head hears every trunk row (its cache needs them all), lookup's passes included."""
+
+    name = "lookup+mtp"
+    last_probs = None  # both draft deterministically (q one-hot)
+
+    def __init__(self, lookup: BackOff, head: BackOff) -> None:
+        self.lookup, self.head = lookup, head
+        self.source: BackOff | None = None  # who drafted the pass in flight
+
+    def reset(self) -> None:
+        self.lookup.reset()
+        self.head.reset()
+        self.source = None
+
+    def reset_sequence(self) -> None:
+        self.lookup.reset_sequence()
+        self.head.reset_sequence()
+        self.source = None
+
+    def prompt_hidden(self, hidden: mx.array, tokens: mx.array) -> None:
+        """The prompt's trunk rows fill the head's cache (so its first drafts see the prompt)."""
+        hook = getattr(self.head.inner, "prompt_hidden", None)
+        if hook is not None:
+            hook(hidden, tokens)
+
+    def draft(self, tokens: Sequence[int], k: int) -> list[int]:
+        self.source = None
+        for b in (self.lookup, self.head):
+            drafts = b.draft(tokens, k)
+            if drafts:
+                self.source = b
+                return drafts
+        return []
+
+    def has_draft(self, tokens: Sequence[int]) -> bool:
+        return self.lookup.wait == 0 and self.lookup.inner.has_draft(tokens)
+
+    def plain_steps(self) -> int:
+        """Plain tokens until one of the two may draft again (the stretch is counted off both
+        waits by `timed`, which hears how many tokens it really had)."""
+        head = max(self.head.wait, self.head.idle)
+        if self.lookup.wait == 0:  # lookup had no match: until one appears (`has_draft`)
+            return head
+        return max(min(self.lookup.wait, head), self.lookup.idle)
+
+    def timed(self, rows: int, seconds: float, tokens: int) -> None:
+        if rows == 1:  # plain decode: both learn its speed, both waits run down
+            for b in (self.lookup, self.head):
+                b.wait = max(0, b.wait - tokens)
+                b.timed(rows, seconds, tokens)
+        elif self.source is not None:
+            self.source.timed(rows, seconds, tokens)
+
+    def accepted(self, drafted: int, accepted: int, hidden: mx.array | None = None) -> None:
+        source, self.source = self.source, None
+        if drafted and source is self.lookup:
+            self.lookup.accepted(drafted, accepted, hidden)
+            self.head.inner.accepted(0, 0, hidden)  # the head's cache takes every trunk row
+        else:
+            self.head.accepted(drafted, accepted, hidden)
+
+
 def check_num_draft_tokens(k: int) -> int:
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_DRAFT_TOKENS:
         raise PocketError(f"--num-draft-tokens must be 1..{MAX_NUM_DRAFT_TOKENS}, got {k!r}")
@@ -207,8 +283,8 @@ def mtp_drafter(model):
 
 def make_drafter(method: str, model) -> Drafter | None:
     """The drafter of `--speculative METHOD` for `model`, or None (plain decode). `mtp` on a
-    model without a head is a PocketError; `auto` is mtp when there is a head, else lookup,
-    with back-off either way."""
+    model without a head is a PocketError; `auto` is lookup first and the head where lookup
+    has no match (`LookupFirst`) when there is a head, else lookup, with back-off either way."""
     if method not in METHODS:
         raise PocketError(f"--speculative must be one of {', '.join(METHODS)}, got {method!r}")
     if method == "off":
@@ -222,7 +298,6 @@ def make_drafter(method: str, model) -> Drafter | None:
                 "--speculative mtp: this model has no MTP head (use --speculative lookup or auto)"
             )
         return head
-    inner = head if head is not None else LookupDrafter()
     # What `auto` learnt about this model (BackOff's `memory`), kept on the model for its next
     # generation; object.__setattr__: nn.Module would file a dict attribute among its
     # parameters.
@@ -230,6 +305,11 @@ def make_drafter(method: str, model) -> Drafter | None:
     if memory is None:
         memory = {}
         object.__setattr__(model, "_auto_backoff", memory)
-    # Per device too: speeds measured on the CPU say nothing of the GPU's.
-    key = f"{inner.name}@{getattr(model, 'device', None)}"
-    return BackOff(inner, memory=memory.setdefault(key, {}))
+    # Per drafter and device: speeds measured on the CPU say nothing of the GPU's.
+    device = getattr(model, "device", None)
+
+    def backed_off(inner) -> BackOff:
+        return BackOff(inner, memory=memory.setdefault(f"{inner.name}@{device}", {}))
+
+    lookup = backed_off(LookupDrafter())
+    return lookup if head is None else LookupFirst(lookup, backed_off(head))
