@@ -20,6 +20,7 @@
 
 #include "cpu_features.h"
 #include "qk_internal.h"
+#include "qk_panel.h"
 #include "qk_shuffle_ctrl.h"
 
 namespace pqk {
@@ -107,6 +108,28 @@ static inline vi qk_dot8_bits(vi acc, vu q, vu x) {
 }
 #include "qk_fast.inc"
 #undef QK_HAVE_DOT8_BITS
+
+// Row-panel kernels (qk_panel.inc) with sdot: codes shifted down to < 64 before each dot (the
+// signed product needs codes < 128), so not WIDE; 8-bit codes as two nibbles (qk_dot8_bits).
+namespace panel {
+#define QK_DOT_WIDE 0
+#define QK_HAVE_DOT8_BITS
+typedef float pv_f __attribute__((vector_size(16)));
+typedef int32_t pv_i __attribute__((vector_size(16)));
+typedef uint32_t pv_u __attribute__((vector_size(16)));
+static inline pv_f qk_fmadd(pv_f a, pv_f b, pv_f c) {
+  return (pv_f)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+}
+static inline pv_f qk_h2f(const uint16_t* p) {
+  return (pv_f)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+}
+static inline pv_i qk_dot8(pv_i acc, pv_u q, pv_u x) {
+  return (pv_i)QK_SDOT((int32x4_t)acc, (int8x16_t)q, (int8x16_t)x);
+}
+#include "qk_panel.inc"
+#undef QK_DOT_WIDE
+#undef QK_HAVE_DOT8_BITS
+}  // namespace panel
 }  // namespace dotprod
 }  // namespace isa_neon
 }  // namespace pqk
@@ -329,6 +352,28 @@ static void rows_fast_mm(const detail::RowsArgs& a) {
     }
   }
 }
+
+// Row-panel kernels (qk_panel.inc) with usdot: unsigned codes x signed activations in int32, as
+// x86 VNNI's vpdpbusd, so codes are masked in place (WIDE) and 8-bit codes go as they are. (The
+// usmmla tiles of rows_fast_mm would need two weight rows per lane pair: the panel layout has one
+// row per 32-bit lane, so the panels use usdot for every B, as the x86 builds use vpdpbusd.)
+namespace panel {
+#define QK_DOT_WIDE 1
+typedef float pv_f __attribute__((vector_size(16)));
+typedef int32_t pv_i __attribute__((vector_size(16)));
+typedef uint32_t pv_u __attribute__((vector_size(16)));
+static inline pv_f qk_fmadd(pv_f a, pv_f b, pv_f c) {
+  return (pv_f)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+}
+static inline pv_f qk_h2f(const uint16_t* p) {
+  return (pv_f)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+}
+static inline pv_i qk_dot8(pv_i acc, pv_u q, pv_u x) {
+  return (pv_i)QK_USDOT((int32x4_t)acc, (uint8x16_t)q, (int8x16_t)x);
+}
+#include "qk_panel.inc"
+#undef QK_DOT_WIDE
+}  // namespace panel
 }  // namespace i8mm
 #undef QK_W
 }  // namespace isa_neon
@@ -350,6 +395,14 @@ const IsaOps neon_dotprod_ops = {"neon", 4, &isa_neon::rows_exact, &isa_neon::do
 const IsaOps neon_i8mm_ops = {"neon", 4, &isa_neon::rows_exact, &isa_neon::i8mm::rows_fast_mm,
                               {false, true, true, false, true, false, true, false, true},
                               "neon-i8mm"};
+
+extern const PanelKernels panel_kernels_neon_dotprod, panel_kernels_neon_i8mm;
+const PanelKernels panel_kernels_neon_dotprod = {
+    "neon-dotprod", &isa_neon::dotprod::panel::panel_fast, &isa_neon::dotprod::panel::panel_exact,
+    {false, false, true, false, true, false, true, false, true}};
+const PanelKernels panel_kernels_neon_i8mm = {
+    "neon-i8mm", &isa_neon::i8mm::panel::panel_fast, &isa_neon::i8mm::panel::panel_exact,
+    {false, false, true, false, true, false, true, false, true}};
 
 const IsaOps* neon_select(const char* name) {
   const CpuFeatures& f = cpu_features();

@@ -19,6 +19,9 @@ namespace detail {
 
 extern const PanelKernels panel_kernels_avx512vnni, panel_kernels_avx512, panel_kernels_avx2,
     panel_kernels_portable;
+#if defined(__aarch64__)
+extern const PanelKernels panel_kernels_neon_dotprod, panel_kernels_neon_i8mm;  // qk_neon.cpp
+#endif
 
 int64_t panel_prefetch() {
   static const int64_t pf = [] {
@@ -34,6 +37,11 @@ const PanelKernels& panel_kernels() {
   if (v == "avx512-vnni" || v == "avx512-vbmi") return panel_kernels_avx512vnni;
   if (v == "avx512") return panel_kernels_avx512;
   if (v == "avx2") return panel_kernels_avx2;
+#elif defined(__aarch64__)
+  // Plain NEON (no sdot) keeps the MLX layout: its row kernels run EXACT only.
+  const std::string v = isa_variant();
+  if (v == "neon-i8mm") return panel_kernels_neon_i8mm;
+  if (v == "neon-dotprod") return panel_kernels_neon_dotprod;
 #endif
   return panel_kernels_portable;
 }

@@ -277,13 +277,13 @@ static void run_panel_case(std::mt19937& rng, int bits, int gs, int64_t E, int64
   q.K = K;
   q.bits = bits;
   q.group_size = gs;
-  if (panel_pack(q) <= 0) {  // x86 SIMD builds only; "scalar" and NEON keep the MLX layout
-#if defined(__x86_64__)
-    if (std::string(isa_variant()) != "scalar") {
+  if (panel_pack(q) <= 0) {  // x86 SIMD and NEON sdot / usdot builds; "scalar" and plain NEON
+                            // keep the MLX layout
+    const std::string v = isa_variant();
+    if (v != "scalar" && v != "neon") {
       failures++;
       std::printf("FAIL panel isa=%s bits=%d: not packed\n", isa_name, bits);
     }
-#endif
     checks++;
     return;
   }
@@ -505,8 +505,9 @@ int main(int argc, char** argv) {
         run_rows_case(rng, bits, 64, 1 + rng() % 70, 64 * (1 + rng() % 9), 2 + rng() % 12,
                       isa_name, fast);
   }
-  // The same cases again with the weights in the panel layout (x86 SIMD builds pack; elsewhere
-  // panel_pack declines and the MLX layout serves), then the panel-only checks.
+  // The same cases again with the weights in the panel layout (x86 SIMD and NEON sdot / usdot
+  // builds pack; elsewhere panel_pack declines and the MLX layout serves), then the panel-only
+  // checks.
   g_panel = true;
   force_isa("auto");
   {

@@ -339,12 +339,14 @@ def label(status: dict | None = None) -> str:
 # (docs/BENCHMARKS.md, 2026-12-05): AVX-512 VNNI on a quiet AMD Zen 4, decode 0.84x -> 0.99x
 # llama.cpp, `bench --parallel` B=4 72% -> 91% of the bytes bound, a 4-row verify pass 2.31x ->
 # 1.78x a step. The AVX2 kernels decoded ~4% slower than the row kernels on the same CPU, and
-# AVX-512 without VNNI was not measured: there the layout is opt-in (POCKET_MLX_PANELS=1).
+# AVX-512 without VNNI and the NEON builds (speed on Apple silicon not measurable here) were not
+# measured: there the layout is opt-in (POCKET_MLX_PANELS=1).
 PANELS_BY_DEFAULT = ("avx512-vnni",)
 
 
 def panels_available() -> bool:
-    """Whether this CPU has panel kernels (x86-64 AVX2 / AVX-512; not NEON yet, not scalar)."""
+    """Whether this CPU has panel kernels (x86-64 AVX2 / AVX-512, arm64 with sdot or usdot; not
+    plain NEON, not scalar)."""
     return (_ext is not None and hasattr(_ext, "panel_variant")
             and _ext.panel_variant() != "portable")
 
