@@ -1,8 +1,8 @@
 """`serve --speculative`: engine/batch.py's `BatchDecoder` with a drafter, used directly as
 the server's worker uses it (and the flag through the real CLI). Greedy replies equal those of
-plain batched decoding token for token, alone (every step a verify pass) and with others
-(batched steps plain, passes while one decodes alone); the cache a reply leaves holds exactly
-the tokens it says."""
+plain batched decoding token for token, alone (verify passes, and plain pipelined steps where
+there is nothing to draft) and with others (batched steps plain, passes while one decodes
+alone); the cache a reply leaves holds exactly the tokens it says."""
 
 from __future__ import annotations
 
@@ -105,6 +105,27 @@ def test_alone_equals_plain_and_cache_holds_the_reply(tiny, exact_kernels):
     np.testing.assert_allclose(
         np.array(model(probe, cache=cache)[0, -1]), np.array(ref), rtol=1e-3, atol=1e-3
     )
+
+
+def test_alone_without_a_match_decodes_plainly(tiny, exact_kernels, monkeypatch):
+    """Where lookup has no match the sequence decodes by pipelined steps, not a one-row verify
+    pass per token (each waits for its token), until a match appears; same reply."""
+    passes: list[int] = []
+    speculate = BatchDecoder._speculate
+
+    def counted(self, s):
+        speculate(self, s)
+        passes.append(s.spec[4] + 1)  # tokens this pass yields
+
+    monkeypatch.setattr(BatchDecoder, "_speculate", counted)
+    _, tok = tiny
+    ids = tok.encode("Once upon a time")  # its reply matches now and then
+    plain, _, _ = _run(tiny, "off", [(ids, 64, {})])
+    spec, dec, _ = _run(tiny, "lookup", [(ids, 64, {})])
+    assert spec == plain and dec.drafted > 0
+    # Tokens from passes (each yields at least one), the rest from plain steps: 19 of 64 here
+    # (with a pass for every token, 63 of 64).
+    assert len(passes) < sum(passes) < plain[0][1][1] // 2
 
 
 def test_with_others_equals_plain(tiny, exact_kernels):

@@ -94,6 +94,11 @@ class LookupDrafter:
     def accepted(self, drafted: int, accepted: int, hidden: mx.array | None = None) -> None:
         pass
 
+    def reset_sequence(self) -> None:
+        """Nothing to forget when steps went by unheard (the server's batched steps): lookup
+        reads tokens only, and `_extend` catches up with them (rebuilding the index would cost
+        O(context) at every such return)."""
+
     # Where no n-gram matches, the decode loop runs plain pipelined decode (a one-row verify
     # pass waits for each token: on the bundled model ~1.5x a pipelined step, and on its
     # code-edit prompt half the passes found no match) until `has_draft` sees a match.
@@ -159,8 +164,9 @@ class BackOff:
         return n
 
     def reset_sequence(self) -> None:
-        """Forget the sequence (the inner drafter's state), keep what was learnt about speed."""
-        self.inner.reset()
+        """Steps went by unheard (the server's batched steps): the inner drafter starts the
+        sequence over where it needs to; what was learnt about speed stays."""
+        getattr(self.inner, "reset_sequence", self.inner.reset)()
 
     def timed(self, rows: int, seconds: float, tokens: int) -> None:
         rate = tokens / max(seconds, 1e-9)
