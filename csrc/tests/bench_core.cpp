@@ -3,7 +3,10 @@
 //   cmake -S csrc -B build/core -DQK_BUILD_EXTENSION=OFF -DQK_BUILD_TESTS=ON
 //   cmake --build build/core --target bench_core && build/core/bench_core [threads]
 // HOT=1 keeps one copy (in cache: the kernels' compute speed); ONLY=<substring> picks shapes;
-// PANEL=1 runs each shape in the MLX layout, then packed in the panel layout (qk_panel.h).
+// PANEL=1 runs each shape in the MLX layout, then packed in the panel layout (qk_panel.h);
+// ROWS=B gives each shape B activation rows of their own (B sequences decoded together, or a
+// B-row verify pass; experts: B tokens, each through its own expert).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -59,9 +62,13 @@ int main(int argc, char** argv) {
     }
   }
   std::mt19937 rng(1);
-  for (const Shape& s : shapes) {
+  for (Shape s : shapes) {
     if (const char* only = std::getenv("ONLY"))
       if (!std::strstr(s.name, only)) continue;
+    if (const char* rows = std::getenv("ROWS")) {
+      s.rows = std::max(1, std::atoi(rows));
+      s.shared_x = false;
+    }
     const int64_t row_bytes = s.K * s.bits / 8;
     const int64_t wbytes = s.E * s.N * row_bytes;
     const int64_t G = s.K / s.gs;
