@@ -23,7 +23,8 @@ Speculative decoding (`serve --speculative`, greedy requests only): while exactl
 is decoding, each step is a verify pass of its drafts instead (engine/speculative.py's greedy
 rule, models/verify.py's row-exact pass: its tokens are still plain decode's); when others
 decode too, every sequence steps in the batch plainly. Such a pass is not pipelined (the
-drafts need the pending token's value), nor is a no-draft pass while `auto` backs off.
+drafts need the pending token's value); where the drafter has nothing (`auto` backing off,
+lookup without a match) the sequence takes the ordinary pipelined step until it may draft.
 
 Prompt-cache snapshots: prefill ends a chunk at each snapshot point
 (engine/snapshot_points.py) and hands the cache to `store` there; a finished sequence's cache
