@@ -39,6 +39,18 @@ static inline __attribute__((always_inline)) auto qk_shuffle_load(const uint8_t*
 
 #include "qk_simd.inc"
 
+// What the row-panel builds below (qk_panel.inc: sdot, usdot) share: 4 lanes, a fused
+// multiply-add, float16 -> float32.
+typedef float pv_f __attribute__((vector_size(16)));
+typedef int32_t pv_i __attribute__((vector_size(16)));
+typedef uint32_t pv_u __attribute__((vector_size(16)));
+static inline pv_f qk_fmadd(pv_f a, pv_f b, pv_f c) {
+  return (pv_f)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+}
+static inline pv_f qk_h2f(const uint16_t* p) {
+  return (pv_f)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+}
+
 // How the dot-product instructions are emitted, so that the baseline build stays armv8-a (these
 // functions only run after neon_select() saw the feature):
 //  - the compiler already targets the extension (__ARM_FEATURE_DOTPROD / __ARM_FEATURE_MATMUL_INT8,
@@ -114,15 +126,6 @@ static inline vi qk_dot8_bits(vi acc, vu q, vu x) {
 namespace panel {
 #define QK_DOT_WIDE 0
 #define QK_HAVE_DOT8_BITS
-typedef float pv_f __attribute__((vector_size(16)));
-typedef int32_t pv_i __attribute__((vector_size(16)));
-typedef uint32_t pv_u __attribute__((vector_size(16)));
-static inline pv_f qk_fmadd(pv_f a, pv_f b, pv_f c) {
-  return (pv_f)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
-}
-static inline pv_f qk_h2f(const uint16_t* p) {
-  return (pv_f)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
-}
 static inline pv_i qk_dot8(pv_i acc, pv_u q, pv_u x) {
   return (pv_i)QK_SDOT((int32x4_t)acc, (int8x16_t)q, (int8x16_t)x);
 }
@@ -359,15 +362,6 @@ static void rows_fast_mm(const detail::RowsArgs& a) {
 // row per 32-bit lane, so the panels use usdot for every B, as the x86 builds use vpdpbusd.)
 namespace panel {
 #define QK_DOT_WIDE 1
-typedef float pv_f __attribute__((vector_size(16)));
-typedef int32_t pv_i __attribute__((vector_size(16)));
-typedef uint32_t pv_u __attribute__((vector_size(16)));
-static inline pv_f qk_fmadd(pv_f a, pv_f b, pv_f c) {
-  return (pv_f)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
-}
-static inline pv_f qk_h2f(const uint16_t* p) {
-  return (pv_f)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
-}
 static inline pv_i qk_dot8(pv_i acc, pv_u q, pv_u x) {
   return (pv_i)QK_USDOT((int32x4_t)acc, (uint8x16_t)q, (int8x16_t)x);
 }
