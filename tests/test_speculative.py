@@ -154,8 +154,8 @@ def test_greedy_speculation_equals_plain_256_tokens(bundled, domain):
         object.__setattr__(model, "_auto_backoff", None)
         got, stats = _run(model, tok, DOMAINS[domain], spec, 3, max_tokens=256, raw=True)
         assert got == ref, spec
-        # auto tries the head a few times and backs off (it loses on this model): drafts, not
-        # necessarily accepted ones
+        # auto drafts (lookup where the text matches, the head's tries, which mostly fail on
+        # this model): drafts, not necessarily accepted ones
         assert stats.speculative["accepted" if spec != "auto" else "drafted"] > 0, spec
     assert stats.speculative["method"] == "auto:lookup+mtp"
 
@@ -348,7 +348,7 @@ def test_back_off_try_is_judged_on_its_own_speed():
 
 
 class _Head:
-    """A head that drafts `tokens` (a fixed guess) and records the trunk rows it hears."""
+    """A head whose drafts are a fixed guess (7s); it records the trunk rows it hears."""
 
     name = "mtp"
     last_probs = None
