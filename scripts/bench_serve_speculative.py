@@ -23,8 +23,8 @@ from openai import OpenAI  # noqa: E402
 METHODS = ("off", "auto")
 
 
-def start(spec: str, port: int, model: str | None) -> tuple[subprocess.Popen, OpenAI]:
-    """A real `pocket-mlx serve` process and a client once it answers."""
+def start(spec: str, port: int, model: str | None) -> tuple[subprocess.Popen, OpenAI, str]:
+    """A real `pocket-mlx serve` process, a client once it answers, and the model's id."""
     cmd = ["pocket-mlx", "serve", "--port", str(port), "--speculative", spec]
     if model:
         cmd += ["--model", model]
@@ -32,8 +32,7 @@ def start(spec: str, port: int, model: str | None) -> tuple[subprocess.Popen, Op
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
     for _ in range(240):
         try:
-            client.models.list()
-            return proc, client
+            return proc, client, client.models.list().data[0].id
         except Exception:  # noqa: BLE001 - not up yet
             if proc.poll() is not None:
                 raise SystemExit(f"serve --speculative {spec} exited ({proc.returncode})") from None
@@ -41,10 +40,9 @@ def start(spec: str, port: int, model: str | None) -> tuple[subprocess.Popen, Op
     raise SystemExit("the server did not answer in 2 minutes")
 
 
-def reply(client: OpenAI, prompt: str, n: int) -> tuple[str, float]:
+def reply(client: OpenAI, name: str, prompt: str, n: int) -> tuple[str, float]:
     """The greedy reply's text and its decode time (first streamed token to the last)."""
     first, text = None, []
-    name = client.models.list().data[0].id
     stream = client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0,
                                        stream=True)
     for chunk in stream:
@@ -65,16 +63,16 @@ def main() -> None:
     times: dict[str, dict[str, list[float]]] = {m: {p: [] for p in prompts} for m in METHODS}
     texts: dict[str, dict[str, set[str]]] = {p: {m: set() for m in METHODS} for p in prompts}
     try:
-        for _, client in servers.values():
-            reply(client, "Hello", 16)  # warm up
+        for _, client, name in servers.values():
+            reply(client, name, "Hello", 16)  # warm up
         for _ in range(args.reps):
-            for m, (_, client) in servers.items():
+            for m, (_, client, name) in servers.items():
                 for p, prompt in prompts.items():
-                    text, seconds = reply(client, prompt, args.n)
+                    text, seconds = reply(client, name, prompt, args.n)
                     times[m][p].append(seconds)
                     texts[p][m].add(text)
     finally:
-        for proc, _ in servers.values():
+        for proc, _, _ in servers.values():
             proc.terminate()
     print("| prompt | off ms | auto ms | auto vs off | same text |")
     print("|---|---:|---:|---:|---|")

@@ -104,7 +104,6 @@ void moe_route(const float* logits, int64_t rows, int64_t E, int64_t k, bool nor
   }
 }
 
-
 // log_softmax over the last axis: x - logsumexp(x), logsumexp as MLX's CPU backend defines it
 // (max, then log(sum(exp(x - max))) + max, the max itself when it is infinite), for sampling
 // over a vocabulary (248,320 logits a token on Qwen3.5): MLX runs it on one thread with one

@@ -138,10 +138,11 @@ void causal_conv_silu(const float* x, const float* w, float* out, int64_t B, int
 void rope(const float* x, float* out, int64_t N, int64_t L, int64_t D, int64_t dims, float base,
           int64_t offset);
 
-// Router: softmax over E logits per row, the k most probable experts (descending) and their
-// probabilities (renormalized to sum 1 when norm_topk).
 // x - logsumexp(x) over rows of n values (sampling's log-probabilities), float32.
 void log_softmax(const float* x, float* out, int64_t rows, int64_t n);
+
+// Router: softmax over E logits per row, the k most probable experts (descending) and their
+// probabilities (renormalized to sum 1 when norm_topk).
 void moe_route(const float* logits, int64_t rows, int64_t E, int64_t k, bool norm_topk,
                uint32_t* inds, float* scores);
 

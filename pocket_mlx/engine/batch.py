@@ -320,9 +320,10 @@ class BatchDecoder:
             else:
                 self._end_stretch(s)
                 spec, feed = s, []  # alone: a verify pass (the batch hands its states back)
-        else:
+        elif self.speculative != "off":
             for s in self.decoding:  # in company: a stretch's speed is not plain decode's alone
-                s.plain_t0, s.plain_n = None, 0
+                if s.plain_n:
+                    s.plain_t0, s.plain_n = None, 0
         for s in feed:
             if s.drafter is not None:
                 s.synced = False  # a batched step: its drafter does not hear this token

@@ -163,6 +163,11 @@ class BackOff:
         n, self.wait = max(self.wait, self.idle), 0
         return n
 
+    def decoded_plainly(self, tokens: int) -> None:
+        """`tokens` went by in a plain stretch that another drafter's wait decided (LookupFirst):
+        they count off this one's wait as if it had asked for them."""
+        self.wait = max(0, self.wait - tokens)
+
     def reset_sequence(self) -> None:
         """Steps went by unheard (the server's batched steps): the inner drafter starts the
         sequence over where it needs to; what was learnt about speed stays."""
@@ -254,7 +259,7 @@ class LookupFirst:
     def timed(self, rows: int, seconds: float, tokens: int) -> None:
         if rows == 1:  # plain decode: both learn its speed, both waits run down
             for b in (self.lookup, self.head):
-                b.wait = max(0, b.wait - tokens)
+                b.decoded_plainly(tokens)
                 b.timed(rows, seconds, tokens)
         elif self.source is not None:
             self.source.timed(rows, seconds, tokens)
