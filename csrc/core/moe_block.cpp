@@ -15,10 +15,10 @@ namespace {
 
 static inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
-// out[r, :] = x[off[r] ...] @ dequant(m[expert[r]]).T. Rows with the same offset share one
-// prepared activation (the k experts of a token).
-void matmul(const QMatrix& m, const float* x, const std::vector<int64_t>& off,
-            const int32_t* expert, float* out) {
+// out[r, :] = x[off[r] ...] @ dequant(m[expert[r]]).T, as a product for gather_qmm(_many).
+// Rows with the same offset share one prepared activation (the k experts of a token).
+GatherProblem product(const QMatrix& m, const float* x, const std::vector<int64_t>& off,
+                      const int32_t* expert, float* out) {
   GatherProblem p;
   static_cast<QMatrix&>(p) = m;
   p.x = x;
@@ -28,7 +28,7 @@ void matmul(const QMatrix& m, const float* x, const std::vector<int64_t>& off,
   p.expert = expert;
   p.out = out;
   p.odt = F32;
-  gather_qmm(p);
+  return p;
 }
 
 // silu(gate) * up, where gate and up are [rows, n] at the given row strides (also compiled for
@@ -58,29 +58,30 @@ void moe_block_parts(const MoeBlock& b, const float* x, int64_t T, int64_t lo, b
   std::vector<int64_t> tok(T);
   for (int64_t t = 0; t < T; t++) tok[t] = t * D;
   std::fill(parts, parts + T * P * D, 0.f);
+  // Three pool jobs (gather_qmm_many): what reads x before routing (router, the shared expert's
+  // gate and gate/up), then the routed gate and up with the shared down projection, then the
+  // routed down projection. x is quantized once for its five products.
   std::vector<float> logits(T * E);
-  matmul(b.router, x, tok, nullptr, logits.data());
+  const int64_t Hs = with_shared ? b.shared_down.K : 0;
+  const bool gu_fused = b.shared_up.w == nullptr;  // shared gate/up as one [2 Hs, D] matrix
+  std::vector<int64_t> hid(T);
+  for (int64_t t = 0; t < T; t++) hid[t] = t * Hs;
+  std::vector<float> sgate(T), sgu(T * 2 * Hs), sh(T * Hs), sdown(T * D);
+  std::vector<GatherProblem> job;
+  job.push_back(product(b.router, x, tok, nullptr, logits.data()));
   if (with_shared) {
-    const int64_t Hs = b.shared_down.K;
-    const bool gu_fused = b.shared_up.w == nullptr;  // shared gate/up as one [2 Hs, D] matrix
-    std::vector<int64_t> hid(T);
-    for (int64_t t = 0; t < T; t++) hid[t] = t * Hs;
-    std::vector<float> sgate(T), sgu(T * 2 * Hs), sh(T * Hs), sdown(T * D);
-    matmul(b.shared_gate, x, tok, nullptr, sgate.data());
-    if (gu_fused) {
-      matmul(b.shared_gate_proj, x, tok, nullptr, sgu.data());
+    job.push_back(product(b.shared_gate, x, tok, nullptr, sgate.data()));
+    job.push_back(product(b.shared_gate_proj, x, tok, nullptr, sgu.data()));
+    if (!gu_fused) job.push_back(product(b.shared_up, x, tok, nullptr, sgu.data() + T * Hs));
+  }
+  gather_qmm_many(job.data(), (int)job.size());
+  job.clear();
+  if (with_shared) {
+    if (gu_fused)
       swiglu(sgu.data(), sgu.data() + Hs, T, Hs, 2 * Hs, sh.data());
-    } else {
-      matmul(b.shared_gate_proj, x, tok, nullptr, sgu.data());
-      matmul(b.shared_up, x, tok, nullptr, sgu.data() + T * Hs);
+    else
       swiglu(sgu.data(), sgu.data() + T * Hs, T, Hs, Hs, sh.data());
-    }
-    matmul(b.shared_down, sh.data(), hid, nullptr, sdown.data());
-    for (int64_t t = 0; t < T; t++) {
-      const float sg = 1.f / (1.f + std::exp(-sgate[t]));
-      float* o = parts + t * P * D;
-      for (int64_t d = 0; d < D; d++) o[d] = sg * sdown[t * D + d];
-    }
+    job.push_back(product(b.shared_down, sh.data(), hid, nullptr, sdown.data()));
   }
 
   std::vector<uint32_t> inds(T * k);
@@ -98,12 +99,22 @@ void moe_block_parts(const MoeBlock& b, const float* x, int64_t T, int64_t lo, b
     ex.push_back((int32_t)e);
   }
   const int64_t R = (int64_t)sel.size();
-  if (R == 0) return;
   std::vector<float> g(R * H), u(R * H), h(R * H), down(R * D);
-  matmul(b.expert_gate, x, xrow, ex.data(), g.data());
-  matmul(b.expert_up, x, xrow, ex.data(), u.data());
+  if (R > 0) {
+    job.push_back(product(b.expert_gate, x, xrow, ex.data(), g.data()));
+    job.push_back(product(b.expert_up, x, xrow, ex.data(), u.data()));
+  }
+  gather_qmm_many(job.data(), (int)job.size());
+  if (with_shared)
+    for (int64_t t = 0; t < T; t++) {
+      const float sg = 1.f / (1.f + std::exp(-sgate[t]));
+      float* o = parts + t * P * D;
+      for (int64_t d = 0; d < D; d++) o[d] = sg * sdown[t * D + d];
+    }
+  if (R == 0) return;
   swiglu(g.data(), u.data(), R, H, H, h.data());
-  matmul(b.expert_down, h.data(), hrow, ex.data(), down.data());
+  const GatherProblem dp = product(b.expert_down, h.data(), hrow, ex.data(), down.data());
+  gather_qmm(dp);
   for (int64_t r = 0; r < R; r++) {
     const int64_t t = sel[r] / k, j = sel[r] % k;
     std::copy(down.data() + r * D, down.data() + (r + 1) * D, parts + (t * P + 1 + j) * D);

@@ -58,6 +58,11 @@ bool supported(int bits, int group_size, int64_t K);
 // the pool or inline).
 void gather_qmm(const GatherProblem& p);
 
+// Products 0..n-1 as one pool job, activations shared between them where they are the same rows
+// (decode's MoE block); bit-identical to n gather_qmm calls, which is what runs unless every
+// matrix is in the panel layout and the rows are few.
+void gather_qmm_many(const GatherProblem* ps, int n);
+
 // Plain quantized matmul: x [M, K] (row stride K) times W[N, K]^T -> out [M, N].
 void qmm(const void* x, DType xdt, int64_t M, const uint32_t* w, const void* scales,
          const void* biases, DType sdt, int64_t N, int64_t K, int bits, int group_size, void* out,

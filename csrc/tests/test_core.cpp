@@ -335,6 +335,92 @@ static void run_panel_case(std::mt19937& rng, int bits, int gs, int64_t E, int64
   if (bad) failures++;
 }
 
+// gather_qmm_many (decode's MoE block: several products in one pool job, activations prepared
+// once per distinct row): each product's output equals its own gather_qmm call, bit for bit, in
+// FAST and EXACT mode, with products sharing x, an expert matrix with an out-of-range expert, and
+// (when `mlx_layout`) one matrix left in the MLX layout, which sends every product down the
+// one-by-one path.
+static void run_many_case(std::mt19937& rng, int gs, DType sdt, const char* isa_name,
+                          bool mlx_layout) {
+  const int64_t K = gs * (1 + rng() % 6), G = K / gs;
+  struct Mat {
+    int bits;
+    int64_t E, N;
+    std::vector<uint32_t> w;
+    Buf s, b;
+    QMatrix q;
+  };
+  std::vector<Mat> mats(4);
+  const int bits_of[4] = {8, 4, 2, 6};
+  const int64_t E_of[4] = {1, 1, 3, 1};
+  for (int i = 0; i < 4; i++) {
+    Mat& m = mats[i];
+    m.bits = bits_of[i];
+    m.E = E_of[i];
+    m.N = 1 + rng() % 50;
+    m.w.resize(m.E * m.N * (K * m.bits / 32));
+    for (auto& v : m.w) v = rng();
+    m.s.fill(m.E * m.N * G, sdt, rng, 0.001f, 0.02f);
+    m.b.fill(m.E * m.N * G, sdt, rng, -0.1f, 0.1f);
+    m.q.w = m.w.data();
+    m.q.scales = m.s.ptr();
+    m.q.biases = m.b.ptr();
+    m.q.sdt = sdt;
+    m.q.E = m.E;
+    m.q.N = m.N;
+    m.q.K = K;
+    m.q.bits = m.bits;
+    m.q.group_size = gs;
+    if (!(mlx_layout && i == 3)) panel_pack(m.q);
+  }
+  const int64_t T = 1 + rng() % 3, k = 3;
+  Buf x, x2;
+  x.fill(T * K, F32, rng, -1.f, 1.f);
+  x2.fill(T * K, F32, rng, -1.f, 1.f);
+  std::vector<int64_t> tok(T), xrow(T * k);
+  std::vector<int32_t> ex(T * k);
+  for (int64_t t = 0; t < T; t++) tok[t] = t * K;
+  for (int64_t i = 0; i < T * k; i++) {
+    xrow[i] = (i / k) * K;
+    ex[i] = i == 1 ? -1 : (int32_t)(rng() % 3);  // row 1: an expert another rank holds
+  }
+  bool bad = false;
+  for (int mode : {MODE_FAST, MODE_EXACT}) {
+    set_mode(mode);
+    std::vector<GatherProblem> ps(4);
+    std::vector<std::vector<float>> many(4), one(4);
+    for (int i = 0; i < 4; i++) {
+      GatherProblem& p = ps[i];
+      static_cast<QMatrix&>(p) = mats[i].q;
+      const bool experts = mats[i].E > 1;
+      p.x = i == 1 ? x2.ptr() : x.ptr();
+      p.xdt = F32;
+      p.nrows = experts ? T * k : T;
+      p.xrow_off = experts ? xrow.data() : tok.data();
+      p.expert = experts ? ex.data() : nullptr;
+      p.odt = F32;
+      many[i].assign(p.nrows * p.N, 7.f);
+      one[i].assign(p.nrows * p.N, 7.f);
+    }
+    for (int i = 0; i < 4; i++) ps[i].out = many[i].data();
+    gather_qmm_many(ps.data(), 4);
+    for (int i = 0; i < 4; i++) {
+      GatherProblem p1 = ps[i];
+      p1.out = one[i].data();
+      gather_qmm(p1);
+      if (std::memcmp(one[i].data(), many[i].data(), one[i].size() * sizeof(float))) {
+        bad = true;
+        std::printf("FAIL many isa=%s gs=%d mode=%d product %d (bits %d%s) differs from alone\n",
+                    isa_name, gs, mode, i, mats[i].bits, mlx_layout ? ", one MLX layout" : "");
+      }
+    }
+  }
+  set_mode(MODE_EXACT);
+  for (Mat& m : mats) panel_release(m.w.data());
+  checks++;
+  if (bad) failures++;
+}
+
 // The verify pass's multi-row Gated DeltaNet (linear_attn_rows): row i's output and the caches
 // after row i (tape slot i) must be the bits of i + 1 one-token steps (linear_attn_step),
 // whichever kernel the delta rule takes on this CPU.
@@ -526,6 +612,10 @@ int main(int argc, char** argv) {
           run_rows_case(rng, bits, gs, 1 + rng() % 70, K, 2 + rng() % 12, isa_name, true);
           run_panel_case(rng, bits, gs, 2, 1 + rng() % 50, K, sdt, isa_name);
         }
+      for (int gs : {32, 64, 128}) {
+        run_many_case(rng, gs, dts[rng() % 3], isa_name, false);
+        run_many_case(rng, gs, dts[rng() % 3], isa_name, true);
+      }
     }
   }
   g_panel = false;
