@@ -174,6 +174,35 @@ def test_linear_attention_step_rejects_bad_shapes():
     assert kernels.linear_attn_step(*args[:9], rand(B, Hv, Dv, Dk + 1), **dims) is None
 
 
+def _address(a: mx.array) -> int:
+    return np.asarray(memoryview(a)).ctypes.data
+
+
+@pytest.mark.parametrize("Dk,Dv", [(32, 32), (128, 128), (24, 8)])
+def test_linear_attention_step_writes_a_free_state_in_place(Dk, Dv):
+    """Decode's new state takes the old one's buffer when nothing else holds it (no fresh buffer
+    a layer a token), with the bits of a step into a new buffer; a state the caller still holds
+    is left as it was."""
+    B, Hk, Hv, K = 1, 2, 4, 4
+    C = 2 * Hk * Dk + Hv * Dv
+    ins = [rand(B, 1, C), rand(B, 1, Hv * Dv), rand(B, 1, Hv), rand(B, 1, Hv),
+           rand(B, K - 1, C), rand(C, K, 1, scale=0.5), rand(Hv), rand(Hv), rand(Dv)]
+    dims = dict(Hk=Hk, Dk=Dk, Hv=Hv, Dv=Dv, eps=1e-6)
+    state = rand(B, Hv, Dv, Dk, scale=0.1) + 0  # a buffer of its own
+    mx.eval(ins, state)
+    before = np.array(state)
+    o_ref, _, s_ref = kernels.linear_attn_step(*ins, state, **dims)
+    mx.eval(o_ref, s_ref)
+    assert np.array_equal(np.array(state), before)  # held: untouched
+    assert _address(s_ref) != _address(state)
+    where = _address(state)
+    o, _, s = kernels.linear_attn_step(*ins, state, **dims)
+    del state  # now only the step holds the old state
+    mx.eval(o, s)
+    assert _address(s) == where
+    assert mx.array_equal(s, s_ref).item() and mx.array_equal(o, o_ref).item()
+
+
 @pytest.mark.parametrize("B,Hk,Dk,Hv,Dv,L", [(1, 2, 32, 4, 32, 4), (1, 2, 24, 4, 8, 5),
                                            (1, 4, 128, 8, 128, 3), (2, 2, 32, 4, 16, 4)])
 def test_linear_attention_rows_are_decode_steps(B, Hk, Dk, Hv, Dv, L):

@@ -125,7 +125,29 @@ class PocketLinearAttn : public CpuPrimitive {
       : CpuPrimitive(s), Hk_(Hk), Dk_(Dk), Hv_(Hv), Dv_(Dv), eps_(eps), rows_(rows) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& o : outputs) alloc(o);
+    // Decode writes the new state over the old one when nothing else holds it (MLX's donation
+    // rule, as its own element-wise ops use): no fresh 2 MiB buffer a layer (B of them in a
+    // batched step) to fault in, and the update reads and writes the same lines. Held states
+    // (a prompt-cache snapshot, the verify pass's tape) get a new buffer. gated_delta's one-token
+    // kernels give the same bits in place.
+    const mx::array& old_state = inputs[9];
+    // Each array of a multi-output node keeps its own copy of the node's inputs
+    // (mx::array::make_arrays), so the old state is held once per output and is_donatable()
+    // never holds. The siblings' copies are dropped first (they are evaluated here, with this
+    // node, and detached after it): what holds the state then is this node and, if any, the
+    // caller.
+    if (!rows_)
+      for (auto& o : outputs)
+        if (&o.inputs() != &inputs && o.inputs().size() > 9 && o.inputs()[9].id() == old_state.id())
+          o.inputs()[9] = o.inputs()[8];
+    const bool donate = !rows_ && old_state.is_donatable() && old_state.flags().row_contiguous &&
+                        old_state.dtype() == mx::float32 && old_state.size() == outputs[2].size();
+    for (size_t i = 0; i < outputs.size(); i++) {
+      if (donate && i == 2)
+        outputs[i].copy_shared_buffer(old_state);
+      else
+        alloc(outputs[i]);
+    }
     encode(stream(), inputs, outputs,
            [inputs, outputs, Hk = Hk_, Dk = Dk_, Hv = Hv_, Dv = Dv_, eps = eps_,
             multi = rows_]() mutable {
