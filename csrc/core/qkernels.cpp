@@ -474,6 +474,35 @@ static void run_task(const Task& t, const GatherProblem& p, const std::vector<in
   }
 }
 
+// Rows [r0, r1) of expert e's panels [p0, p1) through the panel kernel `fn`, MRMAX activation
+// rows a pass: row r reads prepared slot slot[r - slot_off] of px and writes output row order[r].
+static void run_panel_rows(const PanelMatrix& pm, int64_t e, int64_t p0, int64_t p1, int64_t r0,
+                           int64_t r1, const int64_t* slot, int64_t slot_off,
+                           const std::vector<int64_t>& order, const PreparedX& px, PanelFn fn,
+                           void* out, DType odt, int64_t N, int64_t K) {
+  const int64_t G = px.G;
+  const size_t osz = odt == F32 ? 4 : 2;
+  const int8_t* xqs[MRMAX];
+  const float *xds[MRMAX], *xfs[MRMAX], *xss[MRMAX];
+  void* outs[MRMAX];
+  PanelArgs a{&pm, e, p0, p1, 0, xqs, xds, xfs, xss, outs, odt, panel_prefetch()};
+  for (int64_t r = r0; r < r1; r += MRMAX) {
+    a.mr = (int)std::min<int64_t>(MRMAX, r1 - r);
+    for (int m = 0; m < a.mr; m++) {
+      const int64_t li = slot[r + m - slot_off];
+      xss[m] = px.xsum.data() + li * G;
+      if (px.fast) {
+        xqs[m] = px.xq.data() + li * K;
+        xds[m] = px.xd.data() + li * (G + 64);
+      } else {
+        xfs[m] = px.x.data() + li * K;
+      }
+      outs[m] = static_cast<uint8_t*>(out) + (size_t)order[r + m] * N * osz;
+    }
+    fn(a);
+  }
+}
+
 // A matrix packed in the panel layout (qk_panel.h): every row goes through the row-panel kernels,
 // MRMAX activation rows per pass over a task's panels (FAST: the same arithmetic for any number
 // of rows, so batched, speculative-verify and single decode give identical bits). Activations
@@ -497,7 +526,6 @@ static void gather_panels(const GatherProblem& p, const PanelMatrix& pm, const E
     const char* e = std::getenv("POCKET_MLX_TASK_KB");
     return (int64_t)(e ? std::atoi(e) : 128) * 1024;
   }();
-  const size_t osz = p.odt == F32 ? 4 : 2;
   struct PTask {
     int64_t e, r0, r1, p0, p1;
   };
@@ -521,25 +549,8 @@ static void gather_panels(const GatherProblem& p, const PanelMatrix& pm, const E
     }
     parallel_for((int64_t)tasks.size(), wbytes < g_single_bytes.load(), [&](int64_t ti) {
       const PTask& t = tasks[ti];
-      const int8_t* xqs[MRMAX];
-      const float *xds[MRMAX], *xfs[MRMAX], *xss[MRMAX];
-      void* outs[MRMAX];
-      PanelArgs a{&pm, t.e, t.p0, t.p1, 0, xqs, xds, xfs, xss, outs, p.odt, panel_prefetch()};
-      for (int64_t r = t.r0; r < t.r1; r += MRMAX) {
-        a.mr = (int)std::min<int64_t>(MRMAX, t.r1 - r);
-        for (int m = 0; m < a.mr; m++) {
-          const int64_t li = px.slot[r + m - c0];
-          xss[m] = px.xsum.data() + li * G;
-          if (fast) {
-            xqs[m] = px.xq.data() + li * K;
-            xds[m] = px.xd.data() + li * (G + 64);
-          } else {
-            xfs[m] = px.x.data() + li * K;
-          }
-          outs[m] = static_cast<uint8_t*>(p.out) + (size_t)g.order[r + m] * p.N * osz;
-        }
-        fn(a);
-      }
+      run_panel_rows(pm, t.e, t.p0, t.p1, t.r0, t.r1, px.slot.data(), c0, g.order, px, fn, p.out,
+                     p.odt, p.N, K);
     });
   }
 }
@@ -661,34 +672,11 @@ void gather_qmm_many(const GatherProblem* ps, int n) {
         tasks.push_back({(int)di, d.g.segs[s].first, d.g.segs[s].second, d.g.seg_end[s], q0,
                          std::min(d.pm->npan, q0 + np)});
   }
-  const int64_t pf = panel_prefetch();
   parallel_for((int64_t)tasks.size(), wbytes < g_single_bytes.load(), [&](int64_t ti) {
     const PTask& t = tasks[ti];
     const Prod& d = prods[t.d];
-    const GatherProblem& p = *d.p;
-    const PreparedX& px = *pxs[d.prep];
-    const int64_t K = p.K, G = px.G;
-    const size_t osz = p.odt == F32 ? 4 : 2;
-    const int8_t* xqs[MRMAX];
-    const float *xds[MRMAX], *xfs[MRMAX], *xss[MRMAX];
-    void* outs[MRMAX];
-    PanelArgs a{d.pm, t.e, t.p0, t.p1, 0, xqs, xds, xfs, xss, outs, p.odt, pf};
-    const PanelFn fn = d.fast ? pk.fast : pk.exact;
-    for (int64_t r = t.r0; r < t.r1; r += MRMAX) {
-      a.mr = (int)std::min<int64_t>(MRMAX, t.r1 - r);
-      for (int m = 0; m < a.mr; m++) {
-        const int64_t li = d.slot[r + m];
-        xss[m] = px.xsum.data() + li * G;
-        if (d.fast) {
-          xqs[m] = px.xq.data() + li * K;
-          xds[m] = px.xd.data() + li * (G + 64);
-        } else {
-          xfs[m] = px.x.data() + li * K;
-        }
-        outs[m] = static_cast<uint8_t*>(p.out) + (size_t)d.g.order[r + m] * p.N * osz;
-      }
-      fn(a);
-    }
+    run_panel_rows(*d.pm, t.e, t.p0, t.p1, t.r0, t.r1, d.slot.data(), 0, d.g.order, *pxs[d.prep],
+                   d.fast ? pk.fast : pk.exact, d.p->out, d.p->odt, d.p->N, d.p->K);
   });
 }
 
