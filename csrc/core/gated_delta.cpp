@@ -114,11 +114,6 @@ void delta_head(const DeltaArgs& a, int64_t b, int64_t hv) {
 constexpr int64_t kMaxDk = 512;
 constexpr int64_t kMaxRows = 16;  // verify rows streamed line by line (more: row by row)
 
-// Decode (one token) with AVX-512: the new state goes to memory with non-temporal stores. A
-// layer's state (2 MiB on the 35B shape) has left the caches by the next token (the weights of
-// all other layers stream through in between), so writing it normally costs a read of every
-// line of the fresh output buffer first (read-for-ownership): 3 state-sized transfers per token
-// where 2 suffice.
 // One state row of one decode token (AVX-512): the new row into nr (64-byte aligned, computed
 // in a fixed order: the sums must not depend on where MLX placed the buffers, a different
 // rounding can flip a later top-k expert choice), its read-out returned. Shared by the decode
@@ -207,7 +202,8 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void stream_ro
 // layer's state (2 MiB on the 35B shape) has left the caches by the next token (the weights of
 // all other layers stream through in between), so writing it normally costs a read of every
 // line of the fresh output buffer first (read-for-ownership): 3 state-sized transfers per token
-// where 2 suffice.
+// where 2 suffice. In place (the binding hands decode the old state's buffer when nothing else
+// holds it) the lines are in cache from the read, and ordinary stores serve.
 __attribute__((target("avx512f,avx512bw"))) void delta_head_nt(const DeltaArgs& a, int64_t b, int64_t hv) {
   const int64_t Dk = a.Dk, Dv = a.Dv;
   float* S = a.state + (b * a.Hv + hv) * Dv * Dk;
