@@ -248,6 +248,18 @@ bool supported(int bits, int group_size, int64_t K) {
   return b && g && K > 0 && K % group_size == 0;
 }
 
+// FAST mode asked and this ISA's row kernels have it for `bits`.
+static bool fast_rows(const IsaOps* ops, int bits) {
+  return g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[bits];
+}
+
+// pm (the panel copy registered under p.w) holds p's matrix: the same shape and scale dtype, at
+// least p.E experts (expert parallelism passes a view of the first ones).
+static bool panel_matches(const PanelMatrix& pm, const GatherProblem& p) {
+  return pm.E >= p.E && pm.N == p.N && pm.K == p.K && pm.bits == p.bits &&
+         pm.gs == p.group_size && pm.sdt == p.sdt;
+}
+
 // ---------------------------------------------------------------- gather_qmm, step by step
 // 1. group the output rows by expert; then, per chunk of rows, 2. prepare their activations,
 // 3. cut the work into tasks (a segment of rows x a range of W rows), 4. run the tasks on the pool.
@@ -344,12 +356,25 @@ static PreparedX& prepared_buffers(int i, int64_t need, PreparedX& local) {
   return *tl[i];
 }
 
+// The activation row at element offset `off` of p.x into slot `sl` of px (FAST or EXACT as px
+// was reset, in the layout of W-lane row kernels; W = 1 for the panel kernels).
+static void prepare_slot(const GatherProblem& p, int64_t off, int W, PreparedX& px, int64_t sl) {
+  const int64_t K = p.K, G = px.G;
+  if (px.fast) {
+    convert_to_f32(p.x, p.xdt, off, K, px.tmp.data());
+    prep_row_fast(px.tmp.data(), K, p.group_size, W, p.bits, px.tmpq.data(), px.xq.data() + sl * K,
+                  px.xd.data() + sl * (G + 64), px.xsum.data() + sl * G);
+  } else {
+    prep_row(p.x, p.xdt, off, K, W, p.bits, p.group_size, px.tmp.data(), px.x.data() + sl * K,
+             px.xsum.data() + sl * G);
+  }
+}
+
 // Prepares rows order[c0, c1). Rows reading the same activations (the gate/up projections of a
 // token's k experts) share one slot: a row looks for its activation offset among the 16 rows
 // before it.
 static void prepare_chunk(const GatherProblem& p, const std::vector<int64_t>& order, int64_t c0,
                           int64_t c1, int W, PreparedX& px) {
-  const int64_t K = p.K, G = px.G;
   px.slot.assign(c1 - c0, 0);
   int64_t nslots = 0;
   for (int64_t i = c0; i < c1; i++) {
@@ -360,18 +385,7 @@ static void prepare_chunk(const GatherProblem& p, const std::vector<int64_t>& or
         sl = px.slot[j - c0];
         break;
       }
-    if (sl < 0) {
-      sl = nslots++;
-      if (px.fast) {
-        convert_to_f32(p.x, p.xdt, off, K, px.tmp.data());
-        prep_row_fast(px.tmp.data(), K, p.group_size, W, p.bits, px.tmpq.data(),
-                      px.xq.data() + sl * K, px.xd.data() + sl * (G + 64),
-                      px.xsum.data() + sl * G);
-      } else {
-        prep_row(p.x, p.xdt, off, K, W, p.bits, p.group_size, px.tmp.data(),
-                 px.x.data() + sl * K, px.xsum.data() + sl * G);
-      }
-    }
+    if (sl < 0) prepare_slot(p, off, W, px, sl = nslots++);
     px.slot[i - c0] = sl;
   }
 }
@@ -381,15 +395,21 @@ struct Task {
   int64_t e, r0, r1, n0, n1;
 };
 
+// Weights per task: POCKET_MLX_TASK_KB KiB (default 128), read once.
+static int64_t task_kb_bytes() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("POCKET_MLX_TASK_KB");
+    return (int64_t)(e ? std::atoi(e) : 128) * 1024;
+  }();
+  return v;
+}
+
 // Rows of W per task: ~128 KiB of weights (POCKET_MLX_TASK_KB), but at least 4 tasks per
 // thread when possible. Each task is one sequential stream; with 32 KiB tasks the two
 // threads' streams interleaved so finely that decode-shaped matvecs from DRAM ran ~10-15%
 // slower (csrc/tests/bench_core.cpp).
 static int64_t rows_per_task(int64_t N, int64_t row_bytes, int64_t nseg, int nth) {
-  static const int64_t task_bytes = [] {
-    const char* e = std::getenv("POCKET_MLX_TASK_KB");
-    return (int64_t)(e ? std::atoi(e) : 128) * 1024;
-  }();
+  const int64_t task_bytes = task_kb_bytes();
   int64_t nc = std::max<int64_t>(1, task_bytes / std::max<int64_t>(1, row_bytes));
   const int64_t want = 4 * (int64_t)nth;
   if (nseg * ((N + nc - 1) / nc) < want) {
@@ -522,10 +542,7 @@ static void gather_panels(const GatherProblem& p, const PanelMatrix& pm, const E
   PreparedX& px = prepared_buffers(0, PreparedX::bytes(prows, K, G, fast), local);
   px.reset(prows, K, G, fast);
   const int64_t pan_bytes = G * pm.rec_bytes;
-  static const int64_t task_bytes = [] {
-    const char* e = std::getenv("POCKET_MLX_TASK_KB");
-    return (int64_t)(e ? std::atoi(e) : 128) * 1024;
-  }();
+  const int64_t task_bytes = task_kb_bytes();
   struct PTask {
     int64_t e, r0, r1, p0, p1;
   };
@@ -590,11 +607,10 @@ void gather_qmm_many(const GatherProblem* ps, int n) {
     const GatherProblem& p = ps[i];
     if (p.nrows <= 0 || p.N <= 0) continue;
     const PanelMatrix* pm = panel_find(p.w);
-    ok = pm && pm->E >= p.E && pm->N == p.N && pm->K == p.K && pm->bits == p.bits &&
-         pm->gs == p.group_size && pm->sdt == p.sdt && pm->scales_src == p.scales &&
+    ok = pm && panel_matches(*pm, p) && pm->scales_src == p.scales &&
          pm->biases_src == p.biases && p.nrows <= max_rows;
     if (!ok) break;
-    const bool fast_isa = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[p.bits];
+    const bool fast_isa = fast_rows(ops, p.bits);
     Prod d{&p, pm, group_rows_by_expert(p), fast_isa && pk.fast && pk.fast_bits[p.bits], -1, {}};
     for (size_t j = 0; j < preps.size() && d.prep < 0; j++) {
       const Prep& q = preps[j];
@@ -634,25 +650,13 @@ void gather_qmm_many(const GatherProblem* ps, int n) {
       if (sl < 0) {
         sl = (int64_t)q.offs.size();
         q.offs.push_back(off);
-        const int64_t G = px.G;
-        if (px.fast) {
-          convert_to_f32(p.x, p.xdt, off, p.K, px.tmp.data());
-          prep_row_fast(px.tmp.data(), p.K, p.group_size, 1, p.bits, px.tmpq.data(),
-                        px.xq.data() + sl * p.K, px.xd.data() + sl * (G + 64),
-                        px.xsum.data() + sl * G);
-        } else {
-          prep_row(p.x, p.xdt, off, p.K, 1, p.bits, p.group_size, px.tmp.data(),
-                   px.x.data() + sl * p.K, px.xsum.data() + sl * G);
-        }
+        prepare_slot(p, off, 1, px, sl);
       }
       d.slot[i] = sl;
     }
   }
   // Tasks: whole panels of ~task_bytes, at least 4 a thread over all the products together.
-  static const int64_t task_bytes = [] {
-    const char* e = std::getenv("POCKET_MLX_TASK_KB");
-    return (int64_t)(e ? std::atoi(e) : 128) * 1024;
-  }();
+  const int64_t task_bytes = task_kb_bytes();
   const int nth = get_threads();
   int64_t wbytes = 0;
   for (const Prod& d : prods)
@@ -684,22 +688,20 @@ void gather_qmm(const GatherProblem& p) {
   if (p.nrows <= 0 || p.N <= 0) return;
   const IsaOps* ops = current_isa();
   ExpertRows g = group_rows_by_expert(p);
-  const bool fast_isa = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[p.bits];
+  const bool fast = fast_rows(ops, p.bits);
   if (const PanelMatrix* pm = panel_find(p.w)) {
     // p.E < pm->E: a view of the first experts (expert parallelism leaves out its zero expert)
-    if (pm->E >= p.E && pm->N == p.N && pm->K == p.K && pm->bits == p.bits &&
-        pm->gs == p.group_size && pm->sdt == p.sdt) {
+    if (panel_matches(*pm, p)) {
       if (pm->scales_src != p.scales || pm->biases_src != p.biases)
         throw std::runtime_error(
             "pocket_mlx: scales or biases of weights packed in the panel layout were replaced "
             "after packing (unpack the model first: engine.panels.unpack_model)");
-      return gather_panels(p, *pm, g, fast_isa);
+      return gather_panels(p, *pm, g, fast);
     }
     throw std::runtime_error("pocket_mlx: weights packed in the panel layout read with another shape");
   }
   if (panel_covers(p.w))  // a view into packed weights: their MLX bytes may be gone
     throw std::runtime_error("pocket_mlx: a view into weights packed in the panel layout");
-  const bool fast = g_mode.load() == MODE_FAST && ops->rows_fast && ops->fast_bits[p.bits];
   // FAST mode: experts (or a plain matrix) with many activation rows go through the GEMM
   // kernels (qk_gemm.cpp: each weight panel unpacked once for all of them); the rest below.
   if (const GemmKernels* gk = fast ? gemm_kernels(p.bits) : nullptr) {
