@@ -214,7 +214,12 @@ __attribute__((target("avx512f,avx512bw"))) void delta_head_nt(const DeltaArgs& 
     for (int64_t dv = 0; dv < Dv; dv++) {
       alignas(64) float nr[kMaxDk + 16];
       h.y[dv] = delta_row(S_in + dv * Dk, h.k, h.q, h.v[dv], h.g, h.beta, Dk, nr);
-      std::memcpy(S + dv * Dk, nr, Dk * sizeof(float));
+      // Inline unaligned stores: a 512-byte std::memcpy was a call into libc per row (1.2% of
+      // a batched step of 8 on the 35B shape).
+      if (Dk % 16 == 0)
+        for (int64_t i = 0; i < Dk; i += 16) _mm512_storeu_ps(S + dv * Dk + i, _mm512_load_ps(nr + i));
+      else
+        std::memcpy(S + dv * Dk, nr, Dk * sizeof(float));
     }
     return;
   }

@@ -36,6 +36,8 @@ int main(int argc, char** argv) {
       {"4b 2048->512 (shared gate)", 4, 64, 1, 512, 2048, 1, true},
       {"8b 2048->128 (router)", 8, 64, 1, 128, 2048, 1, true},
       {"6b 2048->248320 (lm_head)", 6, 64, 1, 248320, 2048, 1, true},
+      {"6b 2048->16384 (lm_head slice: fits HOT)", 6, 64, 1, 16384, 2048, 1, true},
+      {"6b 2048->2048 (lm_head slice in L2/L3)", 6, 64, 1, 2048, 2048, 1, true},
       {"4b 2048->2048 x64 rows (prefill)", 4, 64, 1, 2048, 2048, 64, false},
       {"2b 4x(2048->512) x32 rows (prefill)", 2, 64, 4, 512, 2048, 128, true},
   };
