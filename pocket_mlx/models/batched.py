@@ -28,6 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from pocket_mlx import kernels
 from pocket_mlx.kernels import ops
 from pocket_mlx.models.cache import LinearAttentionCache
 from pocket_mlx.models.fusion import project
@@ -113,6 +114,10 @@ class DecodeBatch:
         last token (in `members` order). Updates the caches (lazily)."""
         if tokens.shape != (len(self.members),):
             raise ValueError(f"{tokens.shape} tokens for {len(self.members)} sequences")
+        with kernels.pinned():  # enabled() read once for the step's graph, not per op
+            return self._step(tokens)
+
+    def _step(self, tokens: mx.array) -> mx.array:
         lm = self.model.language_model
         tm = lm.model
         h = tm.embed_tokens(tokens[:, None])

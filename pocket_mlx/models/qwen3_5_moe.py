@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from pocket_mlx import kernels
 from pocket_mlx.config import model_type, resolve_layer_types, text_config
 from pocket_mlx.errors import PocketError
 from pocket_mlx.kernels import ops
@@ -495,8 +496,9 @@ class LanguageModel(PipelineMixin, nn.Module):
             if return_hidden:
                 raise PocketError("the trunk's hidden states are not kept in a pipelined run")
             return self.pipeline_call(inputs, cache)
-        h = self.model(inputs, cache)
-        logits = self.logits(h)
+        with kernels.pinned():  # ~570 reads of the environment a token otherwise
+            h = self.model(inputs, cache)
+            logits = self.logits(h)
         return (logits, h) if return_hidden else logits
 
     def logits(self, h: mx.array) -> mx.array:
