@@ -217,7 +217,8 @@ __attribute__((target("avx512f,avx512bw"))) void delta_head_nt(const DeltaArgs& 
       // Inline unaligned stores: a 512-byte std::memcpy was a call into libc per row (1.2% of
       // a batched step of 8 on the 35B shape).
       if (Dk % 16 == 0)
-        for (int64_t i = 0; i < Dk; i += 16) _mm512_storeu_ps(S + dv * Dk + i, _mm512_load_ps(nr + i));
+        for (int64_t i = 0; i < Dk; i += 16)
+          _mm512_storeu_ps(S + dv * Dk + i, _mm512_load_ps(nr + i));
       else
         std::memcpy(S + dv * Dk, nr, Dk * sizeof(float));
     }
