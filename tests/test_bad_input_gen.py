@@ -352,3 +352,24 @@ def test_truncated_tokenizer_json_is_one_line_exit_2(truncated_tokenizer_model, 
             home=tmp_path / "home")
     assert_one_line_error(r, str(m / "tokenizer.json"), "cannot read this tokenizer file")
     assert not (tmp_path / "out").exists()  # convert wrote nothing
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory) -> Path:
+    """A random model of 300 tokens beside the bundled tokenizer (8192): a mismatched pair."""
+    from conftest import hf_weights, tiny_config, write_checkpoint
+    cfg = tiny_config()
+    return write_checkpoint(tmp_path_factory.mktemp("small-vocab") / "model", cfg,
+                            hf_weights(cfg, 1))
+
+
+def test_prompt_ids_past_the_vocabulary_are_one_line_exit_2(small_vocab_model):
+    """MLX's `take` does not check indices: ids past the embedding would read other memory
+    (garbage that changed from run to run). `generate` names the id and the vocabulary."""
+    r = cli("generate", "--model", str(small_vocab_model), "-p", "The quick brown fox", "--raw",
+            "-n", "2")
+    assert_one_line_error(r, "token id 6638", "vocabulary (300 tokens)",
+                          "tokenizer does not match the model")
+    # Ids inside the vocabulary (digits are single low ids in the bundled tokenizer) still run.
+    ok = cli("generate", "--model", str(small_vocab_model), "-p", "0123456789", "--raw", "-n", "2")
+    assert ok.returncode == 0, ok.stderr.decode()

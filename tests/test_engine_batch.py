@@ -13,6 +13,7 @@ from pocket_mlx.engine.batch import BatchDecoder, Finished, Prefilled, Token
 from pocket_mlx.engine.generation import SamplingParams, generate
 from pocket_mlx.engine.loader import default_model_path, load
 from pocket_mlx.engine.prompt_cache import SNAPSHOT_INTERVAL
+from pocket_mlx.errors import PocketError
 
 PROMPTS = ["Once upon a time", "The king of the north said", "Water is"]
 
@@ -112,3 +113,14 @@ def test_prefill_stores_snapshots_at_their_points(tiny):
     # Every prompt token was fed once, in chunks that end at the snapshot point.
     assert sum(p.tokens for p in prefilled) == len(ids) == prefilled[-1].done
     assert SNAPSHOT_INTERVAL in [p.done for p in prefilled]
+
+
+def test_insert_refuses_ids_past_the_vocabulary(tiny):
+    """The server's path: a prompt id past the embedding fails that request with one line
+    (server/engine.py turns it into the request's error) and queues nothing."""
+    model, _ = tiny
+    dec = decoder(tiny, Stored())
+    for bad in ([1, 2, model.args.vocab_size], [-1, 5]):
+        with pytest.raises(PocketError, match="outside the model's vocabulary"):
+            insert(dec, bad, max_tokens=4)
+    assert len(dec) == 0 and not dec.prefilling

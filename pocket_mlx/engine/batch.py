@@ -43,7 +43,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from pocket_mlx.engine.drafters import DEFAULT_NUM_DRAFT_TOKENS, make_drafter
-from pocket_mlx.engine.generation import SamplingParams, StopText, cache_arrays, prefill_chunk
+from pocket_mlx.engine.generation import (
+    SamplingParams,
+    StopText,
+    cache_arrays,
+    check_token_ids,
+    prefill_chunk,
+)
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP
 from pocket_mlx.engine.prompt_cache import PrefixStore
 from pocket_mlx.engine.sampling import processors_for, sample, sampler_for
@@ -189,6 +195,7 @@ class BatchDecoder:
         """Queue a prompt whose first `n_cached` tokens `cache` already holds; returns its uid.
         At most `max_tokens` reply tokens (None: no cap) and `room` (what the window leaves);
         `cancelled()` is checked after every prefill chunk and every token."""
+        check_token_ids(self.model, ids)
         uid = next(self._uids)
         self.prefilling.append(_Seq(uid, ids, cache, n_cached, sampling, max_tokens, room,
                                     self.tokenizer, stop, boundaries, cancelled,

@@ -139,6 +139,20 @@ def context_limit(model) -> int:
     return int(model.args.max_position_embeddings)
 
 
+def check_token_ids(model, ids: Sequence[int]) -> None:
+    """Refuse ids outside the model's vocabulary. MLX's `take` does not check its indices: an
+    id past the embedding would read whatever memory follows it (garbage, different from run to
+    run), which is what a tokenizer that does not match its model produces."""
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    if not ids or not isinstance(vocab, int):
+        return
+    top, low = max(ids), min(ids)
+    if top >= vocab or low < 0:
+        bad = top if top >= vocab else low
+        raise PocketError(f"token id {bad} is outside the model's vocabulary ({vocab} tokens): "
+                          "the tokenizer does not match the model")
+
+
 def prompt_tokens(tokenizer, prompt: str | list[dict] | list[int], *, system: str | None = None,
                   raw: bool = False) -> list[int]:
     """Token ids for a prompt: a string (chat-templated unless `raw`), messages, or ids."""
@@ -354,6 +368,7 @@ def _set_up(model, tokenizer, prompt, *, max_tokens: int, sampling: SamplingPara
     dev = devices.resolve_device(device or getattr(model, "device", None))
     stream = devices.stream_for(dev)
     ids = prompt_tokens(tokenizer, prompt, system=system, raw=raw)
+    check_token_ids(model, ids)
     use_device(model, dev, cache)  # the model's dtypes, and the cache's, follow the device
     if cache is None:
         cache = model.make_cache()
