@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <new>
 #include <string>
 
 #if defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
@@ -158,6 +157,7 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline float delta_ro
 // is put together from the end of one 16-float piece and the start of the next (one vpermt2ps),
 // so only the region's first and last lines are partial.
 struct LineStreamer {
+  __attribute__((target("avx512f,avx512bw"))) LineStreamer() {}
   __attribute__((target("avx512f,avx512bw"))) explicit LineStreamer(float* dst) : dst(dst) {
     A = (int)((reinterpret_cast<uintptr_t>(dst) % 64) / 4);
     idx = _mm512_add_epi32(_mm512_set1_epi32(16 - A),
@@ -178,10 +178,10 @@ struct LineStreamer {
   __attribute__((target("avx512f,avx512bw"))) void finish() {
     if (A && n) _mm512_mask_storeu_ps(dst + 16 * n - 16, (__mmask16)(0xFFFFu << (16 - A)), prev);
   }
-  float* dst;
+  float* dst = nullptr;
   int A = 0;
   int64_t n = 0;
-  __m512i idx;
+  __m512i idx = _mm512_setzero_si512();
   __m512 prev = _mm512_setzero_ps();
 };
 
@@ -250,10 +250,9 @@ __attribute__((target("avx512f,avx512bw"))) void delta_head_rows_nt(const DeltaA
   const float* S_in = a.state_in + off;
   alignas(64) float nr[2][kMaxDk + 16];
   const bool lines = Dk % 16 == 0 && T <= kMaxRows;
-  alignas(64) unsigned char mem[kMaxRows][sizeof(LineStreamer)];
-  LineStreamer* out = reinterpret_cast<LineStreamer*>(mem);
+  LineStreamer out[kMaxRows];
   if (lines)
-    for (int64_t t = 0; t < T; t++) new (&out[t]) LineStreamer(slots[t] + off);
+    for (int64_t t = 0; t < T; t++) out[t] = LineStreamer(slots[t] + off);
   for (int64_t dv = 0; dv < Dv; dv++) {
     const float* src = S_in + dv * Dk;
     for (int64_t t = 0; t < T; t++) {

@@ -318,6 +318,7 @@ static ExpertRows group_rows_by_expert(const GatherProblem& p) {
 struct PreparedX {
   void reset(int64_t rows, int64_t K_, int64_t G_, bool fast_) {
     fast = fast_;
+    K = K_;
     G = G_;
     grow(x, fast ? 0 : rows * K_);
     grow(xq, fast ? rows * K_ : 0);
@@ -333,8 +334,18 @@ struct PreparedX {
     return fast ? rows * K + K + rows * (G + 64) * 4 + rows * G * 4 + K * 4
                 : rows * K * 4 + rows * G * 4 + K * 4;
   }
+  // Slot sl's rows: FAST codes and group scales (G + 64: the kernels may read past the last),
+  // EXACT floats, and the group sums both keep.
+  int8_t* xq_of(int64_t sl) { return xq.data() + sl * K; }
+  float* xd_of(int64_t sl) { return xd.data() + sl * (G + 64); }
+  float* x_of(int64_t sl) { return x.data() + sl * K; }
+  float* xsum_of(int64_t sl) { return xsum.data() + sl * G; }
+  const int8_t* xq_of(int64_t sl) const { return xq.data() + sl * K; }
+  const float* xd_of(int64_t sl) const { return xd.data() + sl * (G + 64); }
+  const float* x_of(int64_t sl) const { return x.data() + sl * K; }
+  const float* xsum_of(int64_t sl) const { return xsum.data() + sl * G; }
   bool fast = false;
-  int64_t G = 0;
+  int64_t K = 0, G = 0;
   std::vector<float> x;
   std::vector<int8_t> xq, tmpq;
   std::vector<float> xd, xsum, tmp;
@@ -359,14 +370,14 @@ static PreparedX& prepared_buffers(int i, int64_t need, PreparedX& local) {
 // The activation row at element offset `off` of p.x into slot `sl` of px (FAST or EXACT as px
 // was reset, in the layout of W-lane row kernels; W = 1 for the panel kernels).
 static void prepare_slot(const GatherProblem& p, int64_t off, int W, PreparedX& px, int64_t sl) {
-  const int64_t K = p.K, G = px.G;
+  const int64_t K = p.K;
   if (px.fast) {
     convert_to_f32(p.x, p.xdt, off, K, px.tmp.data());
-    prep_row_fast(px.tmp.data(), K, p.group_size, W, p.bits, px.tmpq.data(), px.xq.data() + sl * K,
-                  px.xd.data() + sl * (G + 64), px.xsum.data() + sl * G);
+    prep_row_fast(px.tmp.data(), K, p.group_size, W, p.bits, px.tmpq.data(), px.xq_of(sl),
+                  px.xd_of(sl), px.xsum_of(sl));
   } else {
-    prep_row(p.x, p.xdt, off, K, W, p.bits, p.group_size, px.tmp.data(), px.x.data() + sl * K,
-             px.xsum.data() + sl * G);
+    prep_row(p.x, p.xdt, off, K, W, p.bits, p.group_size, px.tmp.data(), px.x_of(sl),
+             px.xsum_of(sl));
   }
 }
 
@@ -472,12 +483,12 @@ static void run_task(const Task& t, const GatherProblem& p, const std::vector<in
     int mr = (int)std::min<int64_t>(MRMAX, t.r1 - r);
     for (int m = 0; m < mr; m++) {
       const int64_t li = px.slot[r + m - c0];
-      xss[m] = px.xsum.data() + li * G;
+      xss[m] = px.xsum_of(li);
       if (px.fast) {
-        xqs[m] = px.xq.data() + li * K;
-        xds[m] = px.xd.data() + li * (G + 64);
+        xqs[m] = px.xq_of(li);
+        xds[m] = px.xd_of(li);
       } else {
-        xps[m] = px.x.data() + li * K;
+        xps[m] = px.x_of(li);
       }
       outs[m] = static_cast<uint8_t*>(p.out) + (size_t)order[r + m] * N * osz;
     }
@@ -499,8 +510,7 @@ static void run_task(const Task& t, const GatherProblem& p, const std::vector<in
 static void run_panel_rows(const PanelMatrix& pm, int64_t e, int64_t p0, int64_t p1, int64_t r0,
                            int64_t r1, const int64_t* slot, int64_t slot_off,
                            const std::vector<int64_t>& order, const PreparedX& px, PanelFn fn,
-                           void* out, DType odt, int64_t N, int64_t K) {
-  const int64_t G = px.G;
+                           void* out, DType odt, int64_t N) {
   const size_t osz = odt == F32 ? 4 : 2;
   const int8_t* xqs[MRMAX];
   const float *xds[MRMAX], *xfs[MRMAX], *xss[MRMAX];
@@ -510,12 +520,12 @@ static void run_panel_rows(const PanelMatrix& pm, int64_t e, int64_t p0, int64_t
     a.mr = (int)std::min<int64_t>(MRMAX, r1 - r);
     for (int m = 0; m < a.mr; m++) {
       const int64_t li = slot[r + m - slot_off];
-      xss[m] = px.xsum.data() + li * G;
+      xss[m] = px.xsum_of(li);
       if (px.fast) {
-        xqs[m] = px.xq.data() + li * K;
-        xds[m] = px.xd.data() + li * (G + 64);
+        xqs[m] = px.xq_of(li);
+        xds[m] = px.xd_of(li);
       } else {
-        xfs[m] = px.x.data() + li * K;
+        xfs[m] = px.x_of(li);
       }
       outs[m] = static_cast<uint8_t*>(out) + (size_t)order[r + m] * N * osz;
     }
@@ -567,7 +577,7 @@ static void gather_panels(const GatherProblem& p, const PanelMatrix& pm, const E
     parallel_for((int64_t)tasks.size(), wbytes < g_single_bytes.load(), [&](int64_t ti) {
       const PTask& t = tasks[ti];
       run_panel_rows(pm, t.e, t.p0, t.p1, t.r0, t.r1, px.slot.data(), c0, g.order, px, fn, p.out,
-                     p.odt, p.N, K);
+                     p.odt, p.N);
     });
   }
 }
@@ -680,7 +690,7 @@ void gather_qmm_many(const GatherProblem* ps, int n) {
     const PTask& t = tasks[ti];
     const Prod& d = prods[t.d];
     run_panel_rows(*d.pm, t.e, t.p0, t.p1, t.r0, t.r1, d.slot.data(), 0, d.g.order, *pxs[d.prep],
-                   d.fast ? pk.fast : pk.exact, d.p->out, d.p->odt, d.p->N, d.p->K);
+                   d.fast ? pk.fast : pk.exact, d.p->out, d.p->odt, d.p->N);
   });
 }
 
