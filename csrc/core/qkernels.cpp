@@ -83,6 +83,10 @@ static const IsaOps* isa_by_name(const std::string& name) {
     if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq) return &avx512_ops;
     return nullptr;
   }
+  if (name == "avx512-novbmi") {  // testing: the VNNI kernels a CPU without VBMI (Cascade Lake) runs
+    if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni) return &avx512vnni_ops;
+    return nullptr;
+  }
   if (name == "avx2") {
     if (f.avx2 && f.fma) return &avx2_ops;
     return nullptr;

@@ -159,7 +159,7 @@ static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, 
       }
   }
   double max_err = 0, max_ref = 0, max_mag = 0;
-  bool bad = false, beyond_exact = false;
+  bool bad = false;
   const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.data());
   for (int64_t r = 0; r < R; r++) {
     int64_t e = ex[r];
@@ -183,7 +183,6 @@ static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, 
       double tol = (odt == F32 ? 1e-5 : odt == BF16 ? 8e-3 : 1e-3) * (std::fabs(acc) + 1e-3 * mag) +
                    2e-6 * mag;
       double err = std::fabs(got - acc);
-      if (!(err <= tol)) beyond_exact = true;
       // FAST: within float rounding of its int8-activation result (tight), as well as close to
       // the float result (the loose bound below).
       const double want = fast_here ? acc8 : acc;
@@ -203,7 +202,18 @@ static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, 
   // to the products' magnitude where the outputs cancel (a lone 1-bit output of a few groups:
   // its int8 result, checked tightly above, was 3.2% of a cancelled |output| of 0.027).
   if (fast_here && !(max_err <= 3e-2 * max_ref + 1e-2 * max_mag)) bad = true;
-  if (fast_here && odt == F32 && !beyond_exact) bad = true;  // the mask claims FAST, EXACT ran
+  // The mask claims FAST: the float32 outputs must not be EXACT's bits. (Not "some output is
+  // beyond EXACT's tolerance": with one output, int8 rounding can land inside it, 1 seed in ~130.)
+  if (fast_here && odt == F32) {
+    std::vector<uint8_t> out_exact(out.size(), 0xff);
+    p.out = out_exact.data();
+    set_mode(MODE_EXACT);
+    {
+      PanelGuard pg(p);
+      gather_qmm(p);
+    }
+    if (out_exact == out) bad = true;
+  }
   set_mode(MODE_EXACT);
   checks++;
   if (bad) {
@@ -503,7 +513,7 @@ static void run_linear_rows_case(std::mt19937& rng, int64_t Hk, int64_t Dk, int6
 
 int main(int argc, char** argv) {
   bool quick = false;
-  std::vector<std::string> isas = {"avx512", "avx512-novnni", "avx2", "neon", "neon-dotprod", "neon-base", "scalar"};
+  std::vector<std::string> isas = {"avx512", "avx512-novbmi", "avx512-novnni", "avx2", "neon", "neon-dotprod", "neon-base", "scalar"};
   std::string expect;
   std::random_device rd;
   unsigned seed = rd();
