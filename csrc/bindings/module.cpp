@@ -5,6 +5,7 @@
 //             log_softmax                                                 (decode helpers)
 //   _qkernels.moe_block, moe_block_parts, moe_combine, linear_attn_step, linear_attn_rows       (whole decode blocks)
 //   _qkernels.causal_attention                                                (prefill attention)
+//   _qkernels.decode_attention              (a decode token of B sequences with their own caches)
 // eval_gpu throws (bindings/common.h): these primitives are for the CPU device only. They live
 // in csrc/bindings/{qmm,gated_delta,decode_ops,blocks,attention}.cpp on the shared primitive
 // base of bindings/common.{h,cpp}; this file only binds them (and the core's thread / mode /
@@ -89,6 +90,13 @@ NB_MODULE(_qkernels, m) {
         "mx.fast.scaled_dot_product_attention(q, k, v, scale, mask='causal') on the CPU, "
         "float32, without materialising the scores; written [B, L, H, D], times sigmoid(gate) "
         "([B, L, H, D]) when given.");
+  m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("gate"), nb::arg("keys"), nb::arg("values"), nb::arg("offsets"), nb::kw_only(),
+        nb::arg("dims"), nb::arg("base"), nb::arg("scale"), nb::arg("stream") = nb::none(),
+        "One decode token of B sequences, each with its own KV cache: RoPE of q, k [B, H, 1, D] "
+        "at offsets[b], k and v written into keys[b] / values[b] [1, Hkv, cap, D] there, "
+        "attention over offsets[b] + 1 positions times sigmoid(gate [B, 1, Hq, D]): "
+        "[out [B, 1, Hq, D], keys[0], values[0], keys[1], ...] as written, float32.");
   m.def("set_gemm_min_rows", [](int64_t n) { pqk::detail::set_gemm_min_rows(n); }, nb::arg("n"),
         "FAST mode: activation rows per matrix/expert from which the GEMM kernels run (0: never; "
         "default 4 or POCKET_MLX_GEMM_MIN_ROWS).");

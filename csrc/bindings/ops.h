@@ -64,6 +64,12 @@ std::vector<mx::array> linear_attn_rows(const mx::array& qkv, const mx::array& z
 mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                            const std::optional<mx::array>& gate, float scale,
                            mx::StreamOrDevice s);
+std::vector<mx::array> decode_attention(const mx::array& q, const mx::array& k,
+                                        const mx::array& v, const mx::array& gate,
+                                        const std::vector<mx::array>& keys,
+                                        const std::vector<mx::array>& values,
+                                        const std::vector<int64_t>& offsets, int dims, float base,
+                                        float scale, mx::StreamOrDevice s);
 
 // Panel layout (bindings/panels.cpp).
 int64_t panel_pack(const mx::array& w, const mx::array& scales, const mx::array& biases, int bits,

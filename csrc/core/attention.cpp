@@ -44,18 +44,22 @@ namespace attn_base {
 #undef QK_W
 }  // namespace attn_base
 
+using AttnBlock = decltype(&attn_base::attn_block);
+
+static AttnBlock attn_kernel() {
+#if defined(__x86_64__) || defined(_M_X64)
+  const std::string is = isa();
+  if (is == "avx512") return &attn_avx512::attn_block;
+  if (is == "avx2") return &attn_avx2::attn_block;
+#endif
+  return &attn_base::attn_block;
+}
+
 void causal_attention(const float* q, const int64_t* qst, const float* k, const int64_t* kst,
                       const float* v, const int64_t* vst, const float* gate, const int64_t* gst,
                       float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S,
                       int64_t D, float scale) {
-  auto fn = &attn_base::attn_block;
-#if defined(__x86_64__) || defined(_M_X64)
-  const std::string is = isa();
-  if (is == "avx512")
-    fn = &attn_avx512::attn_block;
-  else if (is == "avx2")
-    fn = &attn_avx2::attn_block;
-#endif
+  const AttnBlock fn = attn_kernel();
   // Tasks: (batch, head, block of 16 queries); later blocks see more keys, the pool's atomic
   // claiming balances them.
   constexpr int64_t QB = 16;
@@ -74,4 +78,22 @@ void causal_attention(const float* q, const int64_t* qst, const float* k, const 
   });
 }
 
+void decode_attention_rows(const float* q, const float* const* k, const float* const* v,
+                           const int64_t* cap, const int64_t* S, const float* gate, float* out,
+                           int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale) {
+  const AttnBlock fn = attn_kernel();
+  const int64_t rep = Hq / Hkv;
+  // One thread below ~1 M multiply-adds (a short context of one sequence: ~50 us of work, a
+  // few times the pool's wake-up), the pool above.
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; b++) work += S[b];
+  parallel_for(B * Hq, work * Hq * D * 2 < (int64_t(1) << 20), [&](int64_t t) {
+    const int64_t b = t / Hq, h = t % Hq, hk = h / rep;
+    // As causal_attention's task for (b, h) with L = 1: query row 0, keys 0 .. S - 1.
+    fn(q + t * D, D, k[b] + hk * cap[b] * D, D, v[b] + hk * cap[b] * D, D, D, 0, 1, S[b] - 1,
+       scale, out + t * D, Hq * D, gate ? gate + t * D : nullptr, Hq * D);
+  });
+}
+
 }  // namespace pqk
+

@@ -13,8 +13,9 @@ What is batched and what is not:
   while sequences decode together those states live stacked [B, ...] here, so the layer's own
   decode path runs on all of them in one node;
 - full-attention layers attend each sequence against its own KVCache (different lengths): the
-  projections are batched, RoPE, the cache update and the attention run per sequence. A padded
-  batched attention would change the summation over keys and so the bits.
+  projections are batched, RoPE, the cache update and the attention run per sequence (on the
+  CPU all rows in one node of the extension, each row with its own length). A padded batched
+  attention would change the summation over keys and so the bits.
 
 Sequences join and leave between steps (`set_members`); a sequence's linear-attention state is
 written back into its own cache (`release`) when it leaves, so its cache can be stored (prompt
@@ -31,7 +32,6 @@ import mlx.core as mx
 from pocket_mlx import kernels
 from pocket_mlx.kernels import ops
 from pocket_mlx.models.cache import LinearAttentionCache
-from pocket_mlx.models.fusion import project
 from pocket_mlx.models.qwen3_5_moe import Attention
 
 
@@ -142,22 +142,19 @@ class DecodeBatch:
 
 def attend(attn: Attention, x: mx.array, caches: Sequence) -> mx.array:
     """`Attention.__call__` for B sequences of one token each, `caches[i]` being row i's
-    KVCache: the projections, norms and gate on all rows at once, RoPE at each sequence's own
+    KVCache: the projections, norms and gate on all rows at once; RoPE at each sequence's own
     position, its cache update and its attention per sequence (same ops, same order as the
-    one-sequence call, so the same bits)."""
-    B = x.shape[0]
-    q, k, v = project(attn, x, *attn.FUSED)
-    q, gate = mx.split(q.reshape(B, 1, attn.n_heads, -1), 2, axis=-1)
-    k = k.reshape(B, 1, attn.n_kv_heads, -1)
-    v = v.reshape(B, 1, attn.n_kv_heads, -1)
-    q = attn.q_norm(q).transpose(0, 2, 1, 3)
-    k = attn.k_norm(k).transpose(0, 2, 1, 3)
-    v = v.transpose(0, 2, 1, 3)
+    one-sequence call, so the same bits), all rows in one node on the CPU with the extension."""
+    q, gate, k, v = attn.heads(x)
+    out = ops.decode_attention(q, k, v, gate, list(caches), attn.rope_dims, attn.rope_base,
+                               attn.scale)
+    if out is not None:  # the CPU extension: every row in one node
+        return attn.o_proj(out)
     outs = []
     for i, cache in enumerate(caches):
         qi = ops.rope(q[i:i + 1], attn.rope_dims, attn.rope_base, cache.offset)
         ki = ops.rope(k[i:i + 1], attn.rope_dims, attn.rope_base, cache.offset)
         ki, vi = cache.update_and_fetch(ki, v[i:i + 1])
         outs.append(ops.gated_attention(qi, ki, vi, gate[i:i + 1], attn.scale, None))
-    out = outs[0] if B == 1 else mx.concatenate(outs)
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
     return attn.o_proj(out)

@@ -23,14 +23,14 @@ class KVCache:
         self.values: mx.array | None = None
         self.offset = 0
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append the new positions; return every position held so far."""
+    def reserve(self, n: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
+                batch: int = 1) -> None:
+        """Make room for `n` more positions after those held (grown by whole blocks of `step`)."""
         prev = self.offset
-        if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:
-            B, heads, n, k_dim = keys.shape
-            steps = (self.step + n - 1) // self.step
-            new_k = mx.zeros((B, heads, steps * self.step, k_dim), keys.dtype)
-            new_v = mx.zeros((B, heads, steps * self.step, values.shape[3]), values.dtype)
+        if self.keys is None or prev + n > self.keys.shape[2]:
+            size = (self.step + n - 1) // self.step * self.step
+            new_k = mx.zeros((batch, heads, size, k_dim), dtype)
+            new_v = mx.zeros((batch, heads, size, v_dim), dtype)
             if self.keys is not None:
                 if prev % self.step != 0:
                     self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
@@ -38,7 +38,13 @@ class KVCache:
                 self.values = mx.concatenate([self.values, new_v], axis=2)
             else:
                 self.keys, self.values = new_k, new_v
-        self.offset += keys.shape[2]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append the new positions; return every position held so far."""
+        prev = self.offset
+        B, heads, n, k_dim = keys.shape
+        self.reserve(n, heads, k_dim, values.shape[3], keys.dtype, B)
+        self.offset += n
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]

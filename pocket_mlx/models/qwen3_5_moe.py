@@ -357,6 +357,11 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
         q, gate, k, v = self.heads(x)
+        if L == 1 and B == 1 and cache is not None:  # a decode step: one node on the CPU
+            out = ops.decode_attention(q, k, v, gate, [cache], self.rope_dims, self.rope_base,
+                                       self.scale)
+            if out is not None:
+                return self.o_proj(out)
         offset = cache.offset if cache is not None else 0
         q = ops.rope(q, self.rope_dims, self.rope_base, offset)
         k = ops.rope(k, self.rope_dims, self.rope_base, offset)
