@@ -103,15 +103,18 @@ def test_node_has_the_per_sequence_bits(isa):
 
 
 def test_a_held_buffer_is_copied_and_a_free_one_written_in_place():
-    caches = _caches([7, 20])
-    held_k = caches[0].keys  # e.g. a prompt-cache snapshot of row 0
-    before = np.array(held_k)
+    caches = _caches([7, 20, 3])
+    held_k = caches[0].keys  # the same array held elsewhere
+    held_v = caches[2].values.reshape(caches[2].values.shape)  # a view of its data, as
+    before_k, before_v = np.array(held_k), np.array(held_v)  # the prompt cache's snapshots hold
     free_addr = np.asarray(memoryview(caches[1].values)).ctypes.data
-    q, k, v, gate = _step_inputs(2)
+    q, k, v, gate = _step_inputs(3)
     out = ops.decode_attention(q, k, v, gate, caches, DIMS, BASE, SCALE)
     mx.eval(out, [a for c in caches for a in c.arrays])
-    assert np.array_equal(np.array(held_k), before), "a held cache buffer was written over"
-    assert not np.array_equal(np.array(caches[0].keys), before)  # the new row is in the copy
+    assert np.array_equal(np.array(held_k), before_k), "a held cache buffer was written over"
+    assert np.array_equal(np.array(held_v), before_v), "a viewed cache buffer was written over"
+    assert not np.array_equal(np.array(caches[0].keys), before_k)  # the new row is in the copy
+    assert not np.array_equal(np.array(caches[2].values), before_v)
     assert np.asarray(memoryview(caches[1].values)).ctypes.data == free_addr
 
 
