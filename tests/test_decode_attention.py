@@ -1,6 +1,6 @@
-"""The extension's decode attention node (`_qkernels.decode_attention`, used by `ops.decode_attention`
-for a decode step of one sequence and for a batched step of B, models/batched.py) against the ops it
-replaces (RoPE, the KV cache's append, the one-row attention with its gate, per sequence): the same
+"""The extension's decode attention node (`_qkernels.decode_attention` through
+`Attention.decode_rows`, for a decode step of one sequence and for a batched step of B,
+models/batched.py) against the ops it replaces (RoPE, the KV cache's append, the one-row attention with its gate, per sequence): the same
 bits for the output and for the caches, rows of different lengths, a cache that grows on the way,
 every ISA this CPU runs; a cache buffer someone else holds is copied, never written over; one that
 nobody holds is written in place; and a model's greedy decode gives the same logits either way."""
@@ -14,6 +14,7 @@ import pytest
 from pocket_mlx import kernels
 from pocket_mlx.kernels import ops
 from pocket_mlx.models.cache import KVCache
+from pocket_mlx.models.qwen3_5_moe import Attention
 
 RNG = np.random.default_rng()
 HQ, HKV, D, DIMS, BASE = 8, 2, 64, 16, 1e6
@@ -75,6 +76,16 @@ def _step_inputs(B: int):
     return q, k, v, gate
 
 
+class _Heads:
+    """What `Attention.decode_rows` reads of its layer."""
+
+    rope_dims, rope_base, scale = DIMS, BASE, SCALE
+
+
+def _node(q, k, v, gate, caches):
+    return Attention.decode_rows(_Heads(), q, gate, k, v, caches)
+
+
 def _equal(a: mx.array, b: mx.array) -> bool:
     return np.array_equal(np.array(a), np.array(b))
 
@@ -90,7 +101,7 @@ def test_node_has_the_per_sequence_bits(isa):
     ref = _copy(mine)
     for _ in range(4):
         q, k, v, gate = _step_inputs(len(lengths))
-        out = ops.decode_attention(q, k, v, gate, mine, DIMS, BASE, SCALE)
+        out = _node(q, k, v, gate, mine)
         assert out is not None, "the node did not run"
         want = _per_sequence(q, k, v, gate, ref)
         assert out.shape == want.shape == (len(lengths), 1, HQ * D)
@@ -109,7 +120,7 @@ def test_a_held_buffer_is_copied_and_a_free_one_written_in_place():
     before_k, before_v = np.array(held_k), np.array(held_v)  # the prompt cache's snapshots hold
     free_addr = np.asarray(memoryview(caches[1].values)).ctypes.data
     q, k, v, gate = _step_inputs(3)
-    out = ops.decode_attention(q, k, v, gate, caches, DIMS, BASE, SCALE)
+    out = _node(q, k, v, gate, caches)
     mx.eval(out, [a for c in caches for a in c.arrays])
     assert np.array_equal(np.array(held_k), before_k), "a held cache buffer was written over"
     assert np.array_equal(np.array(held_v), before_v), "a viewed cache buffer was written over"
@@ -124,9 +135,9 @@ def test_other_caches_and_devices_fall_back():
     class OtherCache(KVCache):
         pass
 
-    assert ops.decode_attention(q, k, v, gate, [OtherCache()], DIMS, BASE, SCALE) is None
+    assert _node(q, k, v, gate, [OtherCache()]) is None
     kernels.set_enabled(False)
-    assert ops.decode_attention(q, k, v, gate, _caches([3]), DIMS, BASE, SCALE) is None
+    assert _node(q, k, v, gate, _caches([3])) is None
 
 
 def test_model_decode_has_the_same_logits_with_and_without_the_node(tiny_ckpt, monkeypatch):

@@ -16,7 +16,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pocket_mlx import kernels
-from pocket_mlx.models.cache import KVCache
 
 
 def _cpu_kernels():
@@ -176,31 +175,28 @@ def gated_attention(q, k, v, gate, scale: float, mask):
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate.reshape(B, L, -1))
 
 
-def decode_attention(q, k, v, gate, caches: list, dims: int, base: float, scale: float):
-    """One decode token of B sequences, row b with its own KV cache `caches[b]` (a batched step;
-    B = 1 is a plain step): RoPE at each cache's offset, k and v appended, attention, output gate,
-    as one node of the extension on the CPU (see `_qkernels.decode_attention`), [B, 1, Hq * D]
-    with the bits of the per-sequence ops. Advances the caches. None when the extension cannot
-    run it (another device, dtype or cache type): the caller then runs those ops."""
-    if not (decode_attention_node(q) and hasattr(kernels._ext, "decode_attention")
-            and k.dtype == v.dtype == gate.dtype == mx.float32
-            and all(type(c) is KVCache and (c.keys is None or (
-                c.keys.dtype == mx.float32 and c.keys.shape[0] == 1)) for c in caches)):
+def decode_attention_runs(q, k, v, gate) -> bool:
+    """Whether `decode_attention` runs here for these inputs (the extension on the CPU,
+    float32)."""
+    return (decode_attention_node(q) and hasattr(kernels._ext, "decode_attention")
+            and k.dtype == v.dtype == gate.dtype == mx.float32)
+
+
+def decode_attention(q, k, v, gate, keys: list, values: list, offsets: list[int], dims: int,
+                     base: float, scale: float):
+    """One decode token of B sequences, row b with its own KV buffers keys[b] / values[b]
+    [1, Hkv, room, D] holding offsets[b] positions, as one node of the extension on the CPU (see
+    `_qkernels.decode_attention`): RoPE at each row's position, k and v written into its
+    buffers, attention, output gate, with the bits of those ops run per sequence. Returns
+    [out [B, 1, Hq, D], keys[0], values[0], keys[1], ...] (the buffers as written), or None when
+    the extension cannot run it (the caller then runs those ops)."""
+    if not decode_attention_runs(q, k, v, gate):
         return None
-    _, heads, _, k_dim = k.shape
-    for c in caches:
-        c.reserve(1, heads, k_dim, v.shape[3], mx.float32)
     try:
-        outs = kernels._ext.decode_attention(
-            q, k, v, gate, [c.keys for c in caches], [c.values for c in caches],
-            [c.offset for c in caches], dims=dims, base=base, scale=scale)
-    except ValueError:  # a shape the node does not take: the caller's ops run it
+        return kernels._ext.decode_attention(q, k, v, gate, keys, values, offsets, dims=dims,
+                                             base=base, scale=scale)
+    except ValueError:  # a shape the node does not take
         return None
-    for b, c in enumerate(caches):
-        c.keys, c.values = outs[1 + 2 * b], outs[2 + 2 * b]
-        c.offset += 1
-    B, _, H, D = outs[0].shape
-    return outs[0].reshape(B, 1, H * D)
 
 
 def moe_route(logits, k: int, normalize: bool):

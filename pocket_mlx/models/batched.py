@@ -146,8 +146,7 @@ def attend(attn: Attention, x: mx.array, caches: Sequence) -> mx.array:
     position, its cache update and its attention per sequence (same ops, same order as the
     one-sequence call, so the same bits), all rows in one node on the CPU with the extension."""
     q, gate, k, v = attn.heads(x)
-    out = ops.decode_attention(q, k, v, gate, list(caches), attn.rope_dims, attn.rope_base,
-                               attn.scale)
+    out = attn.decode_rows(q, gate, k, v, list(caches))
     if out is not None:  # the CPU extension: every row in one node
         return attn.o_proj(out)
     outs = []

@@ -354,12 +354,33 @@ class Attention(nn.Module):
         k = self.k_norm(k).transpose(0, 2, 1, 3)
         return q, gate, k, v.transpose(0, 2, 1, 3)
 
+    def decode_rows(self, q, gate, k, v, caches: list) -> mx.array | None:
+        """One decode token of each row b of `heads`' q, gate, k, v against its own KVCache
+        `caches[b]` (a batched step; one row is a plain step) in one node of the CPU extension
+        (ops.decode_attention): [B, 1, Hq * D] before o_proj, the caches advanced. None where
+        the node does not run (another device, dtype or cache): the caller runs the ops."""
+        if not ops.decode_attention_runs(q, k, v, gate) or not all(
+                type(c) is KVCache and (c.keys is None or (
+                    c.keys.dtype == mx.float32 and c.keys.shape[0] == 1)) for c in caches):
+            return None
+        for c in caches:
+            c.reserve(1, k.shape[1], k.shape[3], v.shape[3], mx.float32)
+        outs = ops.decode_attention(q, k, v, gate, [c.keys for c in caches],
+                                    [c.values for c in caches], [c.offset for c in caches],
+                                    self.rope_dims, self.rope_base, self.scale)
+        if outs is None:
+            return None
+        for b, c in enumerate(caches):
+            c.keys, c.values = outs[1 + 2 * b], outs[2 + 2 * b]
+            c.offset += 1
+        B, _, H, D = outs[0].shape
+        return outs[0].reshape(B, 1, H * D)
+
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
         q, gate, k, v = self.heads(x)
         if L == 1 and B == 1 and cache is not None:  # a decode step: one node on the CPU
-            out = ops.decode_attention(q, k, v, gate, [cache], self.rope_dims, self.rope_base,
-                                       self.scale)
+            out = self.decode_rows(q, gate, k, v, [cache])
             if out is not None:
                 return self.o_proj(out)
         offset = cache.offset if cache is not None else 0
