@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "attention.h"
 #include "qkernels.h"
 
 using namespace pqk;
@@ -511,6 +512,125 @@ static void run_linear_rows_case(std::mt19937& rng, int64_t Hk, int64_t Dk, int6
   }
 }
 
+// A batched decode step's attention (decode_attention_rows: B rows, each with its own keys and
+// values of its own length, the B x Hq tasks on the pool) against causal_attention of each row
+// alone with L = 1 (the one-sequence step): the same bits, 1 and 2 threads.
+static void run_decode_attention_case(std::mt19937& rng, int64_t B, int64_t Hq, int64_t Hkv,
+                                      int64_t D, int threads, const char* isa_name) {
+  set_threads(threads);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<int64_t> cap(B), S(B);
+  std::vector<std::vector<float>> kb(B), vb(B);
+  std::vector<const float*> kp(B), vp(B);
+  for (int64_t b = 0; b < B; b++) {
+    S[b] = 1 + rng() % 300;
+    cap[b] = S[b] + rng() % 40;  // room past the filled positions, as a cache has
+    kb[b].resize(Hkv * cap[b] * D);
+    vb[b].resize(Hkv * cap[b] * D);
+    for (auto& x : kb[b]) x = u(rng);
+    for (auto& x : vb[b]) x = u(rng);
+    kp[b] = kb[b].data();
+    vp[b] = vb[b].data();
+  }
+  std::vector<float> q(B * Hq * D), gate(B * Hq * D), out(B * Hq * D), one(Hq * D);
+  for (auto& x : q) x = u(rng);
+  for (auto& x : gate) x = u(rng);
+  const float scale = 1.f / std::sqrt((float)D);
+  decode_attention_rows(q.data(), kp.data(), vp.data(), cap.data(), S.data(), gate.data(),
+                        out.data(), B, Hq, Hkv, D, scale);
+  bool bad = false;
+  for (int64_t b = 0; b < B && !bad; b++) {
+    const int64_t qst[3] = {Hq * D, D, D}, kst[3] = {Hkv * cap[b] * D, cap[b] * D, D},
+                  gst[3] = {Hq * D, Hq * D, D};
+    causal_attention(q.data() + b * Hq * D, qst, kp[b], kst, vp[b], kst,
+                     gate.data() + b * Hq * D, gst, one.data(), 1, Hq, Hkv, 1, S[b], D, scale);
+    bad = std::memcmp(one.data(), out.data() + b * Hq * D, one.size() * 4) != 0;
+  }
+  checks++;
+  if (bad) {
+    failures++;
+    std::printf("FAIL decode_attention_rows isa=%s B=%lld Hq=%lld Hkv=%lld D=%lld threads=%d: a "
+                "row differs from its one-row causal_attention\n", isa_name, (long long)B,
+                (long long)Hq, (long long)Hkv, (long long)D, threads);
+  }
+}
+
+// A batched linear-attention step (B rows, its per-row work on the pool) against each row's
+// one-row step: the same bits for the output and both caches.
+static void run_linear_batch_case(std::mt19937& rng, int64_t B, int64_t Hk, int64_t Dk,
+                                  int64_t Hv, int64_t Dv) {
+  set_threads(2);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  auto fill = [&](std::vector<float>& v, size_t n, float sc) {
+    v.resize(n);
+    for (auto& x : v) x = u(rng) * sc;
+  };
+  const int64_t K = 4, C = 2 * Hk * Dk + Hv * Dv, SZ = Hv * Dv * Dk;
+  std::vector<float> qkv, z, b, a, conv, conv_w, A_log, dt_bias, norm_w, state;
+  fill(qkv, B * C, 1.f);
+  fill(z, B * Hv * Dv, 1.f);
+  fill(b, B * Hv, 1.f);
+  fill(a, B * Hv, 1.f);
+  fill(conv, B * (K - 1) * C, 1.f);
+  fill(conv_w, C * K, 0.5f);
+  fill(A_log, Hv, 1.f);
+  fill(dt_bias, Hv, 1.f);
+  fill(norm_w, Dv, 1.f);
+  fill(state, B * SZ, 0.1f);
+  LinearAttnStep st;
+  st.conv_dim = C;
+  st.kernel = K;
+  st.Hk = Hk;
+  st.Hv = Hv;
+  st.Dk = Dk;
+  st.Dv = Dv;
+  st.qkv_stride = C;
+  st.z_stride = Hv * Dv;
+  st.ab_stride = Hv;
+  st.conv_w = conv_w.data();
+  st.A_log = A_log.data();
+  st.dt_bias = dt_bias.data();
+  st.norm_w = norm_w.data();
+  std::vector<float> out(B * Hv * Dv), new_conv(B * (K - 1) * C), new_state(B * SZ);
+  LinearAttnStep all = st;
+  all.B = B;
+  all.qkv = qkv.data();
+  all.z = z.data();
+  all.b = b.data();
+  all.a = a.data();
+  all.conv_state = conv.data();
+  all.state_in = state.data();
+  all.out = out.data();
+  all.new_conv_state = new_conv.data();
+  all.state = new_state.data();
+  linear_attn_step(all);
+  std::vector<float> o(Hv * Dv), c_out((K - 1) * C), s_out(SZ);
+  bool bad = false;
+  for (int64_t r = 0; r < B && !bad; r++) {
+    LinearAttnStep one = st;
+    one.qkv = qkv.data() + r * C;
+    one.z = z.data() + r * Hv * Dv;
+    one.b = b.data() + r * Hv;
+    one.a = a.data() + r * Hv;
+    one.conv_state = conv.data() + r * (K - 1) * C;
+    one.state_in = state.data() + r * SZ;
+    one.out = o.data();
+    one.new_conv_state = c_out.data();
+    one.state = s_out.data();
+    linear_attn_step(one);
+    bad = std::memcmp(o.data(), out.data() + r * Hv * Dv, o.size() * 4) != 0 ||
+          std::memcmp(c_out.data(), new_conv.data() + r * c_out.size(), c_out.size() * 4) != 0 ||
+          std::memcmp(s_out.data(), new_state.data() + r * SZ, SZ * 4) != 0;
+  }
+  checks++;
+  if (bad) {
+    failures++;
+    std::printf("FAIL linear_attn_step B=%lld Hk=%lld Dk=%lld Hv=%lld Dv=%lld: a row differs from "
+                "its one-row step\n", (long long)B, (long long)Hk, (long long)Dk, (long long)Hv,
+                (long long)Dv);
+  }
+}
+
 int main(int argc, char** argv) {
   bool quick = false;
   std::vector<std::string> isas = {"avx512", "avx512-novbmi", "avx512-novnni", "avx2", "neon", "neon-dotprod", "neon-base", "scalar"};
@@ -634,6 +754,17 @@ int main(int argc, char** argv) {
   run_linear_rows_case(rng, 2, 24, 4, 8, 5);    // Dk not a multiple of 16: the masked tail
   run_linear_rows_case(rng, 4, 128, 8, 128, 3);
   run_linear_rows_case(rng, 1, 8, 2, 8, 2);     // Dk < 16: the generic kernel, row by row
+  run_linear_batch_case(rng, 5, 2, 32, 4, 32);
+  run_linear_batch_case(rng, 3, 4, 128, 8, 128);
+  for (const std::string& isa_s : isas) {
+    if (!force_isa(isa_s.c_str())) continue;
+    for (int threads : {1, 2}) {
+      run_decode_attention_case(rng, 1 + rng() % 8, 16, 2, 256, threads, isa_s.c_str());
+      run_decode_attention_case(rng, 1 + rng() % 8, 4, 4, 32, threads, isa_s.c_str());
+      run_decode_attention_case(rng, 8, 8, 1, 64, threads, isa_s.c_str());
+    }
+  }
+  force_isa("auto");
   std::printf("%d/%d cases passed\n", checks - failures, checks);
   return failures ? 1 : 0;
 }
