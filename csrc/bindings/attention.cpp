@@ -1,12 +1,13 @@
-// Causal attention for prefill (core/attention.cpp) as one primitive: q [B, Hq, L, D], k and v
+// Causal attention for prefill (core/attention.cpp) as one primitive, and a batched decode step's
+// attention (PocketDecodeAttention, below). Prefill: q [B, Hq, L, D], k and v
 // [B, Hkv, S, D] (strided views such as the KV cache's filled part are read in place; the last
 // dim must be contiguous, else it is copied) -> out [B, L, Hq, D], float32 (the layout the output
 // projection reads; ops.causal_attention hands it back as a [B, Hq, L, D] view).
 #include <cstring>
 #include <memory>
-#include <string>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "bindings/common.h"

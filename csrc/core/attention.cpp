@@ -96,4 +96,3 @@ void decode_attention_rows(const float* q, const float* const* k, const float* c
 }
 
 }  // namespace pqk
-

@@ -435,43 +435,63 @@ static void run_many_case(std::mt19937& rng, int gs, DType sdt, const char* isa_
 // The verify pass's multi-row Gated DeltaNet (linear_attn_rows): row i's output and the caches
 // after row i (tape slot i) must be the bits of i + 1 one-token steps (linear_attn_step),
 // whichever kernel the delta rule takes on this CPU.
-static void run_linear_rows_case(std::mt19937& rng, int64_t Hk, int64_t Dk, int64_t Hv,
-                                 int64_t Dv, int64_t L) {
+// Random inputs of a Gated DeltaNet layer's decode step: `rows` rows of qkv / z / b / a, `batch`
+// conv windows and states; `st` has the shapes, weights and the rows' strides (one row apart).
+struct LinearInputs {
+  std::vector<float> qkv, z, b, a, conv, conv_w, A_log, dt_bias, norm_w, state;
+  LinearAttnStep st;
+  int64_t C = 0, SZ = 0;
+};
+
+static LinearInputs linear_inputs(std::mt19937& rng, int64_t rows, int64_t batch, int64_t Hk,
+                                  int64_t Dk, int64_t Hv, int64_t Dv) {
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   auto fill = [&](std::vector<float>& v, size_t n, float sc) {
     v.resize(n);
     for (auto& x : v) x = u(rng) * sc;
   };
+  LinearInputs in;
   const int64_t K = 4, C = 2 * Hk * Dk + Hv * Dv;
-  std::vector<float> qkv, z, b, a, conv, conv_w, A_log, dt_bias, norm_w, state;
-  fill(qkv, L * C, 1.f);
-  fill(z, L * Hv * Dv, 1.f);
-  fill(b, L * Hv, 1.f);
-  fill(a, L * Hv, 1.f);
-  fill(conv, (K - 1) * C, 1.f);
-  fill(conv_w, C * K, 0.5f);
-  fill(A_log, Hv, 1.f);
-  fill(dt_bias, Hv, 1.f);
-  fill(norm_w, Dv, 1.f);
-  fill(state, Hv * Dv * Dk, 0.1f);
-  LinearAttnStep st;
+  in.C = C;
+  in.SZ = Hv * Dv * Dk;
+  fill(in.qkv, rows * C, 1.f);
+  fill(in.z, rows * Hv * Dv, 1.f);
+  fill(in.b, rows * Hv, 1.f);
+  fill(in.a, rows * Hv, 1.f);
+  fill(in.conv, batch * (K - 1) * C, 1.f);
+  fill(in.conv_w, C * K, 0.5f);
+  fill(in.A_log, Hv, 1.f);
+  fill(in.dt_bias, Hv, 1.f);
+  fill(in.norm_w, Dv, 1.f);
+  fill(in.state, batch * in.SZ, 0.1f);
+  LinearAttnStep& st = in.st;
   st.conv_dim = C;
   st.kernel = K;
   st.Hk = Hk;
   st.Hv = Hv;
   st.Dk = Dk;
   st.Dv = Dv;
-  st.qkv = qkv.data();
-  st.z = z.data();
-  st.b = b.data();
-  st.a = a.data();
-  st.qkv_stride = L * C;
-  st.z_stride = L * Hv * Dv;
-  st.ab_stride = L * Hv;
-  st.conv_w = conv_w.data();
-  st.A_log = A_log.data();
-  st.dt_bias = dt_bias.data();
-  st.norm_w = norm_w.data();
+  st.qkv = in.qkv.data();  // (vector buffers survive the return's move)
+  st.z = in.z.data();
+  st.b = in.b.data();
+  st.a = in.a.data();
+  st.qkv_stride = C;
+  st.z_stride = Hv * Dv;
+  st.ab_stride = Hv;
+  st.conv_w = in.conv_w.data();
+  st.A_log = in.A_log.data();
+  st.dt_bias = in.dt_bias.data();
+  st.norm_w = in.norm_w.data();
+  return in;
+}
+
+static void run_linear_rows_case(std::mt19937& rng, int64_t Hk, int64_t Dk, int64_t Hv,
+                                 int64_t Dv, int64_t L) {
+  LinearInputs in = linear_inputs(rng, L, 1, Hk, Dk, Hv, Dv);
+  const int64_t K = in.st.kernel, C = in.C;
+  const LinearAttnStep st = in.st;
+  std::vector<float>&qkv = in.qkv, &z = in.z, &b = in.b, &a = in.a, &conv = in.conv,
+                    &state = in.state;
   std::vector<float> out(L * Hv * Dv), conv_tape(L * (K - 1) * C), state_tape(L * Hv * Dv * Dk);
   std::vector<float*> conv_slots, state_slots;
   for (int64_t i = 0; i < L; i++) {
@@ -560,37 +580,11 @@ static void run_decode_attention_case(std::mt19937& rng, int64_t B, int64_t Hq, 
 static void run_linear_batch_case(std::mt19937& rng, int64_t B, int64_t Hk, int64_t Dk,
                                   int64_t Hv, int64_t Dv) {
   set_threads(2);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  auto fill = [&](std::vector<float>& v, size_t n, float sc) {
-    v.resize(n);
-    for (auto& x : v) x = u(rng) * sc;
-  };
-  const int64_t K = 4, C = 2 * Hk * Dk + Hv * Dv, SZ = Hv * Dv * Dk;
-  std::vector<float> qkv, z, b, a, conv, conv_w, A_log, dt_bias, norm_w, state;
-  fill(qkv, B * C, 1.f);
-  fill(z, B * Hv * Dv, 1.f);
-  fill(b, B * Hv, 1.f);
-  fill(a, B * Hv, 1.f);
-  fill(conv, B * (K - 1) * C, 1.f);
-  fill(conv_w, C * K, 0.5f);
-  fill(A_log, Hv, 1.f);
-  fill(dt_bias, Hv, 1.f);
-  fill(norm_w, Dv, 1.f);
-  fill(state, B * SZ, 0.1f);
-  LinearAttnStep st;
-  st.conv_dim = C;
-  st.kernel = K;
-  st.Hk = Hk;
-  st.Hv = Hv;
-  st.Dk = Dk;
-  st.Dv = Dv;
-  st.qkv_stride = C;
-  st.z_stride = Hv * Dv;
-  st.ab_stride = Hv;
-  st.conv_w = conv_w.data();
-  st.A_log = A_log.data();
-  st.dt_bias = dt_bias.data();
-  st.norm_w = norm_w.data();
+  LinearInputs in = linear_inputs(rng, B, B, Hk, Dk, Hv, Dv);
+  const int64_t K = in.st.kernel, C = in.C, SZ = in.SZ;
+  const LinearAttnStep st = in.st;
+  std::vector<float>&qkv = in.qkv, &z = in.z, &b = in.b, &a = in.a, &conv = in.conv,
+                    &state = in.state;
   std::vector<float> out(B * Hv * Dv), new_conv(B * (K - 1) * C), new_state(B * SZ);
   LinearAttnStep all = st;
   all.B = B;
