@@ -194,6 +194,18 @@ def kernels_ext():
     return kernels
 
 
+@pytest.fixture
+def cpu_kernels(kernels_ext):
+    """The extension's kernels on the CPU device (skips or fails as `kernels_ext`); the device,
+    the enabled flag and the ISA are put back afterwards."""
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    kernels.set_enabled(True)
+    yield kernels
+    kernels.set_enabled(True)
+    kernels.set_isa("auto")
+    mx.set_default_device(old)
+
 
 KERNEL_PATHS = ["fast", "exact", "mlx"]
 

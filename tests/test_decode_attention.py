@@ -21,14 +21,8 @@ HQ, HKV, D, DIMS, BASE = 8, 2, 64, 16, 1e6
 SCALE = D**-0.5
 
 
-@pytest.fixture(autouse=True)
-def _cpu(kernels_ext):
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    kernels.set_enabled(True)
-    yield
-    kernels.set_isa("auto")
-    mx.set_default_device(old)
+# Every test: the extension on the CPU (skips without it, fails under POCKET_MLX_REQUIRE_KERNELS=1).
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def _a(*shape):

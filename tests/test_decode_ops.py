@@ -18,14 +18,8 @@ from pocket_mlx.kernels import ops
 RNG = np.random.default_rng()
 
 
-@pytest.fixture(autouse=True)
-def _cpu(kernels_ext):  # skips without the extension, fails under POCKET_MLX_REQUIRE_KERNELS=1
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    kernels.set_enabled(True)
-    yield
-    kernels.set_enabled(True)
-    mx.set_default_device(old)
+# Every test: the extension on the CPU (skips without it, fails under POCKET_MLX_REQUIRE_KERNELS=1).
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def rand(*shape, scale=1.0):
