@@ -161,9 +161,10 @@ def _packed_model(tiny_ckpt, monkeypatch):
     return model
 
 
-def test_panels_are_the_default_on_avx512_vnni_and_can_be_turned_off(tiny_ckpt, monkeypatch):
-    """The layout is the default where the panel kernels are the measured-faster ones (AVX-512
-    VNNI), opt-in elsewhere (AVX2 here), and POCKET_MLX_PANELS=0 turns it off."""
+def test_panels_are_the_default_on_x86_and_can_be_turned_off(tiny_ckpt, monkeypatch):
+    """The layout is the default where the panel kernels are the measured-faster ones (x86:
+    AVX-512 VNNI, AVX-512BW, AVX2), opt-in elsewhere (NEON), and POCKET_MLX_PANELS=0 turns it
+    off."""
     from pocket_mlx.engine import loader
 
     _packable()
@@ -175,10 +176,12 @@ def test_panels_are_the_default_on_avx512_vnni_and_can_be_turned_off(tiny_ckpt, 
     assert bool(getattr(model, "panel_report", None)) == default_on
     assert kernels.panels_wanted() == default_on
     try:
-        if kernels.set_isa("avx2"):
-            assert not kernels.panels_wanted()
-            monkeypatch.setenv("POCKET_MLX_PANELS", "1")
-            assert kernels.panels_wanted()
+        for isa in ("avx2", "avx512-novnni"):
+            if kernels.set_isa(isa):
+                assert kernels.panels_wanted(), isa
+                monkeypatch.setenv("POCKET_MLX_PANELS", "0")
+                assert not kernels.panels_wanted(), isa
+                monkeypatch.delenv("POCKET_MLX_PANELS")
     finally:
         kernels.set_isa("auto")
     monkeypatch.setenv("POCKET_MLX_PANELS", "0")

@@ -50,6 +50,13 @@ static inline pv_i qk_dot8(pv_i acc, pv_u q, pv_u x) {
   const __m512i p = _mm512_maddubs_epi16((__m512i)q, (__m512i)x);
   return acc + (pv_i)_mm512_madd_epi16(p, _mm512_set1_epi16(1));
 }
+#define QK_HAVE_DOT16
+static inline pv_i qk_dot16(pv_i acc, pv_u q, pv_u x) {
+  return (pv_i)_mm512_add_epi16((__m512i)acc, _mm512_maddubs_epi16((__m512i)q, (__m512i)x));
+}
+static inline pv_i qk_widen16(pv_i acc, pv_i s) {
+  return acc + (pv_i)_mm512_madd_epi16((__m512i)s, _mm512_set1_epi16(1));
+}
 static inline pv_f qk_fmadd(pv_f a, pv_f b, pv_f c) {
   return (pv_f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 }
@@ -59,6 +66,7 @@ static inline pv_f qk_h2f(const uint16_t* p) {
 #include "qk_panel.inc"
 #undef QK_W
 #undef QK_DOT_WIDE
+#undef QK_HAVE_DOT16
 }  // namespace panel_avx512
 }  // namespace pqk
 #pragma GCC pop_options
@@ -76,6 +84,13 @@ static inline pv_i qk_dot8(pv_i acc, pv_u q, pv_u x) {
   const __m256i p = _mm256_maddubs_epi16((__m256i)q, (__m256i)x);
   return acc + (pv_i)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
+#define QK_HAVE_DOT16
+static inline pv_i qk_dot16(pv_i acc, pv_u q, pv_u x) {
+  return (pv_i)_mm256_add_epi16((__m256i)acc, _mm256_maddubs_epi16((__m256i)q, (__m256i)x));
+}
+static inline pv_i qk_widen16(pv_i acc, pv_i s) {
+  return acc + (pv_i)_mm256_madd_epi16((__m256i)s, _mm256_set1_epi16(1));
+}
 static inline pv_f qk_fmadd(pv_f a, pv_f b, pv_f c) {
   return (pv_f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 }
@@ -85,6 +100,7 @@ static inline pv_f qk_h2f(const uint16_t* p) {
 #include "qk_panel.inc"
 #undef QK_W
 #undef QK_DOT_WIDE
+#undef QK_HAVE_DOT16
 }  // namespace panel_avx2
 }  // namespace pqk
 #pragma GCC pop_options

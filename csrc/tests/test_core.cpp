@@ -97,16 +97,21 @@ struct PanelGuard {
 
 static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, int64_t E,
                      int64_t N, int64_t K, int64_t R, bool gathered, const char* isa_name,
-                     int threads, bool fast = false) {
+                     int threads, bool fast = false, bool extreme = false) {
   set_threads(threads);
   set_mode(fast ? MODE_FAST : MODE_EXACT);
   const int64_t words = K * bits / 32;
   std::vector<uint32_t> w(E * N * words);
-  for (auto& v : w) v = rng();
+  for (auto& v : w) v = extreme ? 0xFFFFFFFFu : rng();
   Buf s, b, x;
   s.fill(E * N * (K / gs), sdt, rng, 0.001f, 0.02f);
   b.fill(E * N * (K / gs), sdt, rng, -0.1f, 0.1f);
-  x.fill(R * K, xdt, rng, -1.f, 1.f);
+  // extreme: every code at its largest and every activation of a row +-1 (int8 +-127 in FAST):
+  // the largest integer sums the kernels can meet (the AVX2 / AVX-512BW int16 partial sums).
+  x.fill(R * K, xdt, rng, extreme ? 1.f : -1.f, 1.f);
+  if (extreme)
+    for (int64_t r = 1; r < R; r += 2)
+      for (int64_t k = 0; k < K; k++) x.f[r * K + k] = -1.f, x.h[r * K + k] ^= 0x8000;
   std::vector<int32_t> ex(R);
   std::vector<int64_t> off(R);
   for (int64_t r = 0; r < R; r++) {
@@ -205,7 +210,8 @@ static void run_case(std::mt19937& rng, int bits, int gs, DType xdt, DType sdt, 
   if (fast_here && !(max_err <= 3e-2 * max_ref + 1e-2 * max_mag)) bad = true;
   // The mask claims FAST: the float32 outputs must not be EXACT's bits. (Not "some output is
   // beyond EXACT's tolerance": with one output, int8 rounding can land inside it, 1 seed in ~130.)
-  if (fast_here && odt == F32) {
+  // (Extreme inputs quantize exactly, +-1 to +-127: FAST may give EXACT's bits there.)
+  if (fast_here && odt == F32 && !extreme) {
     std::vector<uint8_t> out_exact(out.size(), 0xff);
     p.out = out_exact.data();
     set_mode(MODE_EXACT);
@@ -735,6 +741,10 @@ int main(int argc, char** argv) {
           run_case(rng, bits, gs, BF16, sdt, 4, 1 + rng() % 40, K, 1 + rng() % 20, true, isa_name, 1, true);
           run_rows_case(rng, bits, gs, 1 + rng() % 70, K, 2 + rng() % 12, isa_name, true);
           run_panel_case(rng, bits, gs, 2, 1 + rng() % 50, K, sdt, isa_name);
+          run_case(rng, bits, gs, F32, sdt, 1, 1 + rng() % 40, K, 1 + rng() % 12, false, isa_name,
+                   2, true, true);
+          run_case(rng, bits, gs, BF16, sdt, 3, 1 + rng() % 40, K, 1 + rng() % 12, true, isa_name,
+                   1, true, true);
         }
       for (int gs : {32, 64, 128}) {
         run_many_case(rng, gs, dts[rng() % 3], isa_name, false);

@@ -9,7 +9,7 @@ Environment:
   POCKET_MLX_KERNEL_MODE=exact|fast  start mode (default: fast; see set_mode)
   POCKET_MLX_ISA=avx2|scalar|neon-dotprod|...  force an instruction set (testing; see set_isa)
   POCKET_MLX_PANELS=0|1       the CPU panel layout off / on (default: on where the panel kernels
-                              are AVX-512 VNNI, see PANELS_BY_DEFAULT): models loaded for the CPU
+                              are x86's, see PANELS_BY_DEFAULT): models loaded for the CPU
                               keep their 2/4/6/8-bit matrices packed in it, one copy
   POCKET_MLX_REQUIRE_KERNELS=1  CI: a failed build of the extension fails `pip install`, and the
                               kernel tests fail instead of skipping when it is missing (required())
@@ -338,10 +338,11 @@ def label(status: dict | None = None) -> str:
 # Panel kernel variants on which the panel layout is the default, by end-to-end measurement
 # (docs/BENCHMARKS.md, 2026-12-05): AVX-512 VNNI on a quiet AMD Zen 4, decode 0.84x -> 0.99x
 # llama.cpp, `bench --parallel` B=4 72% -> 91% of the bytes bound, a 4-row verify pass 2.31x ->
-# 1.78x a step. The AVX2 kernels decoded ~4% slower than the row kernels on the same CPU, and
-# AVX-512 without VNNI and the NEON builds (speed on Apple silicon not measurable here) were not
-# measured: there the layout is opt-in (POCKET_MLX_PANELS=1).
-PANELS_BY_DEFAULT = ("avx512-vnni",)
+# 1.78x a step. AVX2 and AVX-512 without VNNI since their int16 partial sums (qk_panel.inc's
+# C16), on the same CPU with those kernels forced: decode 12.0 -> 13.0 and 12.2 -> 16.2 tok/s,
+# B=8 60% -> 72-75% and 60% -> 79% of the bytes bound. The NEON builds (speed on Apple silicon
+# not measurable here) keep the MLX layout unless POCKET_MLX_PANELS=1.
+PANELS_BY_DEFAULT = ("avx512-vnni", "avx512", "avx2")
 
 
 def panels_available() -> bool:
