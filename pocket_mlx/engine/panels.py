@@ -1,7 +1,7 @@
-"""The CPU panel layout for a whole model (`kernels.panels_wanted`: by default where the panel
-kernels are x86's, AVX2 or AVX-512; POCKET_MLX_PANELS=0/1 to choose): the quantized matrices the CPU
-kernels read are packed once when the model is to run on the CPU, one matrix at a time so the
-weights are never in memory twice, and unpacked into MLX arrays before another device runs it."""
+"""The CPU panel layout for a whole model (`kernels.panels_wanted`: by default on x86, AVX2 or
+AVX-512; POCKET_MLX_PANELS=0/1 to choose): the quantized matrices the CPU kernels read are packed
+once when the model is to run on the CPU, one matrix at a time so the weights are never in memory
+twice, and unpacked into MLX arrays before another device runs it."""
 
 from __future__ import annotations
 

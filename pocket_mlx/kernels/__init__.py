@@ -339,9 +339,9 @@ def label(status: dict | None = None) -> str:
 # (docs/BENCHMARKS.md, 2026-12-05): AVX-512 VNNI on a quiet AMD Zen 4, decode 0.84x -> 0.99x
 # llama.cpp, `bench --parallel` B=4 72% -> 91% of the bytes bound, a 4-row verify pass 2.31x ->
 # 1.78x a step. AVX2 and AVX-512 without VNNI since their int16 partial sums (qk_panel.inc's
-# C16), on the same CPU with those kernels forced: decode 12.0 -> 13.0 and 12.2 -> 16.2 tok/s,
-# B=8 60% -> 72-75% and 60% -> 79% of the bytes bound. The NEON builds (speed on Apple silicon
-# not measurable here) keep the MLX layout unless POCKET_MLX_PANELS=1.
+# C16), on the same CPU with those kernels forced, against the row kernels: decode 12.0 -> 16.5
+# and 12.2 -> 16.2 tok/s, B=4 72% -> 83% and 72% -> 93% of the bytes bound. The NEON builds
+# (speed on Apple silicon not measurable here) keep the MLX layout unless POCKET_MLX_PANELS=1.
 PANELS_BY_DEFAULT = ("avx512-vnni", "avx512", "avx2")
 
 
