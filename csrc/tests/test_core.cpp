@@ -496,13 +496,28 @@ static LinearInputs linear_inputs(std::mt19937& rng, int64_t rows, int64_t batch
   return in;
 }
 
+// Row i of a step's inputs as a one-row step: the caches it reads and the buffers it writes.
+static LinearAttnStep one_row(const LinearAttnStep& st, int64_t i, const float* conv_in,
+                              const float* state_in, float* out, float* new_conv, float* new_state) {
+  LinearAttnStep one = st;
+  one.qkv = st.qkv + i * st.qkv_stride;
+  one.z = st.z + i * st.z_stride;
+  one.b = st.b + i * st.ab_stride;
+  one.a = st.a + i * st.ab_stride;
+  one.conv_state = conv_in;
+  one.state_in = state_in;
+  one.out = out;
+  one.new_conv_state = new_conv;
+  one.state = new_state;
+  return one;
+}
+
 static void run_linear_rows_case(std::mt19937& rng, int64_t Hk, int64_t Dk, int64_t Hv,
                                  int64_t Dv, int64_t L) {
   LinearInputs in = linear_inputs(rng, L, 1, Hk, Dk, Hv, Dv);
   const int64_t K = in.st.kernel, C = in.C;
   const LinearAttnStep st = in.st;
-  std::vector<float>&qkv = in.qkv, &z = in.z, &b = in.b, &a = in.a, &conv = in.conv,
-                    &state = in.state;
+  std::vector<float>&conv = in.conv, &state = in.state;
   std::vector<float> out(L * Hv * Dv), conv_tape(L * (K - 1) * C), state_tape(L * Hv * Dv * Dk);
   std::vector<float*> conv_slots, state_slots;
   for (int64_t i = 0; i < L; i++) {
@@ -517,17 +532,7 @@ static void run_linear_rows_case(std::mt19937& rng, int64_t Hk, int64_t Dk, int6
   std::vector<float> o(Hv * Dv), c_in = conv, s_in = state, c_out(conv.size()), s_out(state.size());
   bool bad = false;
   for (int64_t i = 0; i < L && !bad; i++) {
-    LinearAttnStep one = st;
-    one.qkv = qkv.data() + i * C;
-    one.z = z.data() + i * Hv * Dv;
-    one.b = b.data() + i * Hv;
-    one.a = a.data() + i * Hv;
-    one.conv_state = c_in.data();
-    one.state_in = s_in.data();
-    one.out = o.data();
-    one.new_conv_state = c_out.data();
-    one.state = s_out.data();
-    linear_attn_step(one);
+    linear_attn_step(one_row(st, i, c_in.data(), s_in.data(), o.data(), c_out.data(), s_out.data()));
     bad = std::memcmp(o.data(), out.data() + i * Hv * Dv, o.size() * 4) != 0 ||
           std::memcmp(c_out.data(), conv_tape.data() + i * c_out.size(), c_out.size() * 4) != 0 ||
           std::memcmp(s_out.data(), state_tape.data() + i * s_out.size(), s_out.size() * 4) != 0;
@@ -594,35 +599,17 @@ static void run_linear_batch_case(std::mt19937& rng, int64_t B, int64_t Hk, int6
   LinearInputs in = linear_inputs(rng, B, B, Hk, Dk, Hv, Dv);
   const int64_t K = in.st.kernel, C = in.C, SZ = in.SZ;
   const LinearAttnStep st = in.st;
-  std::vector<float>&qkv = in.qkv, &z = in.z, &b = in.b, &a = in.a, &conv = in.conv,
-                    &state = in.state;
+  std::vector<float>&conv = in.conv, &state = in.state;
   std::vector<float> out(B * Hv * Dv), new_conv(B * (K - 1) * C), new_state(B * SZ);
-  LinearAttnStep all = st;
+  LinearAttnStep all = one_row(st, 0, conv.data(), state.data(), out.data(), new_conv.data(),
+                               new_state.data());
   all.B = B;
-  all.qkv = qkv.data();
-  all.z = z.data();
-  all.b = b.data();
-  all.a = a.data();
-  all.conv_state = conv.data();
-  all.state_in = state.data();
-  all.out = out.data();
-  all.new_conv_state = new_conv.data();
-  all.state = new_state.data();
   linear_attn_step(all);
   std::vector<float> o(Hv * Dv), c_out((K - 1) * C), s_out(SZ);
   bool bad = false;
   for (int64_t r = 0; r < B && !bad; r++) {
-    LinearAttnStep one = st;
-    one.qkv = qkv.data() + r * C;
-    one.z = z.data() + r * Hv * Dv;
-    one.b = b.data() + r * Hv;
-    one.a = a.data() + r * Hv;
-    one.conv_state = conv.data() + r * (K - 1) * C;
-    one.state_in = state.data() + r * SZ;
-    one.out = o.data();
-    one.new_conv_state = c_out.data();
-    one.state = s_out.data();
-    linear_attn_step(one);
+    linear_attn_step(one_row(st, r, conv.data() + r * (K - 1) * C, state.data() + r * SZ,
+                             o.data(), c_out.data(), s_out.data()));
     bad = std::memcmp(o.data(), out.data() + r * Hv * Dv, o.size() * 4) != 0 ||
           std::memcmp(c_out.data(), new_conv.data() + r * c_out.size(), c_out.size() * 4) != 0 ||
           std::memcmp(s_out.data(), new_state.data() + r * SZ, SZ * 4) != 0;
