@@ -5,9 +5,11 @@
 // HOT=1 keeps one copy (in cache: the kernels' compute speed); ONLY=<substring> picks shapes;
 // PANEL=1 runs each shape in the MLX layout, then packed in the panel layout (qk_panel.h);
 // ROWS=B gives each shape B activation rows of their own (B sequences decoded together, or a
-// B-row verify pass; experts: B tokens, each through its own expert).
+// B-row verify pass; experts: B tokens, each through its own expert). PEAK=1 prints one core's
+// `vpdpbusd` (zmm) rate and its clock instead: the ceiling of the FAST kernels on AVX-512 VNNI.
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -15,6 +17,41 @@
 #include <vector>
 
 #include "qkernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+// One core: 16 independent `vpdpbusd` zmm accumulators (its throughput, not latency), then a
+// chain of dependent adds (one a cycle: the clock). Returns false without AVX-512 VNNI.
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static bool vnni_peak() {
+  if (!__builtin_cpu_supports("avx512vnni")) return false;
+  using clk = std::chrono::steady_clock;
+  __m512i a[16];
+  for (int i = 0; i < 16; i++) a[i] = _mm512_set1_epi32(i);
+  __m512i q = _mm512_set1_epi32(0x01020304), x = _mm512_set1_epi32(0x05060708);
+  const long n = 100000000;
+  auto t0 = clk::now();
+  for (long k = 0; k < n; k++) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) a[i] = _mm512_dpbusd_epi32(a[i], q, x);
+    __asm__ volatile("" : "+v"(q));  // keeps the loop from being folded
+  }
+  const double dt = std::chrono::duration<double>(clk::now() - t0).count();
+  __m512i s = a[0];
+  for (int i = 1; i < 16; i++) s = _mm512_add_epi32(s, a[i]);
+  uint64_t v = (uint64_t)_mm512_reduce_add_epi32(s);
+  const long m = 1000000000;
+  t0 = clk::now();
+  for (long k = 0; k < m; k++) __asm__ volatile("add $1, %0" : "+r"(v));
+  const double dc = std::chrono::duration<double>(clk::now() - t0).count();
+  std::printf("vpdpbusd zmm, one core: %.2f G/s (%.0f G int8 multiply-adds/s); dependent adds: "
+              "%.2f GHz (checksum %llu)\n",
+              16.0 * n / dt / 1e9, 64 * 16.0 * n / dt / 1e9, m / dc / 1e9, (unsigned long long)v);
+  return true;
+}
+#else
+static bool vnni_peak() { return false; }
+#endif
 
 struct Shape {
   const char* name;
@@ -24,6 +61,11 @@ struct Shape {
 };
 
 int main(int argc, char** argv) {
+  if (std::getenv("PEAK")) {
+    if (vnni_peak()) return 0;
+    std::fprintf(stderr, "PEAK=1: this CPU has no AVX-512 VNNI\n");
+    return 1;
+  }
   int threads = argc > 1 ? std::atoi(argv[1]) : 0;
   pqk::set_threads(threads);
   pqk::set_mode(pqk::MODE_FAST);
