@@ -330,13 +330,60 @@ struct PreparedX {
     grow(xd, fast ? rows * (G + 64) : 0);
     grow(xsum, rows * G);
     grow(tmp, K_);
+    xi_runs.clear();
     if (fast)  // the kernels may load past a row's last group scale: zeros there, as before
       for (int64_t r = 0; r < rows; r++) std::fill_n(xd.data() + r * (G + 64) + G, 64, 0.f);
   }
   // Bytes a reset(rows, K, G, fast) needs: thread-local reuse only below a few MiB.
   static int64_t bytes(int64_t rows, int64_t K, int64_t G, bool fast) {
-    return fast ? rows * K + K + rows * (G + 64) * 4 + rows * G * 4 + K * 4
+    return fast ? 2 * rows * K + 64 * rows * G + K + rows * (G + 64) * 4 + rows * G * 4 + K * 4
                 : rows * K * 4 + rows * G * 4 + K * 4;
+  }
+  // PanelArgs::xi for the panel kernels (FAST, natural order: W = 1). A pass over rows of a
+  // product (MRMAX rows at a time from r0) whose mr slots are consecutive gets its run
+  // (first slot, mr) marked when panel_xi_wanted(bits, mr); `interleave` then builds the marked
+  // runs once their slots are all prepared (the dense products of a batched step: one run of
+  // the B rows; routed experts' rows, of scattered slots, mostly none).
+  void mark_xi(const int64_t* slots, int64_t r0, int64_t r1, int64_t off, int bits) {
+    if (!fast) return;
+    for (int64_t r = r0; r < r1; r += MRMAX) {
+      const int mr = (int)std::min<int64_t>(MRMAX, r1 - r);
+      const int64_t* sl = slots + (r - off);
+      if (!panel_xi_wanted(bits, mr) || !consecutive(sl, mr) || find_run(sl[0], mr)) continue;
+      xi_runs.push_back({sl[0], mr, 0, false});
+    }
+  }
+  void interleave() {
+    const int64_t gs = K / G;
+    int64_t at = 0;
+    for (XiRun& run : xi_runs) {
+      run.at = at;
+      at += G * panel_xi_record(gs, run.mr);
+    }
+    grow(xi, at);
+    for (XiRun& run : xi_runs) {
+      const int R = run.mr;
+      const int64_t rec = panel_xi_record(gs, R);
+      uint8_t* base = reinterpret_cast<uint8_t*>(xi.data() + run.at);
+      for (int m = 0; m < R; m++) {
+        const uint8_t* q = reinterpret_cast<const uint8_t*>(xq_of(run.s0 + m));
+        const float* d = xd_of(run.s0 + m);
+        const float* sm = xsum_of(run.s0 + m);
+        for (int64_t g = 0; g < G; g++) {
+          uint8_t* dst = base + g * rec;
+          for (int64_t t = 0; t < gs / 4; t++)
+            std::memcpy(dst + (t * R + m) * 4, q + g * gs + 4 * t, 4);
+          std::memcpy(dst + gs * R + 4 * m, d + g, 4);
+          std::memcpy(dst + gs * R + 4 * (R + m), sm + g, 4);
+        }
+      }
+      run.built = true;
+    }
+  }
+  // PanelArgs::xi of a pass of `mr` rows reading slots slots[0..mr), or nullptr.
+  const int8_t* xi_of(const int64_t* slots, int mr) const {
+    const XiRun* run = mr >= 2 ? find_run(slots[0], mr) : nullptr;
+    return run && run->built && consecutive(slots, mr) ? xi.data() + run->at : nullptr;
   }
   // Slot sl's rows: FAST codes and group scales (G + 64: the kernels may read past the last),
   // EXACT floats, and the group sums both keep.
@@ -351,7 +398,14 @@ struct PreparedX {
   bool fast = false;
   int64_t K = 0, G = 0;
   std::vector<float> x;
-  std::vector<int8_t> xq, tmpq;
+  std::vector<int8_t> xq, tmpq, xi;
+  struct XiRun {
+    int64_t s0;
+    int mr;
+    int64_t at;  // offset in xi
+    bool built;
+  };
+  std::vector<XiRun> xi_runs;
   std::vector<float> xd, xsum, tmp;
   std::vector<int64_t> slot;  // slot of each row of the chunk
 
@@ -359,6 +413,16 @@ struct PreparedX {
   template <class V>
   static void grow(V& v, int64_t n) {
     if ((int64_t)v.size() < n) v.resize(n);
+  }
+  static bool consecutive(const int64_t* slots, int mr) {
+    for (int m = 1; m < mr; m++)
+      if (slots[m] != slots[0] + m) return false;
+    return true;
+  }
+  const XiRun* find_run(int64_t s0, int mr) const {
+    for (const XiRun& run : xi_runs)
+      if (run.s0 == s0 && run.mr == mr) return &run;
+    return nullptr;
   }
 };
 
@@ -533,6 +597,7 @@ static void run_panel_rows(const PanelMatrix& pm, int64_t e, int64_t p0, int64_t
       }
       outs[m] = static_cast<uint8_t*>(out) + (size_t)order[r + m] * N * osz;
     }
+    a.xi = px.fast ? px.xi_of(slot + (r - slot_off), a.mr) : nullptr;
     fn(a);
   }
 }
@@ -563,6 +628,11 @@ static void gather_panels(const GatherProblem& p, const PanelMatrix& pm, const E
   for (int64_t c0 = 0; c0 < total; c0 += chunk_rows) {
     const int64_t c1 = std::min(total, c0 + chunk_rows);
     prepare_chunk(p, g.order, c0, c1, 1, px);
+    px.xi_runs.clear();
+    for (size_t s = 0; s < g.segs.size(); s++)
+      px.mark_xi(px.slot.data(), std::max(g.segs[s].second, c0), std::min(g.seg_end[s], c1), c0,
+                 p.bits);
+    px.interleave();
     int64_t nseg = 0;
     for (size_t s = 0; s < g.segs.size(); s++)
       if (g.segs[s].second < c1 && g.seg_end[s] > c0) nseg++;
@@ -669,6 +739,10 @@ void gather_qmm_many(const GatherProblem* ps, int n) {
       d.slot[i] = sl;
     }
   }
+  for (const Prod& d : prods)
+    for (size_t s = 0; s < d.g.segs.size(); s++)
+      pxs[d.prep]->mark_xi(d.slot.data(), d.g.segs[s].second, d.g.seg_end[s], 0, d.p->bits);
+  for (PreparedX* px : pxs) px->interleave();
   // Tasks: whole panels of ~task_bytes, at least 4 a thread over all the products together.
   const int64_t task_bytes = task_kb_bytes();
   const int nth = get_threads();
