@@ -336,7 +336,7 @@ struct PreparedX {
   }
   // Bytes a reset(rows, K, G, fast) needs: thread-local reuse only below a few MiB.
   static int64_t bytes(int64_t rows, int64_t K, int64_t G, bool fast) {
-    return fast ? 2 * rows * K + 64 * rows * G + K + rows * (G + 64) * 4 + rows * G * 4 + K * 4
+    return fast ? 2 * rows * K + 8 * rows * G + K + rows * (G + 64) * 4 + rows * G * 4 + K * 4
                 : rows * K * 4 + rows * G * 4 + K * 4;
   }
   // PanelArgs::xi for the panel kernels (FAST, natural order: W = 1). A pass over rows of a
