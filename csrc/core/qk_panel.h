@@ -79,11 +79,6 @@ struct PanelArgs {
 // Bytes of one group's record of `rows` interleaved activation rows (PanelArgs::xi).
 constexpr int64_t panel_xi_record(int64_t gs, int64_t rows) { return (gs + 8) * rows; }
 
-// Whether a pass of `mr` activation rows over a matrix of `bits` reads them interleaved.
-// (Measured with bench_core, one thread, from DRAM: 2 to 8 rows, 2- to 6-bit, 4-29% faster
-// than per-row reads; one row reads one place already.)
-inline bool panel_xi_wanted(int bits, int mr) { return bits >= 2 && mr >= 2; }
-
 typedef void (*PanelFn)(const PanelArgs&);
 
 struct PanelKernels {
