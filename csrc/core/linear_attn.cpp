@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "qkernels.h"
+#include "scratch.h"
 #include "vec_math.h"
 
 namespace pqk {
@@ -46,7 +47,8 @@ void prepare(const LinearAttnStep& a, float* q, float* k, float* v, float* g, fl
   const int64_t B = a.B, C = a.conv_dim, K = a.kernel;
   const int64_t Hk = a.Hk, Hv = a.Hv, Dk = a.Dk, Dv = a.Dv;
   const int64_t key_dim = Hk * Dk;
-  std::vector<float> conv(B * C);
+  thread_local Scratch s_conv;
+  float* conv = s_conv.floats(B * C);
   const float inv = 1.f / std::sqrt((float)Dk);
   const float l2_eps = 1e-6f * inv * inv;
   // Rows on the pool from two up (a batched step: ~110 us a layer at B = 8 on the 35B shape,
@@ -56,7 +58,7 @@ void prepare(const LinearAttnStep& a, float* q, float* k, float* v, float* g, fl
     const float* hist = a.conv_state + b * (K - 1) * C;
     const float* cur = a.qkv + b * a.qkv_stride;
     float* nh = a.new_conv_state + b * (K - 1) * C;
-    float* co = conv.data() + b * C;
+    float* co = conv + b * C;
     for (int64_t c = 0; c < C; c++) {
       float acc = 0.f;
       for (int64_t j = 0; j < K - 1; j++) acc += hist[j * C + c] * a.conv_w[c * K + j];
@@ -98,12 +100,16 @@ void finish(const LinearAttnStep& a, const float* y, float* out) {
 
 void linear_attn_step(const LinearAttnStep& a) {
   const int64_t B = a.B, key_dim = a.Hk * a.Dk, HvDv = a.Hv * a.Dv;
-  std::vector<float> q(B * key_dim), k(B * key_dim), v(B * HvDv), g(B * a.Hv), beta(B * a.Hv),
-      y(B * HvDv);
-  prepare(a, q.data(), k.data(), v.data(), g.data(), beta.data());
-  gated_delta(q.data(), k.data(), v.data(), g.data(), beta.data(), a.state_in, a.state, y.data(),
-              B, 1, a.Hk, a.Hv, a.Dk, a.Dv);
-  finish(a, y.data(), a.out);
+  thread_local Scratch s_q, s_k, s_v, s_g, s_beta, s_y;
+  float* q = s_q.floats(B * key_dim);
+  float* k = s_k.floats(B * key_dim);
+  float* v = s_v.floats(B * HvDv);
+  float* g = s_g.floats(B * a.Hv);
+  float* beta = s_beta.floats(B * a.Hv);
+  float* y = s_y.floats(B * HvDv);
+  prepare(a, q, k, v, g, beta);
+  gated_delta(q, k, v, g, beta, a.state_in, a.state, y, B, 1, a.Hk, a.Hv, a.Dk, a.Dv);
+  finish(a, y, a.out);
 }
 
 void linear_attn_rows(const LinearAttnStep& a, int64_t L, int64_t qkv_row, int64_t z_row,
