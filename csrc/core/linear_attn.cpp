@@ -48,6 +48,7 @@ void prepare(const LinearAttnStep& a, float* q, float* k, float* v, float* g, fl
   const int64_t Hk = a.Hk, Hv = a.Hv, Dk = a.Dk, Dv = a.Dv;
   const int64_t key_dim = Hk * Dk;
   thread_local Scratch s_conv;
+  const ScratchTrim trim{&s_conv};
   float* conv = s_conv.floats(B * C);
   const float inv = 1.f / std::sqrt((float)Dk);
   const float l2_eps = 1e-6f * inv * inv;
@@ -101,6 +102,7 @@ void finish(const LinearAttnStep& a, const float* y, float* out) {
 void linear_attn_step(const LinearAttnStep& a) {
   const int64_t B = a.B, key_dim = a.Hk * a.Dk, HvDv = a.Hv * a.Dv;
   thread_local Scratch s_q, s_k, s_v, s_g, s_beta, s_y;
+  const ScratchTrim trim{&s_q, &s_k, &s_v, &s_g, &s_beta, &s_y};
   float* q = s_q.floats(B * key_dim);
   float* k = s_k.floats(B * key_dim);
   float* v = s_v.floats(B * HvDv);

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 #include "qkernels.h"
@@ -66,6 +65,7 @@ void moe_block_parts(const MoeBlock& b, const float* x, int64_t T, int64_t lo, b
   // gate and gate/up), then the routed gate and up with the shared down projection, then the
   // routed down projection. x is quantized once for its five products.
   thread_local Scratch s_logits, s_sgate, s_sgu, s_sh, s_sdown, s_g, s_u, s_h, s_down;
+  const ScratchTrim trim{&s_logits, &s_sgate, &s_sgu, &s_sh, &s_sdown, &s_g, &s_u, &s_h, &s_down};
   float* logits = s_logits.floats(T * E);
   const int64_t Hs = with_shared ? b.shared_down.K : 0;
   const bool gu_fused = b.shared_up.w == nullptr;  // shared gate/up as one [2 Hs, D] matrix
@@ -156,6 +156,7 @@ void moe_block(const MoeBlock& b, const float* x, int64_t T, float* out) {
   // Not cleared (moe_block_parts writes every slot here): zeroing ~0.6 MB a layer at 8 tokens
   // was a memset the other thread waited on.
   thread_local Scratch s_parts, s_scores;
+  const ScratchTrim trim{&s_parts, &s_scores};
   float* parts = s_parts.floats(T * (k + 1) * D);
   float* scores = s_scores.floats(T * k);
   moe_block_parts(b, x, T, 0, true, parts, scores);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <initializer_list>
 #include <memory>
 
 namespace pqk {
@@ -9,16 +10,15 @@ namespace pqk {
 // A buffer of at least n floats, left as the last call left it (callers write before they
 // read). Why: a decode step's per-layer intermediates (~1 MB a MoE layer at 8 tokens) were
 // std::vectors, zero-filled on every call and, past malloc's mmap threshold, faulted in fresh:
-// memset and page faults were ~1.5% of a B=8 step, serial while the pool's other thread waited.
-// Declare one `thread_local` per buffer of a call site: a thread's calls run one at a time.
-// Only decode-sized buffers stay: one over kKeepFloats (a prefill chunk's, up to ~75 MB) is
-// replaced by a small one at the next call that fits under it, so it lives until then.
+// the memset alone was 0.7% of a B=8 step's CPU samples, on the graph's thread while the pool's
+// other thread waited. Declare one `thread_local` per buffer of a call site (a thread's calls
+// run one at a time) and a ScratchTrim beside them.
 class Scratch {
  public:
-  static constexpr size_t kKeepFloats = size_t(1) << 20;  // 4 MB
+  static constexpr size_t kKeepFloats = size_t(1) << 20;  // 4 MB: decode-sized buffers stay
 
   float* floats(size_t n) {
-    if (n > cap_ || (cap_ > kKeepFloats && n <= kKeepFloats)) {
+    if (n > cap_) {
       buf_.reset();
       buf_.reset(new float[n]);
       cap_ = n;
@@ -26,9 +26,36 @@ class Scratch {
     return buf_.get();
   }
 
+  // Frees a buffer over kKeepFloats (a prefill chunk's: up to ~75 MB a MoE layer).
+  void trim() {
+    if (cap_ > kKeepFloats) {
+      buf_.reset();
+      cap_ = 0;
+    }
+  }
+
  private:
   std::unique_ptr<float[]> buf_;
   size_t cap_ = 0;
+};
+
+// Trims its buffers when the call ends, so a long prompt does not leave ~200 MB held.
+class ScratchTrim {
+ public:
+  ScratchTrim(std::initializer_list<Scratch*> s) {
+    for (Scratch* x : s)
+      if (n_ < kMax) s_[n_++] = x;
+  }
+  ~ScratchTrim() {
+    for (int i = 0; i < n_; i++) s_[i]->trim();
+  }
+  ScratchTrim(const ScratchTrim&) = delete;
+  ScratchTrim& operator=(const ScratchTrim&) = delete;
+
+ private:
+  static constexpr int kMax = 16;
+  Scratch* s_[kMax] = {};
+  int n_ = 0;
 };
 
 }  // namespace pqk
