@@ -2,7 +2,6 @@
 #pragma once
 
 #include <cstddef>
-#include <initializer_list>
 #include <memory>
 
 namespace pqk {
@@ -40,22 +39,21 @@ class Scratch {
 };
 
 // Trims its buffers when the call ends, so a long prompt does not leave ~200 MB held.
+template <int N>
 class ScratchTrim {
  public:
-  ScratchTrim(std::initializer_list<Scratch*> s) {
-    for (Scratch* x : s)
-      if (n_ < kMax) s_[n_++] = x;
-  }
+  template <class... S>
+  explicit ScratchTrim(S*... s) : s_{s...} {}
   ~ScratchTrim() {
-    for (int i = 0; i < n_; i++) s_[i]->trim();
+    for (Scratch* x : s_) x->trim();
   }
   ScratchTrim(const ScratchTrim&) = delete;
   ScratchTrim& operator=(const ScratchTrim&) = delete;
 
  private:
-  static constexpr int kMax = 16;
-  Scratch* s_[kMax] = {};
-  int n_ = 0;
+  Scratch* s_[N];
 };
+template <class... S>
+ScratchTrim(S*...) -> ScratchTrim<sizeof...(S)>;
 
 }  // namespace pqk
