@@ -10,11 +10,12 @@ Reports GB/s of quantized weights (packed words + scales + biases actually read)
     MoE gate/up and down matvecs and a 2048->4096 matvec; the ratio is the 1-bit speed-up.
 Usage: python scripts/bench_kernels.py [--threads N] [--mode exact|fast] [--quick] [--only-1bit]
 
-`--table` instead runs the table of docs/BENCHMARKS.md (scripts/kernel_table.py): GB/s of weights
-per core for every real shape of the 35B model (2-bit experts, 4-bit attention and shared
-expert, 6-bit lm_head), B = 1, 2, 4, 8, one and two threads, hot and from DRAM, a one-thread read
-probe beside it, and llama.cpp's `test-backend-ops perf` at the same sizes (from the anchor
-build, --llamacpp; `none` skips it). It writes the JSON (--out) and prints the table:
+`--table` instead runs the kernel table (scripts/kernel_table.py; docs/BENCHMARKS.md names the
+latest run): GB/s of weights per core for every real shape of the 35B model (2-bit experts,
+4-bit attention and shared expert, 6-bit lm_head), B = 1, 2, 4, 8, one and two threads, hot and
+from DRAM, a one-thread read probe beside it, and llama.cpp's `test-backend-ops perf` at the
+same sizes (from the anchor build, --llamacpp; `none` skips it). It writes the JSON (--out) and
+prints the table:
     python scripts/bench_kernels.py --table [--mode fast] [--llamacpp ~/.cache/llamacpp-anchor]
 """
 
@@ -63,9 +64,10 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only-1bit", action="store_true", help="only the 1-bit vs 2-bit section")
     ap.add_argument("--table", action="store_true",
-                    help="the per-shape table of docs/BENCHMARKS.md (see the docstring)")
+                    help="the per-shape kernel table (see the docstring)")
     ap.add_argument("--out", default=None,
-                    help="--table's JSON (default: docs/bench-kernels-table-<variant>.json)")
+                    help="--table's JSON (default: "
+                         "docs/bench-log/bench-kernels-table-<variant>.json)")
     ap.add_argument("--llamacpp", default="~/.cache/llamacpp-anchor",
                     help="--table: the llama.cpp anchor (src/ and build/bin/), or none")
     ap.add_argument("--only", default=None, help="--table: shapes whose name contains this")
@@ -179,7 +181,7 @@ def table(args) -> None:
     info = kt.machine()
     print("machine:", json.dumps(info), flush=True)
     shapes = [s for s in kt.SHAPES if not args.only or args.only in s.name]
-    out = Path(args.out or Path(__file__).resolve().parents[1] / "docs" /
+    out = Path(args.out or Path(__file__).resolve().parents[1] / "docs" / "bench-log" /
                f"bench-kernels-table-{info['kernels'].get('variant', 'none')}.json")
     old = json.loads(out.read_text()) if args.part != "all" and out.is_file() else {}
     ours, theirs, exe = old.get("ours", []), old.get("llamacpp", []), old.get("llamacpp_binary")

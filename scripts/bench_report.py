@@ -1,5 +1,8 @@
 #!/usr/bin/env python
-"""Run the standard benchmark set and write docs/BENCHMARKS.md.
+"""Run the standard benchmark set and write its report (docs/bench-log/bench-report-DATE.md).
+
+docs/BENCHMARKS.md is the hand-kept reference page (the latest figure per machine, with its
+command and date); a report this writes goes into the log beside the others.
 
 The set: synthetic `tiny` and `pocket-35b-e128` (pocket-2bit recipe), pp and tg, ours against
 stock mlx-lm (interleaved), on the CPU, and on the GPU where MLX has one. Each configuration runs
@@ -46,7 +49,8 @@ def load_avg() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench-log" /
+                                         f"bench-report-{time.strftime('%Y-%m-%d')}.md"))
     ap.add_argument("--tiny", default="-p 512 -n 128 -r 3", help="bench flags for tiny")
     ap.add_argument("--big", default="-p 512 -n 128 -r 1",
                     help="bench flags for pocket-35b-e128 on the CPU (the standard pp512/tg128 "

@@ -34,7 +34,7 @@
     3 x the median gap alone + the longest chunk's prefill time; peak RSS within 10% of the
     planner's figure. The server runs with --ctx-size W (the long prompt + 1024, rounded up to
     256) and --max-concurrency 2; its prompt cache at its default RAM budget. Writes
-    docs/bench-serve-long-<model>.json with --out.
+    docs/bench-log/bench-serve-long-<model>.json with --out.
 
 The text comes from assets/text/en.val.txt, counted with the bundled tokenizer (assets/
 pocket-tiny), which the synthetic models share. POCKET_MLX_HOME and the prompt cache folder are
@@ -43,7 +43,7 @@ temporary and removed at the end. Each server gets one unmeasured warm-up reques
     python scripts/bench_serve.py [--model synthetic:pocket-35b-e128 | tiny] [--device cpu]
         [--prompt-tokens 2000] [--max-tokens 64] [--json] [--port 8090]
     python scripts/bench_serve.py --parts l [--long-tokens 16384] [--prefill-step 512]
-        [--out docs/bench-serve-long-pocket-35b-e128.json]
+        [--out docs/bench-log/bench-serve-long-pocket-35b-e128.json]
 """
 
 from __future__ import annotations
@@ -670,7 +670,7 @@ def main() -> int:
     ap.add_argument("--lead-pieces", type=int, default=16,
                     help="(l): pieces the decoding stream has before the long prompt is sent")
     ap.add_argument("--out", type=Path, default=None,
-                    help="(l): also write the result as JSON there (e.g. docs/bench-serve-long-"
+                    help="(l): also write the result as JSON there (e.g. docs/bench-log/bench-serve-long-"
                          "pocket-35b-e128.json)")
     ap.add_argument("--port", type=int, default=8090)
     ap.add_argument("--json", action="store_true", help="print one JSON object")

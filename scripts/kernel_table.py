@@ -1,4 +1,6 @@
-"""The kernel table of docs/BENCHMARKS.md: GB/s of weights per core, the 35B model's real shapes.
+"""The kernel table: GB/s of weights per core, the 35B model's real shapes.
+
+The latest run is named in docs/BENCHMARKS.md; its JSON is in docs/bench-log/.
 
 Run through `python scripts/bench_kernels.py --table` (see there). For each shape, B = 1, 2, 4,
 8 token rows, one and two threads, the project's CPU kernels (kernels.gather_qmm /
