@@ -34,7 +34,7 @@ from pocket_mlx.convert.writer import save_model  # noqa: E402
 from pocket_mlx.engine.tokenizer import Tokenizer  # noqa: E402
 from pocket_mlx.models import build_model  # noqa: E402
 from pocket_mlx.server.openai import parse_chat  # noqa: E402
-from pocket_mlx.server.tools import render_chat  # noqa: E402
+from pocket_mlx.server.prompts import render_chat  # noqa: E402
 
 ASSET = ROOT / "assets" / "pocket-tiny"
 TEMPLATE = ROOT / "scripts" / "tool_template.jinja"
@@ -109,11 +109,16 @@ def sequences(tok: Tokenizer) -> list[tuple[list[int], int]]:
 
 
 def train(steps: int = 300, seed: int = 0, log=print) -> tuple[nn.Module, Tokenizer]:
-    mx.random.seed(seed)
-    kernels.set_enabled(False)  # the extension's ops have no gradients; MLX's own do
     tok = Tokenizer(ASSET)
     tok.chat_template = TEMPLATE.read_text()
-    data = sequences(tok)
+    return fit(sequences(tok), steps, seed, log), tok
+
+
+def fit(data: list[tuple[list[int], int]], steps: int, seed: int = 0, log=print) -> nn.Module:
+    """A model of CONFIG trained on (tokens, prompt length) sequences: full-batch Adam, the
+    loss on the reply tokens only (scripts/make_think_model.py trains with it too)."""
+    mx.random.seed(seed)
+    kernels.set_enabled(False)  # the extension's ops have no gradients; MLX's own do
     model = build_model(CONFIG)
     mx.eval(model.parameters())
     opt = optim.Adam(learning_rate=3e-3)
@@ -142,7 +147,7 @@ def train(steps: int = 300, seed: int = 0, log=print) -> tuple[nn.Module, Tokeni
         if i % 50 == 0 or i == steps - 1:
             log(f"step {i}: loss {loss.item():.4f} ({time.perf_counter() - t0:.0f} s)")
     kernels.set_enabled(True)
-    return model, tok
+    return model
 
 
 def check(model: nn.Module, tok: Tokenizer) -> None:

@@ -66,10 +66,10 @@ def test_generate_load_reads_the_folder_once(folder, reads):
 
 
 def test_serve_load_reads_the_folder_once(folder, reads, tmp_path):
-    from pocket_mlx.server.engine import Engine
+    from pocket_mlx.server.worker import ServeWorker
 
     # A prompt-cache store too: it fingerprints the weight files when it opens.
-    engine = Engine(
+    engine = ServeWorker(
         str(folder),
         "cpu",
         max_queue=0,

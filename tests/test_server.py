@@ -577,11 +577,12 @@ class OnePrefixCache:
 def test_engine_uses_a_plugged_prompt_cache():
     import asyncio
 
-    from pocket_mlx.server.engine import Done, Engine, Piece, Started
-    from pocket_mlx.server.requests import GenRequest
+    from pocket_mlx.server.jobs import Done, Piece, Started
+    from pocket_mlx.server.requests import GenRequest, Sampling
+    from pocket_mlx.server.worker import ServeWorker
 
     store = OnePrefixCache()
-    engine = Engine(None, "cpu", max_queue=0, prompt_cache=store)
+    engine = ServeWorker(None, "cpu", max_queue=0, prompt_cache=store)
 
     def store_hit(ids: list[int]) -> int:
         n = len(store.tokens)
@@ -592,7 +593,7 @@ def test_engine_uses_a_plugged_prompt_cache():
     def run(ids: list[int], max_tokens: int) -> tuple[str, Done]:
         async def go():
             req = GenRequest(kind="completion", model=None, prompt=ids, max_tokens=max_tokens,
-                             sampling={"temperature": 0.0})
+                             sampling=Sampling.checked({"temperature": 0.0}))
             hit = store_hit(ids)  # before the engine takes the cache
             job = engine.submit(engine.encode(req), req, asyncio.get_running_loop())
             text = []
@@ -858,10 +859,10 @@ def test_unexpected_failure_is_a_generic_500_and_the_server_goes_on(caplog):
     import uvicorn
 
     from pocket_mlx.server.app import create_app
-    from pocket_mlx.server.engine import Engine
+    from pocket_mlx.server.worker import ServeWorker
 
     caplog.set_level(logging.INFO, logger="pocket_mlx")
-    engine = Engine(None, "cpu", max_queue=0, prompt_cache=BrokenOnceCache())
+    engine = ServeWorker(None, "cpu", max_queue=0, prompt_cache=BrokenOnceCache())
     engine.start()
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1",

@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pocket_mlx.server.app import create_app
-    from pocket_mlx.server.engine import Engine
+    from pocket_mlx.server.worker import ServeWorker
 
     lockstep = None
     if args.distributed:
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         if g.rank != 0:
             return follow(args, lockstep)
     sock = bind(args.host, args.port)
-    engine = Engine(args.model, args.device, max_concurrency=args.max_concurrency,
+    engine = ServeWorker(args.model, args.device, max_concurrency=args.max_concurrency,
                     max_queue=args.max_queue, default_max_tokens=args.max_tokens,
                     prompt_cache_mb=args.prompt_cache_mb, prompt_cache_dir=args.prompt_cache_dir,
                     distributed=lockstep, ctx_size=args.ctx_size,
@@ -298,7 +298,7 @@ def follow(args: argparse.Namespace, lockstep) -> int:
         except KeyboardInterrupt:  # Ctrl-C under mlx.launch reaches every rank: stop quietly
             pass
 
-    # As the engine loads on rank 0 (server/engine.py), so every rank builds the same model.
+    # As the engine loads on rank 0 (server/worker.py), so every rank builds the same model.
     worker = ModelWorker(lambda: load(args.model, device=args.device, fuse=True,
                                       shard=lockstep.shard))
     if not worker.run(serve, setup):

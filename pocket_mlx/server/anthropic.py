@@ -18,16 +18,15 @@ from __future__ import annotations
 import json
 import uuid
 
-from pocket_mlx.engine.params import (
-    check_max_tokens,
-)
-from pocket_mlx.server.openai import (
-    MAX_STOPS,
-    checked_field,
-    function_tool,
-    sampling_fields,
-)
 from pocket_mlx.server.requests import ApiError, GenRequest
+from pocket_mlx.server.wire import (
+    MAX_STOPS,
+    choice_target,
+    function_tool,
+    max_tokens,
+    sampling,
+    unique_tools,
+)
 
 # Accepted and without effect here: who is calling, where Anthropic would run it, and
 # `cache_control`, a hint to cache the prompt (this server's cache needs no hint).
@@ -164,12 +163,7 @@ def _tools(body: dict) -> tuple[list[dict] | None, str, str | None, bool]:
                                param=w, code="missing_required")
             tools.append(function_tool(t.get("name"), t.get("description"), t["input_schema"],
                                        w))
-        names = [t["function"]["name"] for t in tools]
-        dup = next((n for n in names if names.count(n) > 1), None)
-        if dup is not None:
-            raise ApiError(400, f"tools: the tool {dup!r} is defined twice", param="tools",
-                           code="invalid_value")
-        tools = tools or None
+        tools = unique_tools(tools, "tool")
     choice = body.get("tool_choice")
     kinds = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
     if choice is None:
@@ -184,12 +178,7 @@ def _tools(body: dict) -> tuple[list[dict] | None, str, str | None, bool]:
     if kind == "function" and not isinstance(name, str):
         raise ApiError(400, "tool_choice: type tool needs a name", param="tool_choice",
                        code="invalid_value")
-    if kind in ("required", "function") and not tools:
-        raise ApiError(400, f"tool_choice {choice['type']!r} needs tools", param="tool_choice",
-                       code="invalid_value")
-    if name is not None and name not in [t["function"]["name"] for t in tools or []]:
-        raise ApiError(400, f"tool_choice names the tool {name!r}, which is not in tools",
-                       param="tool_choice", code="invalid_value")
+    choice_target(kind, name, tools, choice["type"], "tool")
     parallel = choice.get("disable_parallel_tool_use") is not True
     return tools, kind, name, parallel
 
@@ -239,7 +228,7 @@ def parse_messages(body: dict) -> GenRequest:
     if body.get("max_tokens") is None:
         raise ApiError(400, "max_tokens is required", param="max_tokens",
                        code="missing_required")
-    max_tokens = checked_field(body, "max_tokens", check_max_tokens)
+    cap = max_tokens(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream must be true or false, got {stream!r}", param="stream",
@@ -251,7 +240,7 @@ def parse_messages(body: dict) -> GenRequest:
     if len(stops) > MAX_STOPS:
         raise ApiError(400, f"stop_sequences: at most {MAX_STOPS}", param="stop_sequences",
                        code="invalid_value")
-    sampling = sampling_fields(body)
+    chosen = sampling(body)
     messages = []
     if body.get("system") is not None:
         messages.append({"role": "system", "content": _text_blocks(body["system"], "system")})
@@ -283,8 +272,8 @@ def parse_messages(body: dict) -> GenRequest:
                             "reply (prefill) is not supported by this server; end with a user "
                             "message", param=f"messages[{len(raw) - 1}]",
                        code="unsupported_parameter")
-    return GenRequest(kind="chat", model=model, messages=messages, max_tokens=max_tokens,
-                      sampling=sampling, stop=list(stops), stream=stream, tools=tools,
+    return GenRequest(kind="chat", model=model, messages=messages, max_tokens=cap,
+                      sampling=chosen, stop=list(stops), stream=stream, tools=tools,
                       tool_choice=choice, tool_name=name, parallel_tool_calls=parallel,
                       ignored=sorted(ignored))
 

@@ -13,14 +13,14 @@ Endpoints: GET /health (no key needed), GET /metrics (Prometheus text), GET /v1/
 `"stream": true`; server/routes_openai.py), Anthropic's POST /v1/messages and
 /v1/messages/count_tokens (server/routes_anthropic.py), and the browser chat page at GET / and
 /chat (server/page.py, no key needed). Tool calls: server/tools.py. Requests run on the model's
-thread (server/engine.py's `Engine`, on engine/worker.py's `ModelWorker`), up to
+thread (server/worker.py's `ServeWorker`, on engine/worker.py's `ModelWorker`), up to
 --max-concurrency decoded together (engine/batch.py); extra requests wait in a bounded queue,
 then get 429 with Retry-After. Every refusal is the API's error object with a 4xx status and
 one line in the server's log (server/errors.py); anything unexpected is a 500 with a generic
 message (the details go to the log only).
 
 This module only assembles the app: the route table, each route's key check (server/auth.py)
-and error shape, CORS, and `app.state` (engine, metrics, settings) that the handlers read.
+and error shape, CORS, and `app.state` (worker, metrics, settings) that the handlers read.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from starlette.routing import Route, compile_path
 
 from pocket_mlx.server import anthropic, page, routes_anthropic, routes_openai
 from pocket_mlx.server.auth import RequireApiKey
-from pocket_mlx.server.engine import Engine
 from pocket_mlx.server.errors import RouteOutcome, http_error
+from pocket_mlx.server.jobs import Worker
 from pocket_mlx.server.requests import ApiError
 from pocket_mlx.server.state import Settings
 
@@ -85,14 +85,14 @@ def routes() -> list[Route]:
 
 
 def create_app(
-    engine: Engine,
+    worker: Worker,
     *,
     api_key: str | None = None,
     cors: str | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     aliases: Sequence[str] = (),
 ) -> Starlette:
-    """The ASGI app serving `engine`'s model. `api_key`: Bearer key required on every endpoint
+    """The ASGI app serving `worker`'s model. `api_key`: Bearer key required on every endpoint
     but /health and the chat page; `cors`: the one origin allowed to call from a browser
     (None: no CORS)."""
     middleware = []
@@ -107,8 +107,8 @@ def create_app(
         )
     handlers: dict = {HTTPException: http_error, Exception: http_error}
     app = Starlette(routes=routes(), middleware=middleware, exception_handlers=handlers)
-    app.state.engine = engine
-    app.state.metrics = engine.metrics
+    app.state.worker = worker
+    app.state.metrics = worker.metrics
     app.state.settings = Settings(
         api_key=api_key.encode("utf-8") if api_key else None,
         max_body=max_body,

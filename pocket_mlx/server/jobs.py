@@ -1,22 +1,29 @@
-"""What passes between the server's HTTP side and its engine thread (server/engine.py): a
-request's `Job` and the events it receives (`Started`, `Piece`, then `Done` or `Failed`), the
-`Busy` refusal. (The prompt-cache protocol the engine reads and writes, `PrefixStore`, is
-engine/prompt_cache.py's.)
+"""What passes between the server's HTTP side and the serve worker (server/worker.py): a
+request's `Job`, the worker's events (`Started`, `Piece`, then `Done` or `Failed`), the `Busy`
+refusal; the one reply event stream every wire format renders (`Started`, `Reasoning`,
+`Text`, `Call`, then `Done` — usage and finish — or `Failed`); and `Worker`, what the HTTP side
+may ask of the worker.
 
-Why apart from the engine: the HTTP handlers need these types, not the model's thread.
+Why apart from the worker: the HTTP handlers need these types, not the model's thread (whose
+module loads MLX). (The prompt-cache protocol the worker reads and writes, `PrefixStore`, is
+engine/prompt_cache.py's.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from pocket_mlx.server.requests import ApiError, GenRequest
+from pocket_mlx.server.tools import ToolCall
 
 
 @dataclass
 class Piece:
+    """Reply text as the model wrote it (reasoning, answer and tool calls not yet apart)."""
+
     text: str
 
 
@@ -30,16 +37,55 @@ class Started:
 
 @dataclass
 class Done:
+    """The end: why, and the usage."""
+
     finish_reason: str | None  # the engine's: eos, stop, length, context, cancelled
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     stop_string: str | None = None  # which stop string ended it (finish_reason "stop")
+    reasoning_tokens: int = 0  # of completion_tokens, those inside the reasoning block
 
 
 @dataclass
 class Failed:
     error: ApiError
+
+
+@dataclass
+class Text:
+    """Answer text, with reasoning and tool calls taken out."""
+
+    text: str
+
+
+@dataclass
+class Reasoning:
+    """Reasoning text (a thinking model's block), without its tags."""
+
+    text: str
+
+
+@dataclass
+class Call:
+    """One whole tool call, `index` its place among the reply's calls."""
+
+    call: ToolCall
+    index: int
+
+
+ReplyEvent = Started | Reasoning | Text | Call | Done | Failed
+
+
+@dataclass
+class Whole:
+    """A reply read to its end: what a non-streaming response is made of."""
+
+    text: str
+    calls: list[ToolCall]
+    done: Done
+    reasoning: str = ""
+    parts: list = field(default_factory=list)  # the Reasoning / Text / Call events in order
 
 
 class Busy(Exception):
@@ -50,19 +96,40 @@ class Busy(Exception):
         self.retry_after = retry_after
 
 
-class Job:
-    """One request's life on the engine thread; its events arrive on `events` (asyncio)."""
+class Worker(Protocol):
+    """What the HTTP side reads of and asks from the serve worker."""
 
-    def __init__(self, engine, ids: list[int], request: GenRequest,
+    model_id: str
+    device: str
+    context: int
+    created: int
+    tokenizer: object
+    prompt_cache: object
+    metrics: object
+
+    def encode(self, request: GenRequest) -> list[int]: ...
+
+    def submit(self, ids: list[int], request: GenRequest,
+               loop: asyncio.AbstractEventLoop) -> Job: ...
+
+    def drop_if_queued(self, job: Job) -> None: ...
+
+    def load(self) -> dict: ...
+
+
+class Job:
+    """One request's life on the worker's thread; its events arrive on `events` (asyncio)."""
+
+    def __init__(self, worker: Worker, ids: list[int], request: GenRequest,
                  loop: asyncio.AbstractEventLoop) -> None:
-        self.engine, self.ids, self.request, self.loop = engine, ids, request, loop
+        self.worker, self.ids, self.request, self.loop = worker, ids, request, loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.state = "queued"  # queued | running | done | dropped (guarded by engine._lock)
+        self.state = "queued"  # queued | running | done | dropped (guarded by worker._lock)
         self.id = 0  # numbered by `submit`, for the log's prefill progress lines
 
     def emit(self, event: Started | Piece | Done | Failed) -> None:
-        """From the engine thread: hand `event` to the request's coroutine."""
+        """From the worker's thread: hand `event` to the request's coroutine."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: the server is shutting down
@@ -71,4 +138,4 @@ class Job:
     def cancel(self) -> None:
         """The client is gone: stop within one step, or leave the queue now."""
         self.cancelled.set()
-        self.engine.drop_if_queued(self)
+        self.worker.drop_if_queued(self)

@@ -17,26 +17,22 @@ functions, the same sentences the CLI prints. No MLX here: this module only shap
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
-from collections.abc import Callable
+from dataclasses import replace
 
-from pocket_mlx.engine.params import (
-    check_max_tokens,
-    check_min_p,
-    check_repetition_penalty,
-    check_seed,
-    check_temperature,
-    check_top_k,
-    check_top_p,
+from pocket_mlx.server.requests import ApiError, GenRequest, check
+from pocket_mlx.server.wire import (
+    bool_field,
+    choice_target,
+    function_tool,
+    max_tokens,
+    sampling,
+    stop_list,
+    type_field,
+    unique_tools,
+    unsupported,
 )
-from pocket_mlx.server.requests import ApiError, GenRequest
-
-# OpenAI's defaults when a request leaves them out (temperature 1 and top_p 1 are the documented
-# defaults of both endpoints); the reply cap is the server's --max-tokens.
-DEFAULT_TEMPERATURE = 1.0
-MAX_STOPS = 16
 
 # Accepted and without effect on a local server: who the caller is, what OpenAI would store.
 _HARMLESS = {"user", "metadata", "store", "service_tier", "safety_identifier",
@@ -51,67 +47,18 @@ CHAT_FIELDS = _HARMLESS | _SAMPLING | {
 COMPLETION_FIELDS = _HARMLESS | _SAMPLING | {"prompt", "echo", "suffix", "best_of"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
-# A function's name: what OpenAI allows (letters, digits, _ and -, up to 64), plus the . and :
-# some clients' namespaced tools use (MCP servers: "server.tool").
-TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 # Fields of an assistant message that clients echo back from a response (the openai SDK's
 # `message.model_dump()`): accepted when empty.
 _ECHOED_EMPTY = {"refusal", "audio", "function_call", "annotations", "reasoning_content"}
-
-
-def _unsupported(name: str, why: str) -> ApiError:
-    return ApiError(400, f"{name} is not supported by this server: {why}", param=name,
-                    code="unsupported_parameter")
-
-
-def checked_field(body: dict, name: str, check: Callable):
-    """`body[name]` through `check` (engine/params.py), None when absent or null."""
-    v = body.get(name)
-    if v is None:
-        return None
-    try:
-        return check(v)
-    except ValueError as e:
-        raise ApiError(400, f"{name}: {e}", param=name, code="invalid_value") from None
-
-
-def _bool(body: dict, name: str) -> bool:
-    v = body.get(name, False)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise ApiError(400, f"{name} must be true or false, got {v!r}", param=name,
-                       code="invalid_type")
-    return v
-
-
-def sampling_fields(body: dict) -> dict:
-    """The sampling fields of a request (OpenAI's and Anthropic's share them), checked with
-    engine/params.py's ranges; temperature defaults to 1, as both APIs do."""
-    temperature = checked_field(body, "temperature", check_temperature)
-    sampling = {"temperature": DEFAULT_TEMPERATURE if temperature is None else temperature}
-    for name, check in (("top_p", check_top_p), ("top_k", check_top_k), ("min_p", check_min_p),
-                        ("repetition_penalty", check_repetition_penalty),
-                        ("seed", check_seed)):
-        v = checked_field(body, name, check)
-        if v is not None:
-            sampling[name] = v
-    return sampling
+_unsupported = unsupported
+_bool = bool_field
+_type = type_field
 
 
 def _unknown_fields(body: dict, known: set[str]) -> list[str]:
     """Fields this server does not know (Ollama's keep_alive and options, another server's
     extensions, a typo): ignored, and named in the reply's header and the log."""
     return sorted(set(body) - known)
-
-
-def _type(body: dict, name: str, kinds: tuple, what: str) -> None:
-    """A 400 for a value of the wrong type, even in a field that is then ignored."""
-    v = body.get(name)
-    if v is not None and (not isinstance(v, kinds) or (isinstance(v, bool)
-                                                       and bool not in kinds)):
-        raise ApiError(400, f"{name} must be {what}, got {v!r}", param=name,
-                       code="invalid_type")
 
 
 def _common(body: dict, kind: str) -> GenRequest:
@@ -146,32 +93,16 @@ def _common(body: dict, kind: str) -> GenRequest:
         else:
             include_usage = _bool(opts, "include_usage")
             ignored += [f"stream_options.{k}" for k in sorted(set(opts) - {"include_usage"})]
-    stop = body.get("stop")
-    if stop is None:
-        stops = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = list(stop)
-    else:
-        raise ApiError(400, "stop must be a string or a list of strings", param="stop",
-                       code="invalid_type")
-    if len(stops) > MAX_STOPS:
-        raise ApiError(400, f"stop: at most {MAX_STOPS} stop strings", param="stop",
-                       code="invalid_value")
-    if any(s == "" for s in stops):
-        raise ApiError(400, "stop: an empty stop string would match everywhere", param="stop",
-                       code="invalid_value")
-    sampling = sampling_fields(body)
-    repeat = checked_field(body, "repeat_penalty", check_repetition_penalty)  # llama.cpp's name
-    if repeat is not None:
-        if sampling.get("repetition_penalty", repeat) != repeat:
+    stops = stop_list(body.get("stop"), "stop")
+    chosen = sampling(body)
+    repeat = check("repeat_penalty", body.get("repeat_penalty"), "repetition_penalty")
+    if repeat is not None:  # llama.cpp's name
+        if body.get("repetition_penalty") is not None and chosen.repetition_penalty != repeat:
             raise ApiError(400, "repeat_penalty and repetition_penalty disagree: give one of "
                                 "them", param="repeat_penalty", code="invalid_value")
-        sampling["repetition_penalty"] = repeat
+        chosen = replace(chosen, repetition_penalty=repeat)
     return GenRequest(kind=kind, model=model,
-                      max_tokens=checked_field(body, "max_tokens", check_max_tokens),
-                      sampling=sampling, stop=stops, stream=stream,
+                      max_tokens=max_tokens(body), sampling=chosen, stop=stops, stream=stream,
                       include_usage=include_usage, ignored=ignored)
 
 
@@ -223,7 +154,7 @@ def parse_chat(body: dict) -> GenRequest:
     if fmt is not None and fmt.get("type") != "text":
         ignored.append("response_format")  # replies are not constrained to JSON here
     req.ignored = sorted(set(req.ignored + ignored + unknown))
-    mct = checked_field(body, "max_completion_tokens", check_max_tokens)
+    mct = max_tokens(body, "max_completion_tokens")
     if mct is not None:
         if req.max_tokens is not None and req.max_tokens != mct:
             raise ApiError(400, f"max_tokens ({req.max_tokens}) and max_completion_tokens "
@@ -337,26 +268,6 @@ def _tool_call(c, where: str) -> dict:
             "function": {"name": name, "arguments": args}}
 
 
-def function_tool(name, description, parameters, where: str) -> dict:
-    """One function definition, checked, in the shape chat templates receive (transformers'
-    OpenAI shape, keys in this order: the order they are rendered in)."""
-    if not isinstance(name, str) or not TOOL_NAME_RE.match(name):
-        raise ApiError(400, f"{where}: the name must be 1-128 letters, digits, _, -, . or :, "
-                            f"got {name!r}", param=where, code="invalid_value")
-    fn: dict = {"name": name}
-    if description is not None:
-        if not isinstance(description, str):
-            raise ApiError(400, f"{where}: description must be a string", param=where,
-                           code="invalid_type")
-        fn["description"] = description
-    if parameters is not None:
-        if not isinstance(parameters, dict):
-            raise ApiError(400, f"{where}: parameters must be a JSON Schema object",
-                           param=where, code="invalid_type")
-        fn["parameters"] = parameters
-    return {"type": "function", "function": fn}
-
-
 def chat_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
     """`tools` and `tool_choice` of a chat request: (tools or None, choice, named function)."""
     raw = body.get("tools")
@@ -386,12 +297,7 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
             # checked as any other (parse_chat names strict among the ignored fields).
             tools.append(function_tool(f.get("name"), f.get("description"),
                                        f.get("parameters"), f"{where}.function"))
-        names = [t["function"]["name"] for t in tools]
-        dup = next((n for n in names if names.count(n) > 1), None)
-        if dup is not None:
-            raise ApiError(400, f"tools: the function {dup!r} is defined twice", param="tools",
-                           code="invalid_value")
-        tools = tools or None
+        tools = unique_tools(tools)
     choice = body.get("tool_choice")
     name = None
     if choice is None:
@@ -408,12 +314,7 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
         raise ApiError(400, 'tool_choice must be "none", "auto", "required" or '
                             '{"type": "function", "function": {"name": ...}}',
                        param="tool_choice", code="invalid_value")
-    if choice in ("required", "function") and not tools:
-        raise ApiError(400, f"tool_choice {choice!r} needs tools", param="tool_choice",
-                       code="invalid_value")
-    if name is not None and name not in [t["function"]["name"] for t in tools or []]:
-        raise ApiError(400, f"tool_choice names the function {name!r}, which is not in tools",
-                       param="tool_choice", code="invalid_value")
+    choice_target(choice, name, tools, choice)
     return tools, choice, name
 
 

@@ -1,12 +1,15 @@
-"""A request's prompt as token ids, checked: what the server can tokenize off the engine
-thread (it only reads the tokenizer), and the 400s a prompt can earn before it is queued.
+"""A request's prompt: rendered by the model's chat template (tools, forced tool calls,
+the reasoning switch), encoded to token ids and checked, with the message boundaries where
+prefill keeps reusable snapshots. All of it runs off the model's thread (it only reads the
+tokenizer), and these are the 400s a prompt can earn before it is queued.
 """
 
 from __future__ import annotations
 
+from pocket_mlx.engine import snapshot_points
 from pocket_mlx.errors import PocketError
 from pocket_mlx.server.requests import ApiError, GenRequest
-from pocket_mlx.server.tools import message_boundaries, render_chat
+from pocket_mlx.server.tools import format_for
 
 
 def encode_request(tok, request: GenRequest, context: int, vocab: int) -> list[int]:
@@ -49,3 +52,62 @@ def _utf8(text: str, where: str) -> str:
         raise ApiError(400, f"{where}: the text holds a lone UTF-16 surrogate, which is not "
                             "valid Unicode", param=where, code="invalid_value") from None
     return text
+
+
+def render_chat(tok, req: GenRequest) -> str:
+    """The chat prompt of `req`, tools included, as the model's template renders it; records
+    on `req` the model's tool-call format (when its tools are on) and, for tool_choice
+    required or a named function, the text the reply is made to start with (the format's
+    start marker, and the name where the format's next words are known), rendered with
+    `enable_thinking=False` so that a thinking model's call is not left inside its
+    reasoning. Only the named function is shown to the model in that case. Constrained
+    decoding it is not: the model chooses the arguments, and may still write nonsense."""
+    tools_on = bool(req.tools) and req.tool_choice != "none"
+    history = any("tool_calls" in m or m["role"] == "tool" for m in req.messages or [])
+    fmt = None
+    if tools_on or history:
+        what = "tools" if tools_on else "messages"
+        try:
+            fmt = format_for(tok.chat_template)
+        except ImportError as e:
+            raise ApiError(500, f"mlx-lm's tool-call parser could not be loaded ({e}); "
+                                "reinstall mlx-lm", type="server_error",
+                           code="internal_error") from None
+        if fmt is None and tools_on and req.tool_choice == "auto" and not history:
+            # Clients such as Open WebUI send their built-in tools with every message, without
+            # tool_choice: the model may answer without them, so it does (said in a header and
+            # the log) rather than refusing every message. "required" or a named function
+            # cannot be honoured without them: those keep the 400 below.
+            req.tools_omitted, tools_on = True, False
+        elif fmt is None:
+            raise ApiError(400, f"{what}: this model's chat template has no tool-call format "
+                                "(it does not render tools and tool calls), so this model "
+                                "cannot use tools", param=what, code="unsupported_parameter")
+    tools, extra = None, {}
+    if tools_on:
+        tools = [t for t in req.tools or []
+                 if req.tool_name is None or t["function"]["name"] == req.tool_name]
+        req.tool_format = fmt
+        if req.tool_choice in ("required", "function"):
+            req.reply_prefix = fmt.forced_prefix(req.tool_name)
+            extra["enable_thinking"] = False
+    text = tok.apply_chat_template(req.messages, tools=tools, **extra) + req.reply_prefix
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "messages: the text holds a lone UTF-16 surrogate, which is not "
+                            "valid Unicode", param="messages", code="invalid_value") from None
+    return text
+
+
+def message_boundaries(tok, req: GenRequest, ids: list[int]) -> list[int]:
+    """Token positions inside `ids` (the rendered prompt of `req`) where an earlier message
+    ends (engine/snapshot_points.py), rendered with the tools the prompt itself carries."""
+    tools_on = bool(req.tools) and req.tool_choice != "none" and not req.tools_omitted
+    tools = [t for t in req.tools or []
+             if req.tool_name is None or t["function"]["name"] == req.tool_name] \
+        if tools_on else None
+    extra = {"enable_thinking": False} if tools_on and req.tool_choice in (
+        "required", "function") else {}
+    return snapshot_points.message_boundaries(tok, req.messages or [], ids, tools=tools,
+                                              **extra)

@@ -17,21 +17,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pocket_mlx.errors import one_line
-from pocket_mlx.server.engine import Busy, Done, Job
+from pocket_mlx.server.events import ReplyParts
+from pocket_mlx.server.jobs import Busy, Job, ReplyEvent, Whole
 from pocket_mlx.server.requests import ApiError, GenRequest
-from pocket_mlx.server.state import engine, settings
-from pocket_mlx.server.streaming import collect, sse
-from pocket_mlx.server.tools import CallSplitter, ToolCall, splitter_for
+from pocket_mlx.server.state import settings, worker
+from pocket_mlx.server.streaming import collect, log_calls, reply_events, sse
 
 log = logging.getLogger(__name__)
 
 TOOLS_OMITTED = "X-Pocket-Tools-Omitted"  # header: how many tools the prompt left out
 FIELDS_IGNORED = "X-Pocket-Fields-Ignored"  # header: request fields left out (not honoured)
 
-# The whole reply as the API's JSON object: (text, tool calls, closing event) -> body.
-Full = Callable[[str, list[ToolCall], Done], dict]
-# The reply as the API's events: (job, tool-call splitter or None) -> SSE text.
-Stream = Callable[[Job, CallSplitter | None], AsyncIterator[str]]
+# The whole reply as the API's JSON object.
+Full = Callable[[Whole], dict]
+# The reply event stream (server/jobs.py) as the API's events, in SSE text.
+Stream = Callable[[AsyncIterator[ReplyEvent]], AsyncIterator[str]]
 
 
 async def read_json(request: Request) -> dict:
@@ -71,7 +71,7 @@ async def read_json(request: Request) -> dict:
 def names(request: Request) -> list[str]:
     """The model's own name, then its `--alias` names: clients configured for another name
     (an agent's "gpt-4o-mini" setting renamed to "my-model") reach it by those."""
-    return list(dict.fromkeys([engine(request).model_id, *settings(request).aliases]))
+    return list(dict.fromkeys([worker(request).model_id, *settings(request).aliases]))
 
 
 def check_model(request: Request, name: str | None) -> None:
@@ -90,9 +90,9 @@ def check_model(request: Request, name: str | None) -> None:
 async def admit(request: Request, req: GenRequest) -> Job:
     """The checked request's model, prompt and slot: a queued job, or an ApiError."""
     check_model(request, req.model)
-    ids = await run_in_threadpool(engine(request).encode, req)
+    ids = await run_in_threadpool(worker(request).encode, req)
     try:
-        return engine(request).submit(ids, req, asyncio.get_running_loop())
+        return worker(request).submit(ids, req, asyncio.get_running_loop())
     except Busy as b:
         raise ApiError(
             429,
@@ -129,43 +129,20 @@ def omitted(request: Request, req: GenRequest) -> dict[str, str]:
     return {**out, TOOLS_OMITTED: str(len(req.tools or []))}
 
 
-def log_calls(request: Request, split: CallSplitter | None, where: str) -> None:
-    """One line for each call the model wrote that could not be read (given back as text)
-    and for calls dropped by parallel_tool_calls false."""
-    if split is None:
-        return
-    for why in split.failed:
-        log.warning(f"{where}: a tool call could not be parsed ({one_line(why)}); returned as text")
-    if split.dropped:
-        log.warning(
-            f"{where}: {split.dropped} tool call(s) past the first dropped "
-            "(parallel_tool_calls is false)",
-        )
-
-
-def split_all(split: CallSplitter | None, text: str) -> tuple[str, list[ToolCall]]:
-    """A whole reply as its text and tool calls (no tools: the text as it is)."""
-    if split is None:
-        return text, []
-    parts = split.feed(text) + split.close()
-    return "".join(p for p in parts if isinstance(p, str)), split.calls
-
-
 async def answer(
     request: Request, req: GenRequest, id_prefix: str, full: Full, stream: Stream
 ) -> Response:
-    """A parsed generation request answered: the job admitted, then its events as a stream
-    (`stream`) or the whole reply as one object (`full`); 499 when the client left first.
-    `id_prefix`: how the API's tool-call ids start."""
+    """A parsed generation request answered: the job admitted, then its reply events as a
+    stream (`stream`) or the whole reply as one object (`full`); 499 when the client left
+    first. `id_prefix`: how the API's tool-call ids start."""
     job = await admit(request, req)
-    split = splitter_for(req, id_prefix)
+    parts = ReplyParts.for_request(req, id_prefix)
     extra = omitted(request, req)
     if req.stream:
-        return sse(stream(job, split), extra)
+        return sse(stream(reply_events(request, job, where(request, req), parts)), extra)
     got = await collect(request, job, where(request, req))
     if got is None:
         return Response(status_code=499)
-    text, ev = got
-    text, calls = split_all(split, text)
-    log_calls(request, split, where(request, req))
-    return JSONResponse(full(text, calls, ev), headers=extra)
+    whole = parts.whole(*got)
+    log_calls(request, parts.split, where(request, req))
+    return JSONResponse(full(whole), headers=extra)

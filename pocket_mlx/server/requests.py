@@ -1,14 +1,20 @@
-"""A checked request and a refusal, the two types every part of the server shares.
+"""The server's one request model: what every wire format (OpenAI chat and completions,
+Anthropic Messages, and those to come) parses a body into, and the refusal they share.
 
-Why a module of their own: the OpenAI and Anthropic parsers make the same `GenRequest`, the
-engine and the tool-call code read it, and any of them may refuse with an `ApiError`; none of
-those should import another API's wire format to get them. No Starlette and no MLX here.
+Why typed and checked here: a request is validated once, where its wire format is parsed
+(`Sampling.checked`, `check`), so the serve worker and the prompt code read values they can
+trust and never re-check them; and no wire format imports another to get them. The value
+ranges are engine/params.py's `check_*` functions (pure Python, no MLX), the same sentences the
+CLI prints. No Starlette and no MLX here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from pocket_mlx.engine import params
 
 
 class ApiError(Exception):
@@ -45,34 +51,89 @@ class ApiError(Exception):
         }
 
 
+# A checked value's range, by the name of what it is (engine/params.py's sentences).
+CHECKS: dict[str, Callable[[Any], Any]] = {
+    "temperature": params.check_temperature,
+    "top_p": params.check_top_p,
+    "top_k": params.check_top_k,
+    "min_p": params.check_min_p,
+    "repetition_penalty": params.check_repetition_penalty,
+    "seed": params.check_seed,
+    "max_tokens": params.check_max_tokens,
+}
+
+
+def check(param: str, value: Any, kind: str | None = None) -> Any:
+    """`value` checked as a `kind` (default: `param`) value, None when absent; a 400 naming
+    the wire format's `param` otherwise."""
+    if value is None:
+        return None
+    try:
+        return CHECKS[kind or param](value)
+    except ValueError as e:
+        raise ApiError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen; defaults as OpenAI's and Anthropic's (temperature 1) and
+    the engine's (the rest off). Made only through `checked`, so every value is in range."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    @classmethod
+    def checked(cls, values: dict[str, Any], names: dict[str, str] | None = None) -> Sampling:
+        """From `values` (field -> wire value; None: the default), each checked; `names`:
+        the wire format's name of a field, for the 400 (default: the field's own)."""
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"Sampling has no field {sorted(unknown)[0]!r}")
+        names = names or {}
+        got = {k: check(names.get(k, k), v, k) for k, v in values.items()}
+        return cls(**{k: v for k, v in got.items() if v is not None})
+
+    def keywords(self) -> dict[str, Any]:
+        """As engine/generation.py's `SamplingParams` keywords."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 @dataclass
 class GenRequest:
-    """One checked generation request, independent of the endpoint it came from."""
+    """One checked generation request, independent of the wire format it came in."""
 
     kind: str  # "chat" | "completion"
     model: str | None
     messages: list[dict] | None = None  # chat: [{"role", "content": str}]
     prompt: str | list[int] | None = None  # completion: text (no template) or token ids
     max_tokens: int | None = None  # None: the server's default
-    sampling: dict = field(default_factory=dict)  # SamplingParams keywords
+    sampling: Sampling = field(default_factory=Sampling)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    # Reasoning switches (thinking models): `thinking` None leaves it to the server's
+    # --reasoning and the template's default; `reasoning_budget` caps the reasoning's tokens.
+    thinking: bool | None = None
+    reasoning_budget: int | None = None
     # Tools (chat only): OpenAI-shaped function definitions, as the chat template receives
     # them; tool_choice is auto | none | required | function (then tool_name names it).
     tools: list[dict] | None = None
     tool_choice: str = "none"
     tool_name: str | None = None
     parallel_tool_calls: bool = True
-    # Set when the prompt is rendered (server/tools.py `render_chat`): the model's tool-call
+    # Set when the prompt is rendered (server/prompts.py `render_chat`): the model's tool-call
     # format (None: replies are plain text) and the text the reply is forced to start with.
     tool_format: Any = None
     reply_prefix: str = ""
     # Set by `render_chat` when the template renders no tools and tool_choice was auto: the
     # tools were left out of the prompt (the reply says so in X-Pocket-Tools-Omitted).
     tools_omitted: bool = False
-    # Set when the prompt is encoded (server/tools.py `message_boundaries`): prompt positions
-    # at the end of an earlier message, where prefill stores a reusable snapshot.
+    # Set when the prompt is encoded (server/prompts.py): prompt positions at the end of an
+    # earlier message, where prefill stores a reusable snapshot.
     boundaries: list[int] = field(default_factory=list)
     # Fields left out because this server or model lacks the feature (server/openai.py's
     # docstring): named in the reply's X-Pocket-Fields-Ignored header and the log.

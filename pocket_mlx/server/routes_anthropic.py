@@ -15,12 +15,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pocket_mlx.server import anthropic
-from pocket_mlx.server.engine import Done, Failed, Job, Piece, Started
-from pocket_mlx.server.replies import answer, check_model, log_calls, read_json, where
-from pocket_mlx.server.requests import ApiError, GenRequest
-from pocket_mlx.server.state import engine
-from pocket_mlx.server.streaming import event, events
-from pocket_mlx.server.tools import CallSplitter, ToolCall
+from pocket_mlx.server.jobs import Call, Done, Failed, ReplyEvent, Started, Text, Whole
+from pocket_mlx.server.replies import answer, check_model, read_json
+from pocket_mlx.server.requests import ApiError
+from pocket_mlx.server.state import worker
+from pocket_mlx.server.streaming import event
 
 
 async def count_tokens(request: Request) -> Response:
@@ -36,63 +35,52 @@ async def count_tokens(request: Request) -> Response:
         )
     req = anthropic.parse_messages({**body, "max_tokens": 1})
     check_model(request, req.model)
-    ids = await run_in_threadpool(engine(request).encode, req)
+    ids = await run_in_threadpool(worker(request).encode, req)
     return JSONResponse({"input_tokens": len(ids)})
 
 
 async def messages(request: Request) -> Response:
     """POST /v1/messages."""
     req = anthropic.parse_messages(await read_json(request))
-    msg = anthropic.Message(engine(request).model_id)
+    msg = anthropic.Message(worker(request).model_id)
 
-    def full(text: str, calls: list[ToolCall], ev: Done) -> dict:
+    def full(whole: Whole) -> dict:
+        ev = whole.done
         return msg.full(
-            text,
+            whole.text,
             ev.finish_reason,
             ev.stop_string,
             msg.usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens),
-            calls,
+            whole.calls,
         )
 
-    def stream(job: Job, split: CallSplitter | None) -> AsyncIterator[str]:
-        return message_events(request, req, msg, job, split)
+    def stream(evs: AsyncIterator[ReplyEvent]) -> AsyncIterator[str]:
+        return message_events(msg, evs)
 
     return await answer(request, req, "toolu_", full, stream)
 
 
-def content(blocks: anthropic.Blocks, parts: list[str | ToolCall]) -> list[str]:
-    """Text and whole tool calls as content-block events."""
-    return [
-        event(name, obj)
-        for p in parts
-        for name, obj in (blocks.text(p) if isinstance(p, str) else blocks.call(p))
-    ]
-
-
-async def message_events(
-    request: Request, req: GenRequest, msg: anthropic.Message, job: Job, split: CallSplitter | None
-) -> AsyncIterator[str]:
+async def message_events(msg: anthropic.Message, evs: AsyncIterator[ReplyEvent]
+                         ) -> AsyncIterator[str]:
     """Anthropic's events: message_start, ping, each content block's start, deltas and stop
     (text_delta for text, one input_json_delta per tool_use), message_delta (stop reason,
     output tokens), message_stop."""
     blocks = anthropic.Blocks()
-    async for ev in events(request, job, where(request, req)):
+    called = False
+    async for ev in evs:
         if isinstance(ev, Started):
             for name, obj in msg.start(msg.usage(ev.prompt_tokens, ev.cached_tokens, 0)):
                 yield event(name, obj)
-        elif isinstance(ev, Piece):
-            for e in content(blocks, split.feed(ev.text) if split is not None else [ev.text]):
-                yield e
+        elif isinstance(ev, (Text, Call)):
+            called = called or isinstance(ev, Call)
+            for name, obj in (blocks.text(ev.text) if isinstance(ev, Text)
+                              else blocks.call(ev.call)):
+                yield event(name, obj)
         elif isinstance(ev, Failed):
             yield event("error", anthropic.error_body(ev.error))
         elif isinstance(ev, Done):
-            if split is not None:
-                for e in content(blocks, split.close()):
-                    yield e
-                log_calls(request, split, where(request, req))
             for name, obj in blocks.close():
                 yield event(name, obj)
-            called = split is not None and bool(split.calls)
             for name, obj in msg.end(
                 ev.finish_reason, ev.stop_string, {"output_tokens": ev.completion_tokens}, called
             ):

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from pocket_mlx.server.engine import Done, Failed, Job, Piece
+from pocket_mlx.server.jobs import Call, Done, Failed, ReplyEvent, Text, Whole
 from pocket_mlx.server.openai import (
     Reply,
     finish_reason,
@@ -21,27 +21,19 @@ from pocket_mlx.server.openai import (
     tool_call_json,
     usage,
 )
-from pocket_mlx.server.replies import (
-    answer,
-    check_model,
-    log_calls,
-    names,
-    read_json,
-    where,
-)
+from pocket_mlx.server.replies import answer, check_model, names, read_json
 from pocket_mlx.server.requests import GenRequest
-from pocket_mlx.server.state import engine
-from pocket_mlx.server.streaming import data, events
-from pocket_mlx.server.tools import CallSplitter, ToolCall
+from pocket_mlx.server.state import worker
+from pocket_mlx.server.streaming import data
 
 
 async def health(request: Request) -> Response:
-    e = engine(request)
+    e = worker(request)
     return JSONResponse({"status": "ok", "model": e.model_id, "device": e.device, **e.load()})
 
 
 async def metrics(request: Request) -> Response:
-    e = engine(request)
+    e = worker(request)
     load = e.load()
     stats = getattr(e.prompt_cache, "stats", None)
     return PlainTextResponse(
@@ -53,7 +45,7 @@ async def metrics(request: Request) -> Response:
 
 
 def model_card(request: Request, name: str) -> dict:
-    e = engine(request)
+    e = worker(request)
     return {
         "id": name,
         "object": "model",
@@ -86,57 +78,41 @@ async def completions(request: Request) -> Response:
 
 async def generate(request: Request, parse: Callable[[dict], GenRequest]) -> Response:
     req = parse(await read_json(request))
-    reply = Reply(req.kind, engine(request).model_id)
+    reply = Reply(req.kind, worker(request).model_id)
 
-    def full(text: str, calls: list[ToolCall], ev: Done) -> dict:
+    def full(whole: Whole) -> dict:
+        ev = whole.done
         return reply.full(
-            text,
-            finish_reason(ev.finish_reason, bool(calls)),
+            whole.text,
+            finish_reason(ev.finish_reason, bool(whole.calls)),
             usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens),
-            calls,
+            whole.calls,
         )
 
-    def stream(job: Job, split: CallSplitter | None) -> AsyncIterator[str]:
-        return chunks(request, req, reply, job, split)
+    def stream(evs: AsyncIterator[ReplyEvent]) -> AsyncIterator[str]:
+        return chunks(req, reply, evs)
 
     return await answer(request, req, "call_", full, stream)
 
 
-def pieces(reply: Reply, split: CallSplitter, parts: list[str | ToolCall], inc: bool) -> list[str]:
-    """Text and whole tool calls (each with its index among the reply's calls) as chunks."""
-    out = []
-    for p in parts:
-        if isinstance(p, str):
-            out.append(data(reply.chunk(p, with_usage=inc)))
-        else:
-            index = next(i for i, c in enumerate(split.calls) if c is p)
-            out.append(data(reply.chunk(with_usage=inc, call=tool_call_json(p, index=index))))
-    return out
-
-
 async def chunks(
-    request: Request, req: GenRequest, reply: Reply, job: Job, split: CallSplitter | None
+    req: GenRequest, reply: Reply, evs: AsyncIterator[ReplyEvent]
 ) -> AsyncIterator[str]:
     """OpenAI's chunks; `data: [DONE]` ends them. With tools, text that may start a call is
     held back until it is known, and each call goes out whole once parsed."""
     inc = req.include_usage
+    called = False
     if req.kind == "chat":
         yield data(reply.chunk(role=True, with_usage=inc))
-    async for ev in events(request, job, where(request, req)):
-        if isinstance(ev, Piece):
-            if split is None:
-                yield data(reply.chunk(ev.text, with_usage=inc))
-            else:
-                for chunk in pieces(reply, split, split.feed(ev.text), inc):
-                    yield chunk
+    async for ev in evs:
+        if isinstance(ev, Text):
+            yield data(reply.chunk(ev.text, with_usage=inc))
+        elif isinstance(ev, Call):
+            called = True
+            yield data(reply.chunk(with_usage=inc, call=tool_call_json(ev.call, index=ev.index)))
         elif isinstance(ev, Failed):
             yield data(ev.error.body())
         elif isinstance(ev, Done):
-            if split is not None:
-                for chunk in pieces(reply, split, split.close(), inc):
-                    yield chunk
-                log_calls(request, split, where(request, req))
-            called = split is not None and bool(split.calls)
             yield data(reply.chunk(None, finish_reason(ev.finish_reason, called), with_usage=inc))
             if inc:
                 yield data(

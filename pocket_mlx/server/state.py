@@ -1,19 +1,17 @@
 """What `create_app` was told, kept on `app.state` for the module-level handlers.
 
 Why not a closure: handlers, middleware and exception handlers each read `request.app.state`
-(`engine`, `metrics`, `settings`), Starlette's own way to share app-wide objects, so each lives
+(`worker`, `metrics`, `settings`), Starlette's own way to share app-wide objects, so each lives
 in the module of its idea and can be read on its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from starlette.requests import HTTPConnection
 
-if TYPE_CHECKING:  # the engine module loads MLX; this one is read by every handler
-    from pocket_mlx.server.engine import Engine
+from pocket_mlx.server.jobs import Worker
 
 
 @dataclass(frozen=True)
@@ -26,8 +24,10 @@ class Settings:
     aliases: tuple[str, ...]
 
 
-def engine(conn: HTTPConnection) -> Engine:
-    return conn.app.state.engine
+def worker(conn: HTTPConnection) -> Worker:
+    """The serve worker (server/worker.py), as server/jobs.py's `Worker` protocol: the HTTP
+    side never imports the worker's module, which loads MLX."""
+    return conn.app.state.worker
 
 
 def settings(conn: HTTPConnection) -> Settings:

@@ -1,4 +1,5 @@
-"""A job's events as the HTTP side reads them: whole (`collect`) or as server-sent events.
+"""A job's events as the HTTP side reads them: whole (`collect`) or as a stream of reply events
+(`reply_events`: server/events.py's parts) for server-sent events.
 
 Why in one place: both APIs read a job the same two ways, and both ways must cancel the job
 when the client goes away, or the engine goes on decoding for nobody. A stream learns it from
@@ -18,7 +19,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from pocket_mlx.errors import one_line
-from pocket_mlx.server.engine import Done, Failed, Job, Piece, Started
+from pocket_mlx.server.events import ReplyParts
+from pocket_mlx.server.jobs import Done, Failed, Job, Piece, ReplyEvent, Started
+from pocket_mlx.server.tools import CallSplitter
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,37 @@ async def events(
         if not finished:
             job.cancel()
             log.info(f"{where}: the client went away; stopped")
+
+
+def log_calls(request: Request, split: CallSplitter | None, where: str) -> None:
+    """One line for each call the model wrote that could not be read (given back as text)
+    and for calls dropped by parallel_tool_calls false."""
+    if split is None:
+        return
+    for why in split.failed:
+        log.warning(f"{where}: a tool call could not be parsed ({one_line(why)}); returned as text")
+    if split.dropped:
+        log.warning(
+            f"{where}: {split.dropped} tool call(s) past the first dropped "
+            "(parallel_tool_calls is false)",
+        )
+
+
+async def reply_events(
+    request: Request, job: Job, where: str, parts: ReplyParts
+) -> AsyncIterator[ReplyEvent]:
+    """The job's events as the reply event stream: `Started`, then `Reasoning`, `Text` and
+    `Call` events as the text arrives, the splitters' last parts, then `Done` or `Failed`."""
+    async for ev in events(request, job, where):
+        if isinstance(ev, Piece):
+            for part in parts.feed(ev.text):
+                yield part
+            continue
+        if isinstance(ev, Done):
+            for part in parts.close():
+                yield part
+            log_calls(request, parts.split, where)
+        yield ev
 
 
 def sse(stream: AsyncIterator[str], extra: dict[str, str] | None = None) -> StreamingResponse:

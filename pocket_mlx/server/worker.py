@@ -1,5 +1,5 @@
-"""The generation worker behind the server: one thread owns the model and runs every request,
-decoding the active ones together (continuous batching).
+"""The serve worker (`ServeWorker`): one thread owns the model and runs every request of the
+server, decoding the active ones together (continuous batching).
 
 Why one thread: MLX streams belong to the thread that made them (engine/devices.py), and the
 model's caches and the `mx.random` state are not safe to share between threads. The HTTP side
@@ -76,7 +76,7 @@ from pocket_mlx.system.wired import planned_context, serve_ram_bytes
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class ServeWorker:
     """The loaded model, the request queue and the thread that generates."""
 
     def __init__(self, model: str | None = None, device: str | None = None, *,
@@ -263,8 +263,8 @@ class Engine:
     def _begin(self, batch: BatchDecoder, job: Job) -> int:
         """A slot's job into the batch: its prompt-cache prefix, its sampling state."""
         ids, req = job.ids, job.request
-        sampling = SamplingParams(**req.sampling)
-        sampling.validate()
+        # Checked where the request was parsed (server/requests.py `Sampling.checked`).
+        sampling = SamplingParams(**req.sampling.keywords())
         cache, n_cached = self._fetch(ids)
         use_device(self.model, self.device, cache)  # a restored cache in the model's dtypes
         uid = batch.insert(ids, cache=cache, n_cached=n_cached, sampling=sampling,
@@ -376,7 +376,7 @@ class Engine:
                 job.emit(Started(len(ids), n_cached))
                 for ev in decode_lockstep(
                         self.dist, self.model, self.tokenizer, ids, uid=0, cache=cache,
-                        n_cached=n_cached, sampling=SamplingParams(**req.sampling),
+                        n_cached=n_cached, sampling=SamplingParams(**req.sampling.keywords()),
                         max_tokens=(req.max_tokens or self.default_max_tokens
                                     or max(1, self.context - len(ids))),
                         stop=req.stop, device=self.device, cancelled=job.cancelled.is_set,
