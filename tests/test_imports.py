@@ -4,8 +4,9 @@ Why: an import cycle works or breaks depending on which module a program happens
 first (`memory -> wired -> platform -> memory` once did). (a) imports each module first, in an
 interpreter where no other pocket_mlx module is loaded yet; (b) reads every import statement,
 module-level and inside functions alike, and asserts the graph they make has no cycle; (c) the
-subpackages form layers, the README's order: no import from a layer to one above it (a cycle
-between packages, `convert -> engine -> convert`, is a cycle of modules waiting to happen).
+subpackages form layers, in docs/ARCHITECTURE.md's order: no import from a layer to one above it
+(a cycle between packages, `convert -> engine -> convert`, is a cycle of modules waiting to
+happen).
 """
 
 from __future__ import annotations
@@ -149,13 +150,13 @@ def test_no_module_is_named_like_the_standard_library():
 
 
 # ---- layers ------------------------------------------------------------------------------------
-# Bottom to top, as the README writes them. "base": the package's top-level modules (errors,
-# units, paths, config, ...: the standard library and each other only); "api": the package
+# Bottom to top, as docs/ARCHITECTURE.md writes them. "base": the package's top-level modules
+# (errors, units, paths, config, ...: the standard library and each other only); "api": the package
 # itself (pocket_mlx/__init__.py: load, generate, and the `synthetic:` scheme it registers).
 # Every other layer is the subpackage of that name; the compiled extension sits with kernels/.
 LAYERS = ["base", "system", "kernels", "models", "engine", "convert", "analysis", "server", "tui",
           "api", "cli"]
-README = ROOT / "README.md"
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 
 
 def layer_of(module: str) -> str:
@@ -187,7 +188,8 @@ def upward_imports(graph: dict[str, set[str]], layers: list[str]) -> list[str]:
 def test_every_module_has_a_layer():
     unknown = sorted({m: layer_of(m) for m in import_graph()}.items())
     assert not [m for m, la in unknown if la not in LAYERS], (
-        f"modules outside the layers (add the package to LAYERS and the README): {unknown}")
+        "modules outside the layers (add the package to LAYERS and docs/ARCHITECTURE.md): "
+        f"{unknown}")
 
 
 def test_imports_flow_one_way_through_the_layers():
@@ -205,7 +207,9 @@ def test_upward_imports_are_found_and_named():
         "api", "base", "tui", "kernels", "cli"]
 
 
-def test_readme_writes_the_layers_this_test_checks():
-    found = re.findall(r"Layers, bottom to top: `([^`]+)`", README.read_text(encoding="utf-8"))
-    assert len(found) == 1, "README: one line `Layers, bottom to top: `a -> b -> ...``"
+def test_architecture_doc_writes_the_layers_this_test_checks():
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    found = re.findall(r"Layers, bottom to top: `([^`]+)`", text)
+    assert len(found) == 1, (
+        "docs/ARCHITECTURE.md: one line `Layers, bottom to top: `a -> b -> ...``")
     assert found[0].split(" -> ") == LAYERS
