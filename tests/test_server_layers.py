@@ -1,0 +1,90 @@
+"""The server's layers: wire formats are pure parsers and renderers, the HTTP side never reaches
+the model's thread, and a request is validated once, where its wire format is parsed.
+
+Why: every wire format (OpenAI, Anthropic, Responses, Ollama) parses into server/requests.py's
+`GenRequest` and renders server/jobs.py's reply events; if one imported MLX or the worker, the
+HTTP side would load the model's stack to check a body, and a new format would copy the
+engine's knowledge instead of the request model's.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from pocket_mlx.server.openai import parse_chat
+from pocket_mlx.server.requests import ApiError, Sampling
+
+SERVER = ROOT / "pocket_mlx" / "server"
+# Parsers and renderers of a wire format, and what they share.
+WIRE = ["openai", "anthropic", "responses", "ollama", "wire", "requests", "events"]
+# The HTTP side: everything but the worker itself and the prompt code it calls.
+HTTP = ["app", "routes_openai", "routes_anthropic", "routes_responses", "routes_ollama",
+        "replies", "streaming", "state", "errors", "auth", "page", "jobs", "metrics", "events"]
+
+
+def imports(module: str) -> set[str]:
+    """Every module a server module names in an import, anywhere in its source."""
+    tree = ast.parse((SERVER / f"{module}.py").read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def present(names: list[str]) -> list[str]:
+    return [m for m in names if (SERVER / f"{m}.py").exists()]
+
+
+@pytest.mark.parametrize("module", present(WIRE))
+def test_wire_modules_import_no_mlx_and_no_engine(module):
+    bad = sorted(n for n in imports(module)
+                 if n.split(".")[0] == "mlx" or n.startswith("pocket_mlx.server.worker")
+                 or (n.startswith("pocket_mlx.engine") and module != "requests"))
+    assert not bad, f"server/{module}.py imports {bad}"
+
+
+@pytest.mark.parametrize("module", present(HTTP))
+def test_http_modules_do_not_import_the_worker(module):
+    bad = sorted(n for n in imports(module) if n.startswith("pocket_mlx.server.worker"))
+    assert not bad, f"server/{module}.py imports the serve worker's module: {bad}"
+
+
+def test_importing_the_http_side_loads_no_mlx():
+    """Transitively too: the app and every wire format import without MLX."""
+    mods = [f"pocket_mlx.server.{m}" for m in present(WIRE + HTTP)]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in mods) +
+            "bad = sorted(m for m in sys.modules if m == 'mlx' or m.startswith('mlx.') "
+            "or m == 'pocket_mlx.server.worker')\nprint(bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_sampling_is_typed_and_checked_at_parse_time():
+    req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "temperature": 0.5,
+                      "top_k": 3, "repeat_penalty": 1.1})
+    assert req.sampling == Sampling(temperature=0.5, top_k=3, repetition_penalty=1.1)
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], "temperature": -1})
+    assert e.value.status == 400
+    assert e.value.message == ("temperature: temperature must be a finite number >= 0 "
+                               "(0 = greedy), got -1")
+    with pytest.raises(AttributeError):  # frozen: nothing changes it after the check
+        req.sampling.temperature = -1  # type: ignore[misc]
+
+
+def test_the_worker_does_not_validate_sampling_again():
+    """The worker builds the engine's SamplingParams from the checked values as they are."""
+    source = (SERVER / "worker.py").read_text()
+    assert "SamplingParams(**req.sampling.keywords())" in source
+    assert ".validate()" not in source
