@@ -52,6 +52,7 @@ from pocket_mlx.engine.generation import (
 )
 from pocket_mlx.engine.params import DEFAULT_PREFILL_STEP
 from pocket_mlx.engine.prompt_cache import PrefixStore
+from pocket_mlx.engine.reasoning import ReasoningTracker, tracker_for
 from pocket_mlx.engine.sampling import processors_for, sample, sampler_for
 from pocket_mlx.engine.snapshot_points import chunk_size, snapshot_points
 from pocket_mlx.engine.speculative import accept_drafts
@@ -82,12 +83,16 @@ class Prefilled:
 class Token:
     """A reply token was read (EOS excepted): its text safe to show (may be empty, held back
     for a stop string) and the seconds since the sequence was inserted (the first token) or
-    since its previous token."""
+    since its previous token. A sequence inserted with `thinking` has its reply parsed: then
+    `reasoning` is the piece of reasoning this token completed and `text` the answer's alone
+    (both may be empty); `forced`: the engine fed this token (a budget closing the block)."""
 
     uid: int
     text: str
     seconds: float
     first: bool
+    reasoning: str = ""
+    forced: bool = False
 
 
 @dataclass
@@ -103,6 +108,8 @@ class Finished:
     stop_string: str | None
     tps: float  # decode tokens per second after the first
     seconds: float  # since it was inserted
+    reasoning: str = ""  # the held-back tail of the reasoning (with `thinking`)
+    reasoning_tokens: int = 0  # tokens the model wrote in its reasoning block (with `thinking`)
 
 
 @dataclass
@@ -122,7 +129,8 @@ class _Seq:
     def __init__(self, uid: int, ids: list[int], cache: list, n_cached: int,
                  sampling: SamplingParams, max_tokens: int | None, room: int, tokenizer,
                  stop: Sequence[str], boundaries: Sequence[int],
-                 cancelled: Callable[[], bool], drafter=None) -> None:
+                 cancelled: Callable[[], bool], drafter=None,
+                 reasoning: ReasoningTracker | None = None) -> None:
         self.uid, self.ids, self.cache, self.n_cached = uid, ids, cache, n_cached
         self.cancelled = cancelled
         self.rest = mx.array(ids[n_cached:], mx.uint32)  # prompt tokens not yet fed
@@ -157,6 +165,13 @@ class _Seq:
         self.plain_n = 0  # and how many it has queued (alone: `timed` hears them at its end)
         self.spec: tuple | None = None  # the pass to read: (tape, hidden, drafts, accepted)
         self.drafted = self.accepted = 0
+        self.reasoning = reasoning  # the reply's reasoning block, when parsed
+
+    def force(self) -> None:
+        """After a token is read (or the first sampled): a reasoning budget that ran out
+        replaces the token sampled next (still unread, not fed) with the one to force."""
+        if self.reasoning is not None and (f := self.reasoning.next_forced()) is not None:
+            self.unread = mx.array([f], mx.uint32)
 
     def sample(self, logits: mx.array) -> mx.array:
         """The next token [1] from logits [1, vocab] (lazy), as `generate_step` samples."""
@@ -191,22 +206,34 @@ class BatchDecoder:
     def insert(self, ids: list[int], *, cache: list, n_cached: int, sampling: SamplingParams,
                max_tokens: int | None, room: int, stop: Sequence[str] = (),
                boundaries: Sequence[int] = (),
-               cancelled: Callable[[], bool] = lambda: False) -> int:
+               cancelled: Callable[[], bool] = lambda: False, thinking: bool | None = None,
+               reasoning_budget: int | None = None) -> int:
         """Queue a prompt whose first `n_cached` tokens `cache` already holds; returns its uid.
         At most `max_tokens` reply tokens (None: no cap) and `room` (what the window leaves);
-        `cancelled()` is checked after every prefill chunk and every token."""
+        `cancelled()` is checked after every prefill chunk and every token.
+
+        `thinking` (engine/reasoning.py's `thinking_for` of the rendered prompt): None, the
+        reply as it comes; True, the prompt left the model inside a `<think>` block; False, it
+        may open one itself. Not None: the reply is parsed (`Token.reasoning` apart from
+        `Token.text`, `Finished.reasoning_tokens`), and `reasoning_budget` N (None: no limit)
+        closes the block after N reasoning tokens by feeding the tokens of `</think>\n\n`
+        instead of sampling; the answer follows. ValueError for a negative budget."""
         check_token_ids(self.model, ids)
+        reasoning = tracker_for(self.tokenizer, thinking, reasoning_budget)
         uid = next(self._uids)
         self.prefilling.append(_Seq(uid, ids, cache, n_cached, sampling, max_tokens, room,
                                     self.tokenizer, stop, boundaries, cancelled,
-                                    self._drafter(sampling)))
+                                    self._drafter(sampling, reasoning), reasoning))
         return uid
 
-    def _drafter(self, sampling: SamplingParams):
+    def _drafter(self, sampling: SamplingParams, reasoning: ReasoningTracker | None = None):
         """A drafter for a new sequence, or None: greedy requests only (a sampled one would
         draw with the global key, not its own seed's), and `auto` only where the verify pass
-        batches its rows exactly (models/verify.py)."""
+        batches its rows exactly (models/verify.py). Not with a reasoning budget: it forces
+        tokens between the sampled ones, which a verify pass's drafts know nothing of."""
         if self.speculative == "off" or sampling.temperature > 0:
+            return None
+        if reasoning is not None and reasoning.budget is not None:
             return None
         with mx.stream(self.stream):
             if self.speculative == "auto" and not batched_rows_exact():
@@ -301,6 +328,7 @@ class BatchDecoder:
             logits = self.model(s.rest[None], cache=s.cache)[:, -1, :]
         s.unread = s.sample(logits)
         mx.eval(s.unread)
+        s.force()  # a budget of 0: the block closes at once
         events.append(self._prefilled(s, int(s.rest.size), time.perf_counter() - t))
         return True
 
@@ -423,6 +451,7 @@ class BatchDecoder:
                 events.append(Failed(s.uid, e))
                 continue
             s.unread, s.next, s.fed_now = s.next, None, False
+            s.force()
 
     def _read_pass(self, s: _Seq, events: list[Event]) -> None:
         """Read a verify pass's tokens: the pending one, then the drafts kept, up to where the
@@ -468,7 +497,12 @@ class BatchDecoder:
         if first:
             s.t_first = now
         piece, stopped = s.text.add(token)
-        events.append(Token(s.uid, piece, now - (s.t0 if first else s.t_prev), first))
+        reasoning, forced = "", False
+        if s.reasoning is not None:
+            forced = s.reasoning.owed
+            reasoning, piece = s.reasoning.add(piece)
+        events.append(Token(s.uid, piece, now - (s.t0 if first else s.t_prev), first,
+                            reasoning, forced))
         s.t_prev = now
         s.n += 1
         if stopped:
@@ -484,6 +518,10 @@ class BatchDecoder:
         """Close `s`: the held-back text, its cache into the store (before the caller hears
         the end, so a next turn finds it)."""
         tail = s.text.flush() if reason != "stop" and s.fed is not None else ""
+        reasoning, n_reasoning = "", 0
+        if s.reasoning is not None:
+            reasoning, tail = s.reasoning.finish(tail)
+            n_reasoning = s.reasoning.tokens
         tps = (s.n - 1) / (time.perf_counter() - s.t_first) if s.n > 1 else 0.0
         # fed is None only when the cache was left part-way (cancelled in prefill); a reply
         # cancelled while decoding still leaves a cache worth keeping for a retry.
@@ -495,7 +533,7 @@ class BatchDecoder:
             self._store(s.ids[:s.n_cached] + s.fed, s.cache, "end")
         return Finished(s.uid, reason, tail, len(s.ids), s.n, s.n_cached,
                         s.text.hit if reason == "stop" else None, tps,
-                        time.perf_counter() - s.t0)
+                        time.perf_counter() - s.t0, reasoning, n_reasoning)
 
     def _store(self, tokens: list[int], cache: list, kind: str) -> None:
         store_cache(self.store, tokens, cache, kind)

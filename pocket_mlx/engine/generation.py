@@ -43,6 +43,7 @@ from pocket_mlx.engine.params import (
     check_top_p,
     checked,
 )
+from pocket_mlx.engine.reasoning import ReasoningTracker, thinking_for, tracker_for
 from pocket_mlx.engine.sampling import Sampler, processors_for, sample, sampler_for
 from pocket_mlx.engine.snapshot_points import chunk_size
 from pocket_mlx.engine.speculative import SpecCounts, speculative_step
@@ -105,6 +106,7 @@ class GenerationStats:
     finish_reason: str | None = None  # eos | stop | length | context | cancelled
     stop_string: str | None = None  # the stop string that ended the reply (finish_reason stop)
     speculative: dict | None = None  # SpecCounts.to_dict() when decoding by speculation
+    reasoning_tokens: int = 0  # tokens the model wrote in its reasoning block (thinking)
 
     @property
     def gbps(self) -> float:
@@ -124,6 +126,9 @@ class Response:
     # tokens), so a chat can continue from the cache and prefill only what is new. None when the
     # cache was left part-way (cancelled during prefill) and must not be reused.
     fed_tokens: list[int] | None = None
+    # With `thinking` (see stream_generate): the piece of reasoning this token completed; `text`
+    # is then the answer's alone.
+    reasoning: str = ""
 
 
 def make_sampler(p: SamplingParams) -> Sampler:
@@ -153,20 +158,33 @@ def check_token_ids(model, ids: Sequence[int]) -> None:
                           "the tokenizer does not match the model")
 
 
+def prompt_text(tokenizer, prompt: str | list[dict] | list[int], *, system: str | None = None,
+                raw: bool = False, template_kwargs: dict | None = None) -> str | None:
+    """The chat-templated text of a prompt (a string unless `raw`, or messages), with
+    `template_kwargs` (e.g. `enable_thinking`) for the template; None for token ids and raw
+    text, which no template renders."""
+    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        return None
+    if not isinstance(prompt, list) and raw:
+        return None
+    msgs = [{"role": "system", "content": system}] if system else []
+    msgs += prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(msgs, **(template_kwargs or {}))
+
+
 def prompt_tokens(tokenizer, prompt: str | list[dict] | list[int], *, system: str | None = None,
-                  raw: bool = False) -> list[int]:
-    """Token ids for a prompt: a string (chat-templated unless `raw`), messages, or ids."""
+                  raw: bool = False, template_kwargs: dict | None = None,
+                  text: str | None = None) -> list[int]:
+    """Token ids for a prompt: a string (chat-templated unless `raw`), messages, or ids
+    (`text`: the prompt's `prompt_text`, when the caller rendered it already)."""
     if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
         ids = list(prompt)
-    elif isinstance(prompt, list):
-        msgs = ([{"role": "system", "content": system}] if system else []) + prompt
-        ids = tokenizer.encode(tokenizer.apply_chat_template(msgs), add_special_tokens=False)
-    elif raw:
+    elif not isinstance(prompt, list) and raw:
         ids = tokenizer.encode(prompt)
     else:
-        msgs = ([{"role": "system", "content": system}] if system else [])
-        msgs.append({"role": "user", "content": prompt})
-        ids = tokenizer.encode(tokenizer.apply_chat_template(msgs), add_special_tokens=False)
+        if text is None:
+            text = prompt_text(tokenizer, prompt, system=system, template_kwargs=template_kwargs)
+        ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise PocketError("the prompt is empty")
     return ids
@@ -198,6 +216,7 @@ def generate_step(
     history_size: int | None = None,
     points: Sequence[tuple[int, str]] = (),
     on_point: Callable[[int, str], object] | None = None,
+    force: Callable[[], int | None] | None = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token, logprobs [1, vocab]) for up to `max_tokens` sampled tokens after `ids`.
 
@@ -211,7 +230,9 @@ def generate_step(
     them when None): the repetition penalty reads only its context, so only that is kept.
     `points` are (position in `ids`, kind) where a chunk must end (engine/snapshot_points.py);
     `on_point(position, kind)` is called there, the cache holding exactly `ids[:position]`
-    past what it held before (the prompt cache stores a snapshot)."""
+    past what it held before (the prompt cache stores a snapshot). `force()`, called once the
+    prompt is in and after each token yielded, may return a token id to feed (and yield) next
+    instead of the one sampled (a reasoning budget closing the block: engine/reasoning.py)."""
     keep = len(ids) + max_tokens if history_size is None else history_size
     history = mx.array(ids[-keep:], mx.uint32)
     if fed is not None:
@@ -232,6 +253,8 @@ def generate_step(
     with mx.stream(stream):
         y, logprobs = step(rest)
         mx.async_eval(y, logprobs)
+    if force is not None and (f := force()) is not None:
+        y = mx.array([f], mx.uint32)
     n = 0
     while n < max_tokens:
         y_next = None
@@ -249,6 +272,9 @@ def generate_step(
         if y_next is None:
             return
         y, logprobs = y_next, logprobs_next
+        # The token sampled from the step just queued is dropped: the forced one is fed.
+        if force is not None and (f := force()) is not None:
+            y = mx.array([f], mx.uint32)
 
 
 def prefill(model, ids: list[int], cache: list, *, stream: mx.Stream, prefill_step: int,
@@ -303,6 +329,9 @@ def stream_generate(
     on_point: Callable[[int, str], object] | None = None,
     speculative: str = "off",
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    thinking: bool | str | None = None,
+    reasoning_budget: int | None = None,
+    template_kwargs: dict | None = None,
     **sampling_kwargs,
 ) -> Iterator[Response]:
     """Yield `Response`s: text pieces as they decode, each with live stats; the last has
@@ -316,11 +345,24 @@ def stream_generate(
     prefill ends a chunk and what to do there (store a prompt-cache snapshot). `speculative`
     (off, lookup, mtp, auto; engine/drafters.py) decodes by speculation, `num_draft_tokens`
     drafts per pass: the tokens are plain decode's (greedy) or have its distribution; the
-    stats then carry `speculative` (drafted, accepted)."""
+    stats then carry `speculative` (drafted, accepted).
+
+    Reasoning (engine/reasoning.py): `thinking` True (the prompt left the model inside a
+    `<think>` block), False (it may open one itself), "auto" (decided from the chat template
+    and the prompt it rendered; token ids: None) or None (no parsing, the reply as it comes).
+    Parsed, each response's `reasoning` holds the block's text and `text` the answer's alone,
+    and `stats.reasoning_tokens` counts the block's tokens; `reasoning_budget` N closes the
+    block after N of them (the tokens of `</think>\n\n` fed instead of sampled; then no
+    speculation). `template_kwargs` reach the chat template (e.g. `enable_thinking`)."""
     run = _set_up(model, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling,
                   stop=stop, device=device, system=system, raw=raw, cache=cache,
-                  prefill_step=prefill_step, warn=warn, sampling_kwargs=sampling_kwargs)
-    run.drafter, run.spec = _speculation(model, speculative, num_draft_tokens, run.stream,
+                  prefill_step=prefill_step, warn=warn, sampling_kwargs=sampling_kwargs,
+                  template_kwargs=template_kwargs)
+    run.reasoning = _tracker(tokenizer, prompt, thinking, reasoning_budget, run.prompt_text)
+    # A budget forces tokens between the sampled ones: speculation's drafts would have to
+    # know of it, so a budgeted reply simply decodes plainly.
+    method = speculative if run.reasoning is None or run.reasoning.budget is None else "off"
+    run.drafter, run.spec = _speculation(model, method, num_draft_tokens, run.stream,
                                          run.sampling)
     if run.spec is not None:
         run.stats.speculative = run.spec.to_dict()
@@ -351,12 +393,27 @@ class _Run:
     cancelled_prefill: bool = False  # should_stop ended the prefill
     drafter: Drafter | None = None  # speculative decoding (engine/speculative.py), or None
     spec: SpecCounts | None = None
+    prompt_text: str | None = None  # the rendered chat prompt (None: ids or raw text)
+    reasoning: ReasoningTracker | None = None  # the reply's reasoning block, when parsed
+
+
+def _tracker(tokenizer, prompt, thinking: bool | str | None, budget: int | None,
+             text: str | None) -> ReasoningTracker | None:
+    """The reasoning tracker of a `stream_generate` call (see its docstring), or None."""
+    if thinking == "auto":
+        thinking = thinking_for(tokenizer.chat_template, text) if text is not None else None
+    elif thinking is not None and not isinstance(thinking, bool):
+        raise PocketError(f"thinking must be True, False, 'auto' or None, got {thinking!r}")
+    try:
+        return tracker_for(tokenizer, thinking, budget)
+    except ValueError as e:
+        raise PocketError(f"reasoning budget {e}") from None
 
 
 def _set_up(model, tokenizer, prompt, *, max_tokens: int, sampling: SamplingParams | None,
             stop: list[str] | None, device: str | None, system: str | None, raw: bool,
             cache: list | None, prefill_step: int, warn: Callable[[str], object] | None,
-            sampling_kwargs: dict) -> _Run:
+            sampling_kwargs: dict, template_kwargs: dict | None = None) -> _Run:
     """Check the arguments, tokenize, put the model (and cache) on the device, seed, and
     prepare the stats: everything before the first forward."""
     if sampling is not None and sampling_kwargs:
@@ -367,7 +424,8 @@ def _set_up(model, tokenizer, prompt, *, max_tokens: int, sampling: SamplingPara
     checked(check_prefill_step, prefill_step)
     dev = devices.resolve_device(device or getattr(model, "device", None))
     stream = devices.stream_for(dev)
-    ids = prompt_tokens(tokenizer, prompt, system=system, raw=raw)
+    text = prompt_text(tokenizer, prompt, system=system, raw=raw, template_kwargs=template_kwargs)
+    ids = prompt_tokens(tokenizer, prompt, system=system, raw=raw, text=text)
     check_token_ids(model, ids)
     use_device(model, dev, cache)  # the model's dtypes, and the cache's, follow the device
     if cache is None:
@@ -390,7 +448,7 @@ def _set_up(model, tokenizer, prompt, *, max_tokens: int, sampling: SamplingPara
     return _Run(ids=ids, cache=cache, stream=stream, sampling=sampling, max_tokens=max_tokens,
                 room=limit - start_pos - len(ids), stats=stats,
                 text=StopText(tokenizer, [s for s in (stop or []) if s]),
-                eos=set(tokenizer.eos_token_ids), wired=wired)
+                eos=set(tokenizer.eos_token_ids), wired=wired, prompt_text=text)
 
 
 def _decode(model, run: _Run, *, prefill_step: int,
@@ -400,7 +458,7 @@ def _decode(model, run: _Run, *, prefill_step: int,
     """Prefill and decode: a `Response` per token read, until EOS, a stop string, the cap,
     the context or `should_stop`; sets `run.stats.finish_reason` (not on a cancelled
     prefill: `run.cancelled_prefill` says so)."""
-    ids, stats, text = run.ids, run.stats, run.text
+    ids, stats, text, thought = run.ids, run.stats, run.text, run.reasoning
     cap = min(run.max_tokens, run.room)
 
     def on_prefill(done: int) -> bool:
@@ -421,7 +479,8 @@ def _decode(model, run: _Run, *, prefill_step: int,
                               stream=run.stream, prefill_step=prefill_step,
                               on_prefill=on_prefill, fed=run.fed,
                               history_size=run.sampling.repetition_context, points=points,
-                              on_point=on_point)
+                              on_point=on_point,
+                              force=thought.next_forced if thought is not None else None)
     for token, _ in steps:
         if run.t_decode is None:
             run.t_decode = time.perf_counter()
@@ -437,15 +496,19 @@ def _decode(model, run: _Run, *, prefill_step: int,
         if run.spec is not None:
             stats.speculative = run.spec.to_dict()
         piece, stopped = text.add(token)
+        reasoning = ""
+        if thought is not None:
+            reasoning, piece = thought.add(piece)
+            stats.reasoning_tokens = thought.tokens
         stats.generation_tokens = run.n
         if run.n > 1:
             stats.generation_tps = (run.n - 1) / (time.perf_counter() - run.t_decode)
         if stopped:
             stats.finish_reason, stats.stop_string = "stop", text.hit
-            if piece:
-                yield Response(piece, token, stats)
+            if piece or reasoning:
+                yield Response(piece, token, stats, reasoning=reasoning)
             break
-        yield Response(piece, token, stats)
+        yield Response(piece, token, stats, reasoning=reasoning)
         if should_stop and should_stop() and run.n < cap:
             stats.finish_reason = "cancelled"
             break
@@ -501,8 +564,12 @@ def _finish(run: _Run) -> Iterator[Response]:
         stats.finish_reason, stats.phase = "cancelled", "done"
         yield Response("", None, stats, fed_tokens=None)
         return
-    if stats.finish_reason != "stop" and (tail := run.text.flush()):
-        yield Response(tail, None, stats)
+    tail = run.text.flush() if stats.finish_reason != "stop" else ""
+    reasoning = ""
+    if run.reasoning is not None:
+        reasoning, tail = run.reasoning.finish(tail)
+    if tail or reasoning:
+        yield Response(tail, None, stats, reasoning=reasoning)
     stats.phase = "done"
     if run.spec is not None:
         stats.speculative = run.spec.to_dict()

@@ -245,6 +245,11 @@ class ReasoningTracker:
         self._owed = True
         return self._queue.popleft()
 
+    @property
+    def owed(self) -> bool:
+        """The next token read is one `next_forced` handed out."""
+        return self._owed
+
     def add(self, piece: str) -> tuple[str, str]:
         """One token read, with its text (may be empty): (reasoning, answer) to show."""
         forced, self._owed = self._owed, False
@@ -270,3 +275,20 @@ class ReasoningTracker:
     @property
     def text(self) -> str:
         return self.parser.text
+
+
+def close_sequence_ids(tokenizer) -> list[int]:
+    """The token ids a budget forces to close a block: CLOSE_SEQUENCE as `tokenizer` (the
+    engine's `Tokenizer`) encodes it on its own."""
+    return tokenizer.encode(CLOSE_SEQUENCE, add_special_tokens=False)
+
+
+def tracker_for(tokenizer, thinking: bool | None, budget: int | None = None
+                ) -> ReasoningTracker | None:
+    """A sequence's tracker: None when `thinking` is None (no parsing: the reply as it comes;
+    a budget needs the block parsed, so it is ignored then). ValueError for a bad budget."""
+    check_reasoning_budget(budget)
+    if thinking is None:
+        return None
+    ids = close_sequence_ids(tokenizer) if budget is not None else ()
+    return ReasoningTracker(bool(thinking), budget, ids)
