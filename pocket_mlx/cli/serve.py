@@ -23,6 +23,7 @@ from pocket_mlx.engine.params import (
     PROMPT_CACHE_MB,
     SERVE_MAX_CONCURRENCY,
 )
+from pocket_mlx.engine.reasoning import parse_reasoning_mode
 from pocket_mlx.errors import PocketError, one_line
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,15 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-dir", type=Path, default=None, metavar="DIR",
                    help="where colder cache entries go and are found again after a restart "
                         "(default: prompt-cache/ in the data folder, shared with the chat)")
+    p.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
+                   help="thinking models: think before answering (on), answer at once (off), "
+                        "or as the chat template does by default (auto); a request's own "
+                        "switch (reasoning_effort, chat_template_kwargs.enable_thinking, "
+                        "Anthropic's thinking, Ollama's think) wins")
+    p.add_argument("--reasoning-budget", type=argtypes.int_range(0, None, "0 or more tokens"),
+                   default=None, metavar="N",
+                   help="close a reply's reasoning block after N tokens of it (the model then "
+                        "answers); a request's own budget wins (default: no limit)")
     add_speculative_args(p, default="off", where="greedy requests, while one is decoding "
                          "alone (batched steps decode plainly)")
     add_distributed_args(p)
@@ -126,6 +136,10 @@ def check_args(args: argparse.Namespace) -> None:
     elif getattr(args, "distributed", None) and args.max_concurrency != 1:
         raise PocketError(f"--max-concurrency {args.max_concurrency}: under --distributed the "
                           "ranks generate one request at a time in lockstep; use 1")
+    if getattr(args, "distributed", None) and (args.reasoning != "auto"
+                                               or args.reasoning_budget is not None):
+        raise PocketError("--reasoning and --reasoning-budget do not run with --distributed "
+                          "(the ranks' lockstep loop does not parse reasoning); drop them")
     if getattr(args, "distributed", None) and getattr(args, "speculative", "off") != "off":
         raise PocketError(f"--speculative {args.speculative} does not run with --distributed: "
                           "drop one of them")
@@ -234,7 +248,9 @@ def run(args: argparse.Namespace) -> int:
                     prompt_cache_mb=args.prompt_cache_mb, prompt_cache_dir=args.prompt_cache_dir,
                     distributed=lockstep, ctx_size=args.ctx_size,
                     prefill_step=args.prefill_step, speculative=args.speculative,
-                    num_draft_tokens=args.num_draft_tokens)
+                    num_draft_tokens=args.num_draft_tokens,
+                    reasoning=parse_reasoning_mode(args.reasoning),
+                    reasoning_budget=args.reasoning_budget)
     try:
         engine.start()
     except PocketError as e:

@@ -21,15 +21,18 @@ from pocket_mlx.models.qwen3_5_moe import CHUNKED_MIN_TOKENS
 MAX_BOUNDARIES = 32
 
 
-def message_boundaries(tok, msgs: list[dict], ids: list[int], **template) -> list[int]:
+def message_boundaries(tok, msgs: list[dict], ids: list[int], *, through_last: bool = False,
+                       **template) -> list[int]:
     """Token positions inside `ids` (the rendered prompt of `msgs`) where an earlier message
-    ends. Why: a snapshot there is reusable by another conversation with the same system
+    ends (with `through_last`, where the last one ends too, before the generation prompt: a
+    thinking model's next turn renders this reply without its reasoning, so it shares the
+    prompt only up to there). Why: a snapshot there is reusable by another conversation with the same system
     prompt, or by the same history resent with a new last message. Each prefix of the messages
     is rendered (with `template`'s keywords, e.g. the tools) without the generation prompt and
     kept only where its tokens are a true token prefix of `ids` (a template that renders
     earlier turns differently, or a merge of tokens across the boundary, gives no position
     rather than a wrong one)."""
-    ks = list(range(1, len(msgs)))
+    ks = list(range(1, len(msgs) + (1 if through_last else 0)))
     if len(ks) > MAX_BOUNDARIES:
         ks = ks[:1] + ks[-(MAX_BOUNDARIES - 1):]
     out = []

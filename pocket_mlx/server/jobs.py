@@ -22,9 +22,11 @@ from pocket_mlx.server.tools import ToolCall
 
 @dataclass
 class Piece:
-    """Reply text as the model wrote it (reasoning, answer and tool calls not yet apart)."""
+    """Reply text as the engine read it: the answer's (tool calls not yet apart) and, for a
+    thinking model, the reasoning's (the engine splits the block off: engine/reasoning.py)."""
 
     text: str
+    reasoning: str = ""
 
 
 @dataclass

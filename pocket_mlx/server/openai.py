@@ -4,7 +4,7 @@ the response shapes.
 Every field a request may carry is named here, and each is honoured, accepted without effect
 (who the caller is, what OpenAI would store), or ignored and said: an optional feature this
 server or model lacks (`logprobs`, `logit_bias`, penalties other than repetition_penalty,
-`response_format` json, `reasoning_effort`, Ollama's `keep_alive`/`options`, any unknown field)
+`response_format` json, Ollama's `keep_alive`/`options`, any unknown field)
 is left out, and the reply's `X-Pocket-Fields-Ignored` header and the server's log name it
 (`GenRequest.ignored`), as llama.cpp's server and Ollama answer such requests rather than
 refusing them: web UIs (Open WebUI) send several by default. A 400 is kept for malformed
@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import replace
 
-from pocket_mlx.server.requests import ApiError, GenRequest, check
+from pocket_mlx.server.requests import ApiError, GenRequest, check, effort
 from pocket_mlx.server.wire import (
     bool_field,
     choice_target,
@@ -43,13 +43,16 @@ _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p",
 CHAT_FIELDS = _HARMLESS | _SAMPLING | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
     "function_call", "parallel_tool_calls", "response_format", "audio", "modalities",
-    "prediction", "reasoning_effort", "web_search_options", "verbosity"}
+    "prediction", "reasoning_effort", "web_search_options", "verbosity",
+    "chat_template_kwargs"}
 COMPLETION_FIELDS = _HARMLESS | _SAMPLING | {"prompt", "echo", "suffix", "best_of"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 # Fields of an assistant message that clients echo back from a response (the openai SDK's
 # `message.model_dump()`): accepted when empty.
-_ECHOED_EMPTY = {"refusal", "audio", "function_call", "annotations", "reasoning_content"}
+_ECHOED_EMPTY = {"refusal", "audio", "function_call", "annotations"}
+# An assistant message's reasoning as clients send it back (both names: clients disagree).
+_REASONING = ("reasoning_content", "reasoning")
 _unsupported = unsupported
 _bool = bool_field
 _type = type_field
@@ -149,8 +152,9 @@ def parse_chat(body: dict) -> GenRequest:
         raise _unsupported("modalities", 'text only (["text"])')
     req = _common(body, "chat")
     ignored = [name for name in ("logprobs", "top_logprobs", "prediction", "web_search_options",
-                                 "reasoning_effort", "verbosity")
+                                 "verbosity")
                if body.get(name) not in (None, False)]
+    thinking_switches(body, req, ignored)
     if fmt is not None and fmt.get("type") != "text":
         ignored.append("response_format")  # replies are not constrained to JSON here
     req.ignored = sorted(set(req.ignored + ignored + unknown))
@@ -197,13 +201,15 @@ def _chat_message(m, where: str) -> dict:
                        param=f"{where}.role", code="invalid_value")
     allowed = {"role", "content", "name"}
     if role == "assistant":
-        allowed |= {"tool_calls"} | {k for k in _ECHOED_EMPTY if m.get(k) in (None, [], "")}
+        allowed |= {"tool_calls", *_REASONING}
+        allowed |= {k for k in _ECHOED_EMPTY if m.get(k) in (None, [], "")}
     elif role == "tool":
         allowed.add("tool_call_id")
     extra = sorted(set(m) - allowed)
     if extra:
         raise ApiError(400, f"{where}: unrecognized field {extra[0]}",
                        param=f"{where}.{extra[0]}", code="unknown_parameter")
+    thought = _reasoning(m, where) if role == "assistant" else None
     calls = m.get("tool_calls")
     if calls is not None and calls != []:
         out = {"role": "assistant",
@@ -211,11 +217,13 @@ def _chat_message(m, where: str) -> dict:
                else _content(m["content"], f"{where}.content"),
                "tool_calls": [_tool_call(c, f"{where}.tool_calls[{j}]")
                               for j, c in enumerate(_list(calls, f"{where}.tool_calls"))]}
-        return out
+        return {**out, "reasoning_content": thought} if thought else out
     if "content" not in m or m["content"] is None:
         raise ApiError(400, f"{where}.content is required", param=f"{where}.content",
                        code="missing_required")
     out = {"role": ROLES[role], "content": _content(m["content"], f"{where}.content")}
+    if thought:  # the template decides: Qwen3.5's drops it before the last user message
+        out["reasoning_content"] = thought
     if role == "tool":
         tid = m.get("tool_call_id")
         if not isinstance(tid, str) or not tid:
@@ -226,6 +234,41 @@ def _chat_message(m, where: str) -> dict:
         if isinstance(m.get("name"), str):
             out["name"] = m["name"]
     return out
+
+
+def thinking_switches(body: dict, req: GenRequest, ignored: list[str]) -> None:
+    """`reasoning_effort` (OpenAI's: none switches thinking off, the levels set a budget:
+    server/requests.py EFFORTS) and `chat_template_kwargs.enable_thinking` (vLLM's and
+    llama.cpp's convention; it wins over the effort's switch) onto `req`; other template
+    keywords are named in `ignored`."""
+    if body.get("reasoning_effort") is not None:
+        req.thinking, req.reasoning_budget = effort("reasoning_effort", body["reasoning_effort"])
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object",
+                       param="chat_template_kwargs", code="invalid_type")
+    if kwargs.get("enable_thinking") is not None:
+        if not isinstance(kwargs["enable_thinking"], bool):
+            raise ApiError(400, "chat_template_kwargs.enable_thinking must be true or false",
+                           param="chat_template_kwargs", code="invalid_type")
+        req.thinking = kwargs["enable_thinking"]
+    ignored += [f"chat_template_kwargs.{k}" for k in sorted(set(kwargs) - {"enable_thinking"})]
+
+
+def _reasoning(m: dict, where: str) -> str | None:
+    """An assistant message's reasoning sent back (reasoning_content or reasoning)."""
+    got = None
+    for k in _REASONING:
+        v = m.get(k)
+        if v in (None, ""):
+            continue
+        if not isinstance(v, str):
+            raise ApiError(400, f"{where}.{k} must be a string", param=f"{where}.{k}",
+                           code="invalid_type")
+        got = v
+    return got
 
 
 def _list(v, where: str) -> list:
@@ -374,10 +417,16 @@ def tool_call_json(call, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          reasoning_tokens: int | None = None) -> dict:
+    """`reasoning_tokens`: of the completion, those in the reasoning block (None: a model
+    without one, and no `completion_tokens_details`)."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 class Reply:
@@ -392,11 +441,16 @@ class Reply:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, reason: str, use: dict, calls: list | None = None) -> dict:
+    def full(self, text: str, reason: str, use: dict, calls: list | None = None,
+             reasoning: str = "") -> dict:
         """The non-streaming response; `calls`: the reply's tool calls (content is then null
-        when the model wrote nothing else, as OpenAI's are)."""
+        when the model wrote nothing else, as OpenAI's are); `reasoning`: a thinking model's,
+        under both names clients read (`reasoning_content`: llama.cpp, DeepSeek;
+        `reasoning`: vLLM, Ollama, mlx-lm)."""
         if self.kind == "chat":
             message: dict = {"role": "assistant", "content": text}
+            if reasoning:
+                message.update(reasoning_content=reasoning, reasoning=reasoning)
             if calls:
                 message["content"] = text or None
                 message["tool_calls"] = [tool_call_json(c) for c in calls]
@@ -407,7 +461,7 @@ class Reply:
         return {**self._head("text_completion"), "choices": [choice], "usage": use}
 
     def chunk(self, text: str | None = None, reason: str | None = None, *, role: bool = False,
-              with_usage: bool = False, call: dict | None = None) -> dict:
+              with_usage: bool = False, call: dict | None = None, reasoning: str = "") -> dict:
         """One streamed chunk: a text piece, the opening role (chat), a tool call (`call`, a
         `tool_call_json` with its index), or the closing reason. With `with_usage`
         (stream_options.include_usage) every chunk carries `usage: null`, as OpenAI's do, and
@@ -415,6 +469,7 @@ class Reply:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else (
                 {"tool_calls": [call]} if call is not None else
+                {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else
                 {} if text is None else {"content": text})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}

@@ -7,6 +7,7 @@ tokenizer), and these are the 400s a prompt can earn before it is queued.
 from __future__ import annotations
 
 from pocket_mlx.engine import snapshot_points
+from pocket_mlx.engine.reasoning import thinking_for, thinking_kwargs
 from pocket_mlx.errors import PocketError
 from pocket_mlx.server.requests import ApiError, GenRequest
 from pocket_mlx.server.tools import format_for
@@ -83,15 +84,17 @@ def render_chat(tok, req: GenRequest) -> str:
             raise ApiError(400, f"{what}: this model's chat template has no tool-call format "
                                 "(it does not render tools and tool calls), so this model "
                                 "cannot use tools", param=what, code="unsupported_parameter")
-    tools, extra = None, {}
+    tools = None
     if tools_on:
         tools = [t for t in req.tools or []
                  if req.tool_name is None or t["function"]["name"] == req.tool_name]
         req.tool_format = fmt
         if req.tool_choice in ("required", "function"):
             req.reply_prefix = fmt.forced_prefix(req.tool_name)
-            extra["enable_thinking"] = False
-    text = tok.apply_chat_template(req.messages, tools=tools, **extra) + req.reply_prefix
+    text = tok.apply_chat_template(req.messages, tools=tools, **template_keywords(tok, req))
+    text += req.reply_prefix
+    # Whether the engine parses the reply for a reasoning block, and starts inside one.
+    req.reasoning_open = thinking_for(tok.chat_template, text)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -107,7 +110,18 @@ def message_boundaries(tok, req: GenRequest, ids: list[int]) -> list[int]:
     tools = [t for t in req.tools or []
              if req.tool_name is None or t["function"]["name"] == req.tool_name] \
         if tools_on else None
-    extra = {"enable_thinking": False} if tools_on and req.tool_choice in (
-        "required", "function") else {}
+    # A thinking model's template drops the reasoning of earlier turns, so the next turn
+    # shares this prompt only up to the end of its last message: a snapshot there too.
     return snapshot_points.message_boundaries(tok, req.messages or [], ids, tools=tools,
-                                              **extra)
+                                              through_last=req.reasoning_open is not None,
+                                              **template_keywords(tok, req))
+
+
+def template_keywords(tok, req: GenRequest) -> dict:
+    """The chat template's keywords besides messages and tools: thinking off for a forced tool
+    call (its call must not be left inside the model's reasoning), else the request's
+    reasoning switch (engine/reasoning.py `thinking_kwargs`; none for the template's own
+    default)."""
+    if req.reply_prefix:
+        return {"enable_thinking": False}
+    return thinking_kwargs(tok.chat_template, req.thinking)

@@ -102,6 +102,21 @@ class Sampling:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+# Reasoning effort (OpenAI's `reasoning_effort`, the Responses API's `reasoning.effort`,
+# Ollama's `think` levels) as the reasoning switch and budget in tokens (None: no cap).
+EFFORTS: dict[str, tuple[bool, int | None]] = {
+    "none": (False, None), "minimal": (True, 128), "low": (True, 512),
+    "medium": (True, 2048), "high": (True, None), "xhigh": (True, None)}
+
+
+def effort(param: str, value: Any) -> tuple[bool, int | None]:
+    """A reasoning effort's (thinking, budget); a 400 naming `param` for an unknown one."""
+    if value not in EFFORTS:
+        raise ApiError(400, f"{param} must be one of {', '.join(EFFORTS)}, got {value!r}",
+                       param=param, code="invalid_value")
+    return EFFORTS[value]
+
+
 @dataclass
 class GenRequest:
     """One checked generation request, independent of the wire format it came in."""
@@ -116,9 +131,13 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     # Reasoning switches (thinking models): `thinking` None leaves it to the server's
-    # --reasoning and the template's default; `reasoning_budget` caps the reasoning's tokens.
+    # --reasoning and the template's default; `reasoning_budget` caps the reasoning's tokens
+    # (None: the server's --reasoning-budget, else no cap).
     thinking: bool | None = None
     reasoning_budget: int | None = None
+    # Set when the prompt is rendered (server/prompts.py): whether the reply is parsed for a
+    # reasoning block (None: the template knows none) and begins inside one (True: Qwen3.5).
+    reasoning_open: bool | None = None
     # Tools (chat only): OpenAI-shaped function definitions, as the chat template receives
     # them; tool_choice is auto | none | required | function (then tool_name names it).
     tools: list[dict] | None = None

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from pocket_mlx.server.jobs import Call, Done, Failed, ReplyEvent, Text, Whole
+from pocket_mlx.server.jobs import Call, Done, Failed, Reasoning, ReplyEvent, Text, Whole
 from pocket_mlx.server.openai import (
     Reply,
     finish_reason,
@@ -85,14 +85,21 @@ async def generate(request: Request, parse: Callable[[dict], GenRequest]) -> Res
         return reply.full(
             whole.text,
             finish_reason(ev.finish_reason, bool(whole.calls)),
-            usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens),
+            reply_usage(req, ev),
             whole.calls,
+            whole.reasoning,
         )
 
     def stream(evs: AsyncIterator[ReplyEvent]) -> AsyncIterator[str]:
         return chunks(req, reply, evs)
 
     return await answer(request, req, "call_", full, stream)
+
+
+def reply_usage(req: GenRequest, ev: Done) -> dict:
+    """The usage object; reasoning tokens counted where the reply was parsed for them."""
+    thought = ev.reasoning_tokens if req.reasoning_open is not None else None
+    return usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, thought)
 
 
 async def chunks(
@@ -107,6 +114,8 @@ async def chunks(
     async for ev in evs:
         if isinstance(ev, Text):
             yield data(reply.chunk(ev.text, with_usage=inc))
+        elif isinstance(ev, Reasoning):
+            yield data(reply.chunk(with_usage=inc, reasoning=ev.text))
         elif isinstance(ev, Call):
             called = True
             yield data(reply.chunk(with_usage=inc, call=tool_call_json(ev.call, index=ev.index)))
@@ -115,9 +124,5 @@ async def chunks(
         elif isinstance(ev, Done):
             yield data(reply.chunk(None, finish_reason(ev.finish_reason, called), with_usage=inc))
             if inc:
-                yield data(
-                    reply.usage_chunk(
-                        usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
-                    )
-                )
+                yield data(reply.usage_chunk(reply_usage(req, ev)))
             yield "data: [DONE]\n\n"

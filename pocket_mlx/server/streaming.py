@@ -36,10 +36,12 @@ def done_line(where: str, ev: Done, t0: float) -> str:
     )
 
 
-async def collect(request: Request, job: Job, where: str) -> tuple[str, Done] | None:
-    """The whole reply and its closing event; None when the client went away first."""
+async def collect(request: Request, job: Job, where: str) -> tuple[str, Done, str] | None:
+    """The whole reply, its closing event and its reasoning; None when the client went away
+    first."""
     t0 = time.perf_counter()
     pieces: list[str] = []
+    thoughts: list[str] = []
     finished = False
     checked = time.perf_counter()
     try:
@@ -56,13 +58,14 @@ async def collect(request: Request, job: Job, where: str) -> tuple[str, Done] | 
                     return None
             if isinstance(ev, Piece):
                 pieces.append(ev.text)
+                thoughts.append(ev.reasoning)
             elif isinstance(ev, Failed):
                 finished = True
                 raise ev.error
             elif isinstance(ev, Done):
                 finished = True
                 log.info(done_line(where, ev, t0))
-                return "".join(pieces), ev
+                return "".join(pieces), ev, "".join(thoughts)
     finally:
         if not finished:
             job.cancel()
@@ -115,7 +118,7 @@ async def reply_events(
     `Call` events as the text arrives, the splitters' last parts, then `Done` or `Failed`."""
     async for ev in events(request, job, where):
         if isinstance(ev, Piece):
-            for part in parts.feed(ev.text):
+            for part in parts.feed(ev.text, ev.reasoning):
                 yield part
             continue
         if isinstance(ev, Done):

@@ -85,7 +85,8 @@ class ServeWorker:
                  prompt_cache_mb: int = 0, prompt_cache_dir: Path | None = None,
                  prefill_step: int = DEFAULT_PREFILL_STEP, distributed=None,
                  ctx_size: int | None = None, speculative: str = "off",
-                 num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS) -> None:
+                 num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+                 reasoning: bool | None = None, reasoning_budget: int | None = None) -> None:
         if max_concurrency < 1:
             raise PocketError(f"--max-concurrency {max_concurrency}: must be 1 or more")
         if distributed is not None and max_concurrency != 1:
@@ -106,6 +107,9 @@ class ServeWorker:
         # batch (engine/batch.py); not under --distributed (the lockstep loop decodes plainly).
         self.speculative = "off" if distributed is not None else speculative
         self.num_draft_tokens = num_draft_tokens
+        # `serve --reasoning on|off|auto` (None: the template's default) and
+        # `--reasoning-budget`: what a request that sets neither gets.
+        self.reasoning, self.reasoning_budget = reasoning, reasoning_budget
         self.prompt_cache: PrefixStore = (prompt_cache if prompt_cache is not None
                                           else NoPromptCache())
         # Without a store given, one is built once the model is loaded (it fingerprints it):
@@ -270,7 +274,8 @@ class ServeWorker:
         uid = batch.insert(ids, cache=cache, n_cached=n_cached, sampling=sampling,
                            max_tokens=req.max_tokens or self.default_max_tokens,
                            room=self.context - len(ids), stop=req.stop or [],
-                           boundaries=req.boundaries, cancelled=job.cancelled.is_set)
+                           boundaries=req.boundaries, cancelled=job.cancelled.is_set,
+                           thinking=req.reasoning_open, reasoning_budget=req.reasoning_budget)
         job.emit(Started(len(ids), n_cached))
         if len(ids) - n_cached > self.prefill_step:
             log.info(f"prefill req {job.id}: {len(ids) - n_cached} of {len(ids)} prompt tokens "
@@ -287,19 +292,20 @@ class ServeWorker:
                 self.metrics.first_token(ev.seconds)
             else:
                 self.metrics.token(ev.seconds)
-            if ev.text:
-                jobs[ev.uid].emit(Piece(ev.text))
+            if ev.text or ev.reasoning:
+                jobs[ev.uid].emit(Piece(ev.text, ev.reasoning))
             return
         job = jobs.pop(ev.uid)
         if isinstance(ev, batch_events.Failed):
             self._release(job, self._failure(ev.error))
             return
-        if ev.text:
-            job.emit(Piece(ev.text))
+        if ev.text or ev.reasoning:
+            job.emit(Piece(ev.text, ev.reasoning))
         self.metrics.reply(ev.prompt_tokens, ev.completion_tokens, ev.tps,
                            ev.reason == "cancelled")
         self._release(job, Done(ev.reason, ev.prompt_tokens, ev.completion_tokens,
-                                ev.cached_tokens, ev.stop_string), ev.seconds)
+                                ev.cached_tokens, ev.stop_string, ev.reasoning_tokens),
+                      ev.seconds)
 
     def _fetch(self, ids: list[int]) -> tuple[list, int]:
         """The prompt cache's longest prefix of `ids` (else a fresh cache), counted in /metrics
@@ -391,6 +397,10 @@ class ServeWorker:
         """The prompt's token ids (server/prompts.py); a 400 `ApiError` when it cannot be
         served. Safe off the engine thread: it only reads the tokenizer."""
         vocab = min(self.tokenizer.vocab_size, int(self.model.args.vocab_size))
+        if request.thinking is None:
+            request.thinking = self.reasoning
+        if request.reasoning_budget is None:
+            request.reasoning_budget = self.reasoning_budget
         return encode_request(self.tokenizer, request, self.context, vocab)
 
     def submit(self, ids: list[int], request: GenRequest,

@@ -1,0 +1,152 @@
+"""Reasoning through `pocket-mlx serve`'s OpenAI endpoints, end to end: a real server on the
+bundled model with Qwen3.5's real chat template (tests/fixtures/templates), driven by the
+official `openai` client.
+
+Why the bundled model: under Qwen3.5's template its reply starts inside `<think>` and it never
+closes the block by itself, which is the hard case: the budget must close it, a reply cut by
+max_tokens must come back as reasoning only, and the answer must never carry the tags.
+(Anthropic's thinking blocks and the other wire formats have their own tests.)
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import openai
+import pytest
+from conftest import ASSET, ROOT
+from test_server import Server
+
+TEMPLATE = ROOT / "tests" / "fixtures" / "templates" / "qwen3.5.jinja"
+MODEL = "qwen-tiny"
+LONG = "Tell me about the sea and the ships that sail on it, and the sailors who " * 8
+
+
+def qwen_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models") / MODEL
+    shutil.copytree(ASSET, folder)
+    shutil.copyfile(TEMPLATE, folder / "chat_template.jinja")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve") / "serve.log", "--model",
+               str(qwen_model(tmp_path_factory)), "--device", "cpu", "--reasoning-budget", "16")
+    yield s
+    s.stop()
+    assert "Traceback" not in s.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """The same server with its prompt cache off."""
+    s = Server(tmp_path_factory.mktemp("serve") / "serve.log", "--model",
+               str(qwen_model(tmp_path_factory)), "--device", "cpu", "--reasoning-budget", "16",
+               "--prompt-cache-mb", "0")
+    yield openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=60)
+    s.stop()
+
+
+def ask(client, content=LONG, **kw):
+    kw = {"max_tokens": 40, "temperature": 0, **kw}
+    return client.chat.completions.create(model=MODEL, messages=[
+        {"role": "user", "content": content}], **kw)
+
+
+def test_the_budget_closes_the_block_and_the_answer_follows(client):
+    for prompt in ("Hello there", "What is the sea?", LONG):
+        r = ask(client, prompt)
+        m = r.choices[0].message
+        assert 0 < r.usage.completion_tokens_details.reasoning_tokens <= 16
+        assert m.reasoning_content and m.reasoning == m.reasoning_content
+        assert m.content, "an answer after the forced close"
+        for tag in ("<think>", "</think>"):
+            assert tag not in m.content and tag not in m.reasoning_content
+
+
+def test_streamed_reasoning_comes_before_the_answer(client):
+    stream = ask(client, stream=True, stream_options={"include_usage": True})
+    kinds, reasoning, answer, use = [], [], [], None
+    for chunk in stream:
+        if not chunk.choices:
+            use = chunk.usage
+            continue
+        d = chunk.choices[0].delta
+        if getattr(d, "reasoning_content", None):
+            kinds.append("r")
+            reasoning.append(d.reasoning_content)
+            assert d.reasoning == d.reasoning_content
+        if d.content:
+            kinds.append("a")
+            answer.append(d.content)
+    assert "r" in kinds and "a" in kinds
+    assert "".join(kinds).index("a") > len(kinds) - 1 - "".join(kinds)[::-1].index("r")
+    whole = ask(client).choices[0].message
+    assert "".join(reasoning) == whole.reasoning_content
+    assert "".join(answer) == whole.content
+    assert use.completion_tokens_details.reasoning_tokens <= 16
+
+
+def test_a_request_budget_wins_over_the_servers(client):
+    r = ask(client, reasoning_effort="minimal")  # 128 > 40: the block runs to max_tokens
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content == ""
+    assert r.usage.completion_tokens_details.reasoning_tokens > 16
+
+
+@pytest.mark.parametrize("switch", [{"reasoning_effort": "none"},
+                                    {"extra_body": {"chat_template_kwargs":
+                                                    {"enable_thinking": False}}}])
+def test_thinking_off_by_each_switch(client, server, switch):
+    r = ask(client, **switch)
+    m = r.choices[0].message
+    assert m.content and not getattr(m, "reasoning_content", None)
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
+    headers = server.request("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "chat_template_kwargs": {"enable_thinking": False}})[1]
+    assert "x-pocket-fields-ignored" not in headers
+
+
+def test_a_bad_switch_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort must be one of"):
+        ask(client, reasoning_effort="lots")
+    with pytest.raises(openai.BadRequestError, match="enable_thinking must be true or false"):
+        ask(client, extra_body={"chat_template_kwargs": {"enable_thinking": "no"}})
+
+
+def test_a_block_never_closed_is_reasoning_only(client):
+    r = ask(client, max_tokens=10, reasoning_effort="high")  # no budget: runs to max_tokens
+    c = r.choices[0]
+    assert c.finish_reason == "length"
+    assert c.message.content == "" and c.message.reasoning_content
+    assert r.usage.completion_tokens_details.reasoning_tokens == 10
+
+
+def test_turn_two_reuses_turn_one_up_to_its_generation_prompt(client, cold):
+    """Qwen3.5's template drops earlier turns' reasoning, so turn 2 shares turn 1's prompt up
+    to the end of its user message: the snapshot taken there serves it, whether the client
+    sends the reasoning back or not. The same reply with the cache as without it."""
+    first = ask(client)
+    gen_prompt = 7  # "<|im_start|>assistant\n<think>\n" in the bundled tokenizer
+    m = first.choices[0].message
+    for back in (True, False):
+        reply = {"role": "assistant", "content": m.content}
+        if back:
+            reply["reasoning_content"] = m.reasoning_content
+        msgs = [{"role": "user", "content": LONG}, reply, {"role": "user", "content": "More?"}]
+        r2 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30,
+                                            temperature=0)
+        assert r2.usage.prompt_tokens_details.cached_tokens >= (
+            first.usage.prompt_tokens - gen_prompt)
+        r0 = cold.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30,
+                                          temperature=0)
+        assert r0.usage.prompt_tokens_details.cached_tokens == 0
+        assert (r0.choices[0].message.content, r0.choices[0].message.reasoning_content) \
+            == (r2.choices[0].message.content, r2.choices[0].message.reasoning_content)
