@@ -10,7 +10,8 @@ would mean threads per connection and hand-written chunked streaming.
 
 Endpoints: GET /health (no key needed), GET /metrics (Prometheus text), GET /v1/models (and
 /v1/models/{id}), POST /v1/chat/completions and POST /v1/completions (streamed with
-`"stream": true`; server/routes_openai.py), Anthropic's POST /v1/messages and
+`"stream": true`; server/routes_openai.py), POST /v1/responses (OpenAI's Responses API,
+stateless; server/routes_responses.py), Anthropic's POST /v1/messages and
 /v1/messages/count_tokens (server/routes_anthropic.py), and the browser chat page at GET / and
 /chat (server/page.py, no key needed). Tool calls: server/tools.py. Requests run on the model's
 thread (server/worker.py's `ServeWorker`, on engine/worker.py's `ModelWorker`), up to
@@ -35,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, compile_path
 
-from pocket_mlx.server import anthropic, page, routes_anthropic, routes_openai
+from pocket_mlx.server import anthropic, page, routes_anthropic, routes_openai, routes_responses
 from pocket_mlx.server.auth import RequireApiKey
 from pocket_mlx.server.errors import RouteOutcome, http_error
 from pocket_mlx.server.jobs import Worker
@@ -78,6 +79,7 @@ def routes() -> list[Route]:
         route("/v1/models/{id:path}", o.model, "GET"),
         route("/v1/chat/completions", o.chat, "POST"),
         route("/v1/completions", o.completions, "POST"),
+        route("/v1/responses", routes_responses.create, "POST"),
         route("/v1/messages", a.messages, "POST", shape=anthropic.error_body),
         route("/v1/messages/count_tokens", a.count_tokens, "POST", shape=anthropic.error_body),
         *page.routes(public),  # the browser chat page: GET / and /chat
