@@ -1,6 +1,7 @@
 """Build hook for the optional C++ extension `pocket_mlx._qkernels` (fast CPU quantized matmul).
 
-All package metadata lives in pyproject.toml; this file only adds a CMake-driven build_ext.
+All package metadata lives in pyproject.toml; this file adds the list of packages (found, not
+kept by hand: see _packages) and a CMake-driven build_ext.
 If the extension cannot be built (no compiler, no CMake, no MLX headers, nanobind ABI mismatch,
 or POCKET_MLX_BUILD_KERNELS=0), a warning is printed and the installation still succeeds: the
 package then runs on MLX's own kernels. With POCKET_MLX_REQUIRE_KERNELS=1 (CI, .ci/run) the same
@@ -17,12 +18,23 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.errors import CompileError
 
 ROOT = Path(__file__).resolve().parent
 EXT_NAME = "pocket_mlx._qkernels"
+
+
+def _packages() -> list[str]:
+    """Every package of the source tree, found by setuptools: pocket_mlx and all below it, and
+    tui/ (a top-level folder, mapped to pocket_mlx.tui by pyproject's package-dir) with its own
+    subpackages, plus pocket_mlx.assets (the bundled model, package data only). The discovery
+    is here, not in pyproject's [tool.setuptools.packages.find], because find names a folder's
+    packages after the folder (tui, not pocket_mlx.tui) and cannot be combined with a list."""
+    tui = ["pocket_mlx.tui"] + ["pocket_mlx.tui." + p for p in find_packages(str(ROOT / "tui"))]
+    return find_packages(str(ROOT), include=["pocket_mlx", "pocket_mlx.*"]) + tui + [
+        "pocket_mlx.assets"]
 
 
 class CMakeExtension(Extension):
@@ -198,6 +210,7 @@ class BuildExt(build_ext):
 
 
 setup(
+    packages=_packages(),
     ext_modules=[CMakeExtension(EXT_NAME, ROOT / "csrc")],
     cmdclass={"build_ext": BuildExt},
 )

@@ -11,7 +11,16 @@ import os
 import sys
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+def _assets() -> Path:
+    """The bundled assets: pocket_mlx/assets/ in an installed wheel (pyproject maps the
+    checkout's assets/ there), else the checkout's assets/ (a source tree, an editable install)."""
+    here = Path(__file__).resolve().parent
+    installed = here / "assets"
+    return installed if installed.is_dir() else here.parent / "assets"
+
+
+ASSETS = _assets()
 BUNDLED_MODEL = ASSETS / "pocket-tiny"  # the model every command uses without --model
 MODEL_ENV = "POCKET_MLX_MODEL"  # another default model
 CACHE_ENV = "POCKET_MLX_CACHE"  # built synthetic checkpoints (rebuildable)
