@@ -57,9 +57,12 @@ def keyed(tmp_path_factory):
 
 # ---- plain HTTP: these always run ---------------------------------------------------------
 
+# What a browser asks for; without text/html, GET / answers Ollama's liveness probe instead.
+BROWSER = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+
 
 def test_page_served_at_root_and_chat(server):
-    pages = [server.request("GET", path) for path in ("/", "/chat")]
+    pages = [server.request("GET", path, headers=BROWSER) for path in ("/", "/chat")]
     for status, headers, body in pages:
         assert status == 200
         assert headers["content-type"] == "text/html; charset=utf-8"
@@ -71,7 +74,7 @@ def test_page_served_at_root_and_chat(server):
 def test_page_names_no_other_host(server):
     """Nothing in the page points off this server: no absolute URL, no protocol-relative
     src/href, no @import, so it works offline and tells no one else what is typed."""
-    html = server.request("GET", "/")[2]["text"]
+    html = server.request("GET", "/", headers=BROWSER)[2]["text"]
     assert re.findall(r"(?i)\b(?:https?|wss?|ftp):", html) == []
     assert re.findall(r"""(?i)(?:src|href|action)\s*=\s*["']?//""", html) == []
     assert re.findall(r"(?i)@import|url\(", html) == []
@@ -80,7 +83,7 @@ def test_page_names_no_other_host(server):
 
 def test_page_needs_no_key_but_the_api_does(keyed):
     for path in ("/", "/chat"):
-        status, headers, _ = keyed.request("GET", path)
+        status, headers, _ = keyed.request("GET", path, headers=BROWSER)
         assert status == 200 and headers["content-type"].startswith("text/html")
     assert keyed.request("GET", "/v1/models")[0] == 401
     auth = {"Authorization": f"Bearer {KEY}"}

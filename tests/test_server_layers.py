@@ -21,10 +21,12 @@ from pocket_mlx.server.requests import ApiError, Sampling
 
 SERVER = ROOT / "pocket_mlx" / "server"
 # Parsers and renderers of a wire format, and what they share.
-WIRE = ["openai", "anthropic", "responses", "ollama", "wire", "requests", "events"]
+WIRE = ["openai", "anthropic", "responses", "ollama", "embeddings", "wire", "requests",
+        "events"]
 # The HTTP side: everything but the worker itself and the prompt code it calls.
 HTTP = ["app", "routes_openai", "routes_anthropic", "routes_responses", "routes_ollama",
-        "replies", "streaming", "state", "errors", "auth", "page", "jobs", "metrics", "events"]
+        "routes_embeddings", "replies", "streaming", "state", "errors", "auth", "page", "jobs",
+        "metrics", "events"]
 
 
 def imports(module: str) -> set[str]:

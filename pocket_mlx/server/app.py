@@ -12,8 +12,11 @@ Endpoints: GET /health (no key needed), GET /metrics (Prometheus text), GET /v1/
 /v1/models/{id}), POST /v1/chat/completions and POST /v1/completions (streamed with
 `"stream": true`; server/routes_openai.py), POST /v1/responses (OpenAI's Responses API,
 stateless; server/routes_responses.py), Anthropic's POST /v1/messages and
-/v1/messages/count_tokens (server/routes_anthropic.py), and the browser chat page at GET / and
-/chat (server/page.py, no key needed). Tool calls: server/tools.py. Requests run on the model's
+/v1/messages/count_tokens (server/routes_anthropic.py), Ollama's /api/tags, /api/show, /api/chat,
+/api/generate, /api/ps, /api/version (server/routes_ollama.py), the embeddings (POST /api/embed,
+/api/embeddings, /v1/embeddings: server/routes_embeddings.py), and the browser chat page at GET /
+and /chat (server/page.py, no key needed; GET / without text/html and HEAD / answer Ollama's
+liveness probe). Tool calls: server/tools.py. Requests run on the model's
 thread (server/worker.py's `ServeWorker`, on engine/worker.py's `ModelWorker`), up to
 --max-concurrency decoded together (engine/batch.py); extra requests wait in a bounded queue,
 then get 429 with Retry-After. Every refusal is the API's error object with a 4xx status and
@@ -36,7 +39,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, compile_path
 
-from pocket_mlx.server import anthropic, page, routes_anthropic, routes_openai, routes_responses
+from pocket_mlx.server import (
+    anthropic,
+    ollama,
+    page,
+    routes_anthropic,
+    routes_embeddings,
+    routes_ollama,
+    routes_openai,
+    routes_responses,
+)
 from pocket_mlx.server.auth import RequireApiKey
 from pocket_mlx.server.errors import RouteOutcome, http_error
 from pocket_mlx.server.jobs import Worker
@@ -70,6 +82,32 @@ def public(path: str, handler: Handler, method: str) -> Route:
     return route(path, handler, method, auth=False)
 
 
+def ollama_route(path: str, handler: Handler, method: str, *, auth: bool = True) -> Route:
+    """An Ollama endpoint: its refusals are Ollama's {"error": ...}."""
+    return route(path, handler, method, auth=auth, shape=ollama.error_body)
+
+
+def ollama_routes() -> list[Route]:
+    """Ollama's API (server/routes_ollama.py; GET / and HEAD / answer its probe, page.py)
+    and the embedding endpoints (server/routes_embeddings.py)."""
+    ol, e = routes_ollama, routes_embeddings
+    return [
+        route("/v1/embeddings", e.openai_embeddings, "POST"),
+        ollama_route("/api/version", ol.version, "GET", auth=False),
+        ollama_route("/api/tags", ol.tags, "GET"),
+        ollama_route("/api/ps", ol.ps, "GET"),
+        ollama_route("/api/show", ol.show, "POST"),
+        ollama_route("/api/chat", ol.chat, "POST"),
+        ollama_route("/api/generate", ol.generate, "POST"),
+        ollama_route("/api/embed", e.embed, "POST"),
+        ollama_route("/api/embeddings", e.embeddings, "POST"),
+        *[ollama_route(p, ol.managed_elsewhere, m) for p, m in (
+            ("/api/pull", "POST"), ("/api/push", "POST"), ("/api/create", "POST"),
+            ("/api/copy", "POST"), ("/api/delete", "DELETE"), ("/api/blobs/{digest}", "POST"),
+            ("/api/blobs/{digest}", "HEAD"))],
+    ]
+
+
 def routes() -> list[Route]:
     o, a = routes_openai, routes_anthropic
     return [
@@ -82,6 +120,7 @@ def routes() -> list[Route]:
         route("/v1/responses", routes_responses.create, "POST"),
         route("/v1/messages", a.messages, "POST", shape=anthropic.error_body),
         route("/v1/messages/count_tokens", a.count_tokens, "POST", shape=anthropic.error_body),
+        *ollama_routes(),
         *page.routes(public),  # the browser chat page: GET / and /chat
     ]
 

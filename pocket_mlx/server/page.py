@@ -7,6 +7,10 @@ server but its bytes. It is served without the API key (it holds no secret; its 
 the key, which it asks for once on a 401). Its Content-Security-Policy lets it reach this server
 only and run only its own script (pinned by hash), so a reply rendered as HTML could not run
 code or fetch from elsewhere even if the page's Markdown escaping missed something.
+
+GET / is also Ollama's liveness probe (its clients send HEAD / or GET / and want 200 with
+"Ollama is running"): a browser, which asks for text/html, gets the page; HEAD and any other
+GET get the probe's line.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from collections.abc import Callable
 from importlib.resources import files
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 PATHS = ("/", "/chat")
+PROBE = "Ollama is running"
 
 
 def page_bytes() -> bytes:
@@ -54,6 +59,9 @@ def routes(public: Callable[[str, Callable, str], Route]) -> list[Route]:
     }
 
     async def page(request: Request) -> Response:
+        if request.url.path == "/" and (request.method == "HEAD" or "text/html" not in
+                                        request.headers.get("accept", "")):
+            return PlainTextResponse(PROBE)
         return Response(html, media_type="text/html; charset=utf-8", headers=headers)
 
     return [public(p, page, "GET") for p in PATHS]

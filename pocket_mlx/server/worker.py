@@ -40,12 +40,13 @@ from pathlib import Path
 import mlx.core as mx
 
 from pocket_mlx import kernels
-from pocket_mlx.config import checkpoint_dtype, dtype_bytes
+from pocket_mlx.config import checkpoint_dtype, dtype_bytes, text_config
 from pocket_mlx.engine import batch as batch_events
 from pocket_mlx.engine import devices
 from pocket_mlx.engine.batch import BatchDecoder, decode_lockstep
 from pocket_mlx.engine.devices import policy_dtype
 from pocket_mlx.engine.drafters import DEFAULT_NUM_DRAFT_TOKENS, make_drafter
+from pocket_mlx.engine.embedding import mean_pooled
 from pocket_mlx.engine.generation import SamplingParams, context_limit
 from pocket_mlx.engine.loader import (
     load,
@@ -61,6 +62,7 @@ from pocket_mlx.errors import PocketError, one_line
 from pocket_mlx.server.jobs import (
     Busy,
     Done,
+    Embedding,
     Failed,
     Job,
     Piece,
@@ -128,6 +130,7 @@ class ServeWorker:
         self._active: set[Job] = set()  # the jobs holding a slot
         self.model = self.tokenizer = None
         self.model_id = ""
+        self.about: dict = {}  # the served build, for Ollama's /api/tags and /api/show
         self.context = 0
         self.device = ""
         self.created = int(time.time())
@@ -164,6 +167,7 @@ class ServeWorker:
         self.model_id = Path(self._path).name
         self.device = self.model.device
         weights = model_weight_stats(self.model)
+        self.about = _about(model, weights, Path(self._path))
         self.context, self.context_source = self._window(model.config, weights.bytes_total)
         self.metrics.bytes_per_token = weights.bytes_per_token
         if self._store_args:
@@ -243,6 +247,9 @@ class ServeWorker:
                 if job is None:
                     stopping = True
                     break
+                if isinstance(job, Embedding):  # between batch steps, without a slot
+                    self._embed(job, stream)
+                    continue
                 if not self._claim(job):
                     continue
                 try:
@@ -418,6 +425,29 @@ class ServeWorker:
             self._worker.put(job)
         return job
 
+    def embed(self, inputs: list[list[int]], loop: asyncio.AbstractEventLoop) -> Embedding:
+        """Queue an embedding request (engine/embedding.py): it waits its turn with the
+        generation requests, then runs between two batch steps."""
+        if self.dist is not None:
+            raise ApiError(501, "embeddings are not available under --distributed",
+                           code="not_implemented")
+        job = Embedding(inputs, loop)
+        self._worker.put(job)
+        return job
+
+    def _embed(self, job: Embedding, stream: mx.Stream) -> None:
+        if job.cancelled.is_set():
+            return
+        t0 = time.perf_counter()
+        try:
+            with mx.stream(stream):
+                vectors = [mean_pooled(self.model, ids, self.model.make_cache(),
+                                       self.prefill_step) for ids in job.inputs]
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            job.finish(None, self._failure(e).error)
+            return
+        job.finish(vectors, seconds=time.perf_counter() - t0)
+
     def drop_if_queued(self, job: Job) -> None:
         """`job`'s client left while it waited: its place in the queue is free."""
         with self._lock:
@@ -435,3 +465,17 @@ class ServeWorker:
 def _duration(seconds: float) -> str:
     """A log line's ETA: seconds below two minutes, else minutes."""
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _about(model, weights, path: Path) -> dict:
+    """The served build as Ollama's /api/tags and /api/show describe it."""
+    config = getattr(model, "config", {}) or {}
+    folder = getattr(model, "folder", None)
+    try:
+        modified = (path / "config.json").stat().st_mtime
+    except OSError:
+        modified = None
+    return {"modified": modified, "name": path.name, "path": str(path), "family": config.get("model_type", ""),
+            "parameters": weights.params_total, "bytes": weights.bytes_total,
+            "quantization": folder.recipe_label if folder is not None else "",
+            "hidden_size": text_config(config).get("hidden_size")}
