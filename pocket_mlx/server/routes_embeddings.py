@@ -10,6 +10,7 @@ shapes, and belong to neither chat API.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -23,6 +24,8 @@ from pocket_mlx.server.replies import check_model, read_json
 from pocket_mlx.server.requests import ApiError, GenRequest
 from pocket_mlx.server.routes_ollama import served
 from pocket_mlx.server.state import worker
+
+log = logging.getLogger(__name__)
 
 
 def token_ids(request: Request, er: wire.EmbedRequest) -> list[list[int]]:
@@ -63,6 +66,8 @@ async def vectors(request: Request, er: wire.EmbedRequest) -> tuple[list[list[fl
         got = await job.result
     finally:
         job.cancelled.set()  # (when the client left first: not run if still queued)
+    log.info(f"200 {request.method} {request.url.path}: {len(ids)} input(s), "
+             f"{sum(map(len, ids))} tokens, {job.seconds:.2f} s")
     return [wire.shaped(v, er.dimensions) for v in got], sum(map(len, ids)), job.seconds
 
 
