@@ -6,7 +6,10 @@ roofline; the bandwidth is probed right before and after each tg run, see run_te
 bandwidth figure would be meaningless there.
 
 Semantics (as llama-bench): `ppP` prefills P random tokens into an empty cache; `tgN` decodes N
-tokens after a 4-token prompt, timed from the first decoded token. Each test runs once as a
+tokens after a 4-token prompt, timed from the first decoded token. With a depth D (`-d`,
+llama-bench's `--n-depth`) both run after D random tokens already in the cache (prefilled
+untimed), named `ppP @ dD` / `tgN @ dD`: agents keep 10-30k tokens of context, and every step
+then also reads the attention's cache. Each test runs once as a
 warm-up (at reduced size), then `repeats` times; with the mlx-lm comparison the runs interleave
 (ours, theirs, ours, ...), so machine noise hits both alike.
 """
@@ -141,11 +144,13 @@ def random_ids(vocab: int, n: int, seed: int) -> list[int]:
 
 @dataclass
 class Runner:
-    """One implementation: `pp(ids) -> tok/s` and `tg(ids, n) -> tok/s`."""
+    """One implementation: `pp(ids, cache) -> tok/s` and `tg(ids, n, cache) -> tok/s`, and
+    `prime(ids) -> cache`: a cache holding `ids` (None for no ids), made untimed."""
 
     name: str
-    pp: Callable[[list[int]], float]
-    tg: Callable[[list[int], int], float]
+    pp: Callable[..., float]
+    tg: Callable[..., float]
+    prime: Callable[[list[int]], object] = lambda ids: None
 
 
 def pocket_runner(model, device: str, prefill_step: int = 512, speculative: str = "off",
@@ -154,18 +159,27 @@ def pocket_runner(model, device: str, prefill_step: int = 512, speculative: str 
     little to match, so measure it on a copy-heavy prompt (scripts/bench_speculative.py)."""
     tok = NullTokenizer()
 
-    def pp(ids: list[int]) -> float:
+    def prime(ids: list[int]) -> list | None:
+        if not ids:
+            return None
+        cache = model.make_cache()
+        for _ in stream_generate(model, tok, ids, max_tokens=1, device=device,
+                                 prefill_step=prefill_step, cache=cache):
+            pass
+        return cache
+
+    def pp(ids: list[int], cache=None) -> float:
         *_, last = stream_generate(model, tok, ids, max_tokens=1, device=device,
-                                   prefill_step=prefill_step)
+                                   prefill_step=prefill_step, cache=cache)
         return last.stats.prompt_tps
 
-    def tg(ids: list[int], n: int) -> float:
+    def tg(ids: list[int], n: int, cache=None) -> float:
         *_, last = stream_generate(model, tok, ids, max_tokens=n + 1, device=device,
                                    prefill_step=prefill_step, speculative=speculative,
-                                   num_draft_tokens=num_draft_tokens)
+                                   num_draft_tokens=num_draft_tokens, cache=cache)
         return last.stats.generation_tps
 
-    return Runner("pocket-mlx", pp, tg)
+    return Runner("pocket-mlx", pp, tg, prime)
 
 
 def mlx_lm_generate_module(device: str):
@@ -198,6 +212,9 @@ def mlx_lm_model(path, ours):
     theirs, _ = load_model(path, lazy=True)
     mine = dict(unfused_parameters(ours))  # views of our fused projections, if any
     want = dict(tree_flatten(theirs.parameters()))
+    # A multi-token-prediction head (models/qwen3_5_moe.py `mtp`, for speculative decoding)
+    # is not part of mlx-lm's model: its weights are left out of the comparison.
+    mine = {k: v for k, v in mine.items() if not k.startswith("mtp.") or k in want}
     if set(mine) != set(want):
         diff = sorted(set(mine) ^ set(want))
         raise RuntimeError(f"mlx-lm's module tree differs from ours: {diff[:3]}")
@@ -212,24 +229,36 @@ def mlx_lm_model(path, ours):
 def mlx_lm_runner(model, device: str, prefill_step: int = 512) -> Runner:
     gen = mlx_lm_generate_module(device)
 
-    def pp(ids: list[int]) -> float:
+    def prime(ids: list[int]):
+        if not ids:
+            return None
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(model)
+        steps = gen.generate_step(mx.array(ids, mx.uint32), model, max_tokens=1,
+                                  prefill_step_size=prefill_step, prompt_cache=cache)
+        next(steps)
+        steps.close()
+        return cache
+
+    def pp(ids: list[int], cache=None) -> float:
         t0 = time.perf_counter()
         steps = gen.generate_step(mx.array(ids, mx.uint32), model, max_tokens=1,
-                                  prefill_step_size=prefill_step)
+                                  prefill_step_size=prefill_step, prompt_cache=cache)
         next(steps)
         dt = time.perf_counter() - t0
         steps.close()
         return len(ids) / dt
 
-    def tg(ids: list[int], n: int) -> float:
+    def tg(ids: list[int], n: int, cache=None) -> float:
         steps = gen.generate_step(mx.array(ids, mx.uint32), model, max_tokens=n + 1,
-                                  prefill_step_size=prefill_step)
+                                  prefill_step_size=prefill_step, prompt_cache=cache)
         next(steps)
         t0 = time.perf_counter()
         count = sum(1 for _ in steps)
         return count / (time.perf_counter() - t0)
 
-    return Runner("mlx-lm", pp, tg)
+    return Runner("mlx-lm", pp, tg, prime)
 
 
 # -- the benchmark -----------------------------------------------------------------------------
@@ -265,16 +294,28 @@ class Row:
     step_bytes: int | None = None  # bytes of one B-step
     speedup_x: float | None = None  # tps_mean / the B=1 row's (when B=1 ran)
     vs_bound: float | None = None  # speedup_x / bytes_bound_x
+    depth: int = 0  # tokens already in the cache when the test ran (bench -d)
 
 
 def mean_sd(xs: list[float]) -> tuple[float, float]:
     return (statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+def test_name(kind: str, size: int, depth: int) -> str:
+    """llama-bench's names: pp512, tg128, pp512 @ d4096."""
+    return f"{kind}{size}" + (f" @ d{depth}" if depth else "")
+
+
+def test_depth(test: str) -> int:
+    return int(test.rpartition(" @ d")[2]) if " @ d" in test else 0
+
+
 def run_tests(runners: list[Runner], *, vocab: int, p: int, n: int, repeats: int,
               log: Callable[[str], None] = lambda s: None,
-              probe: Callable[[], float] | None = None) -> dict[str, dict[str, list[float]]]:
-    """tok/s of every run: {test: {runner name: [runs]}}, runs interleaved across runners.
+              probe: Callable[[], float] | None = None,
+              depths: tuple[int, ...] = (0,)) -> dict[str, dict[str, list[float]]]:
+    """tok/s of every run: {test: {runner name: [runs]}}, runs interleaved across runners;
+    each test once per depth in `depths` (the cache primed with that many tokens, untimed).
 
     With `probe`, the memory bandwidth is measured right before and right after each of the
     first runner's tg runs, and their mean is kept under {test: {BANDWIDTH_KEY: [...]}}: on a
@@ -288,17 +329,19 @@ def run_tests(runners: list[Runner], *, vocab: int, p: int, n: int, repeats: int
             r.pp(random_ids(vocab, min(p, WARMUP_PP), 1))
         if n:
             r.tg(random_ids(vocab, TG_PROMPT, 2), min(n, WARMUP_TG))
-    tests = ([(f"pp{p}", "pp")] if p else []) + ([(f"tg{n}", "tg")] if n else [])
-    for test, kind in tests:
+    tests = [(test_name(kind, size, d), kind, d) for d in depths
+             for kind, size in (("pp", p), ("tg", n)) if size]
+    for test, kind, depth in tests:
         out[test] = {r.name: [] for r in runners}
         for i in range(repeats):
             for j, r in enumerate(runners):
+                cache = r.prime(random_ids(vocab, depth, 300 + i)) if depth else None
                 probed = probe is not None and kind == "tg" and j == 0
                 before = probe() if probed else 0.0
                 if kind == "pp":
-                    tps = r.pp(random_ids(vocab, p, 100 + i))
+                    tps = r.pp(random_ids(vocab, p, 100 + i), cache)
                 else:
-                    tps = r.tg(random_ids(vocab, TG_PROMPT, 200 + i), n)
+                    tps = r.tg(random_ids(vocab, TG_PROMPT, 200 + i), n, cache)
                 out[test][r.name].append(tps)
                 note = ""
                 if probed:
@@ -329,7 +372,7 @@ def make_rows(results: dict, meta: dict, bandwidth_gbps: float | None) -> list[R
             elif bandwidth_gbps:
                 frac = gbps / bandwidth_gbps
         row = Row(test=test, tps_mean=m, tps_sd=sd, gbps=gbps, roofline_fraction=frac,
-                  runs=ours, bandwidth_runs=around, **meta)
+                  runs=ours, bandwidth_runs=around, depth=test_depth(test), **meta)
         if "mlx-lm" in by_runner:
             tm, tsd = mean_sd(by_runner["mlx-lm"])
             row.mlx_lm_tps_mean, row.mlx_lm_tps_sd = tm, tsd
@@ -393,7 +436,7 @@ CSV_FIELDS = ["model", "size_bytes", "params_total", "params_active", "recipe", 
               "threads", "kernels", "test", "tps_mean", "tps_sd", "bytes_per_token", "gbps",
               "roofline_fraction", "mlx_lm_tps_mean", "mlx_lm_tps_sd", "ratio_vs_mlx_lm",
               "parallel", "bytes_bound_x", "distinct_experts_per_layer", "step_bytes",
-              "speedup_x", "vs_bound"]
+              "speedup_x", "vs_bound", "depth"]
 
 
 def to_csv(rows: list[Row]) -> str:

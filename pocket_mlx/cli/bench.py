@@ -35,6 +35,10 @@ def register(sub) -> argparse.ArgumentParser:
                         "decode), e.g. 1,4,8: one row per B with the aggregate tok/s and "
                         "bytes_bound_x, the speed-up the bytes a B-step reads allow "
                         "(default: one sequence, no batch)")
+    p.add_argument("-d", "--n-depth", type=depths, default=(0,), metavar="N[,N...]",
+                   help="run each pp and tg test after N tokens already in the cache "
+                        "(prefilled untimed; llama-bench's --n-depth), e.g. -d 0,4096,16384: "
+                        "rows 'pp512 @ d4096' (default: 0)")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="runs of each test")
     p.add_argument("--device", choices=["cpu", "gpu"], default=None,
                    help="where to run (default: the GPU when MLX has one, else the CPU)")
@@ -55,6 +59,18 @@ def register(sub) -> argparse.ArgumentParser:
     add_distributed_args(p)
     p.set_defaults(func=run)
     return p
+
+
+def depths(text: str) -> tuple[int, ...]:
+    """-d's list: integers >= 0, comma-separated, each once, in order given."""
+    try:
+        got = [int(x) for x in text.split(",")]
+    except ValueError:
+        got = [-1]
+    if not got or any(d < 0 for d in got):
+        raise argparse.ArgumentTypeError(f"must be token counts >= 0 separated by commas, "
+                                         f"e.g. 0,4096, got {text!r}")
+    return tuple(dict.fromkeys(got))
 
 
 def parallel_widths(text: str) -> list[int]:
@@ -95,6 +111,7 @@ def run(args) -> int:
     if args.parallel:
         for flag, bad in (("--vs-mlx-lm", args.vs_mlx_lm), ("--distributed", args.distributed),
                           ("--speculative", args.speculative != "off"),
+                          ("-d above 0", any(args.n_depth)),
                           ("-n 0", args.n_gen == 0)):
             if bad:
                 raise PocketError(f"--parallel does not run with {flag}: drop one of them")
@@ -182,6 +199,13 @@ def _measure(args, model, path, name, recipe, size, device, threads, kinfo, log,
         print(f"memory read bandwidth ({device}, {threads} thread(s)): {units.bandwidth(bw)}",
               file=sys.stderr if args.output != "md" else sys.stdout, flush=True)
 
+    from pocket_mlx.engine.generation import context_limit
+
+    need = max(args.n_depth) + max(args.n_prompt, bench.TG_PROMPT + args.n_gen)
+    if need > context_limit(model):
+        raise PocketError(f"-d {max(args.n_depth)} with -p {args.n_prompt} / -n {args.n_gen} "
+                          f"needs {need} tokens of context; this model's window is "
+                          f"{context_limit(model)}")
     runners = [bench.pocket_runner(model, device, speculative=args.speculative,
                                    num_draft_tokens=args.num_draft_tokens)]
     if args.vs_mlx_lm:
@@ -189,7 +213,7 @@ def _measure(args, model, path, name, recipe, size, device, threads, kinfo, log,
     probe = lambda: bench.probe_bandwidth(device, threads)  # noqa: E731
     results = bench.run_tests(runners, vocab=model.args.vocab_size, p=args.n_prompt,
                               n=0 if args.parallel else args.n_gen, repeats=args.repetitions,
-                              log=log, probe=probe)
+                              log=log, probe=probe, depths=args.n_depth)
     meta = dict(model=name, size_bytes=size, params_total=stats.params_total,
                 params_active=stats.params_active, recipe=recipe, dtype=shown_dtype,
                 device=device, threads=threads, kernels=kernels.label(kinfo),
