@@ -10,7 +10,7 @@ prompts are rendered by pocket-mlx's own template code (`Tokenizer.apply_chat_te
 sandboxed renderer every command uses), so the model learns the token sequences it will be fed.
 
     python scripts/make_think_model.py tests/fixtures/think-model
-    # 150 full-batch Adam steps: a few minutes of CPU (2 cores)
+    # 150 full-batch Adam steps: ~17 min on 2 shared cores; the loss is ~3e-4 by then
 
 The architecture is ours (Qwen3.5-MoE at toy size, as scripts/make_tool_model.py) with the
 bundled model's tokenizer, which the fixture carries so `pocket-mlx chat --model

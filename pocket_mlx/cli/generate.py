@@ -55,7 +55,17 @@ def register(sub) -> argparse.ArgumentParser:
                    metavar="TEXT", help="stop when the reply contains TEXT, which is left out; "
                                         "repeatable (default: stop only at the end-of-text token "
                                         "or --max-tokens)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead (with the reasoning beside the text)")
+    p.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
+                   help="thinking models: on or off is passed to the chat template "
+                        "(enable_thinking) when it has the switch; auto keeps the template's "
+                        "default. The reasoning goes to stderr, the answer to stdout (default: "
+                        "auto)")
+    p.add_argument("--reasoning-budget", type=argtypes.int_range(0, None, "0 or more tokens"),
+                   default=None, metavar="N",
+                   help="close the reasoning block after N tokens of it (the model then "
+                        "answers; default: no limit)")
     add_speculative_args(p)
     add_distributed_args(p)
     p.set_defaults(func=run)
@@ -66,6 +76,12 @@ def run(args) -> int:
     if args.raw and args.system is not None:
         raise PocketError("--raw has no chat template to put --system in; drop --system, or "
                           "drop --raw, or write the system text into the prompt")
+    if args.raw and (args.reasoning != "auto" or args.reasoning_budget is not None):
+        raise PocketError("--raw renders no chat template, so no reasoning block is opened or "
+                          "parsed: drop --reasoning / --reasoning-budget, or drop --raw")
+    if args.distributed and (args.reasoning != "auto" or args.reasoning_budget is not None):
+        raise PocketError("--reasoning and --reasoning-budget do not run with --distributed "
+                          "yet: drop them or --distributed")
     if args.distributed:
         if args.speculative not in ("auto", "off"):
             raise PocketError(f"--speculative {args.speculative} does not run with "
@@ -76,19 +92,65 @@ def run(args) -> int:
     from pocket_mlx.engine.generation import stream_generate
 
     device, model, tokenizer = load_for(args)
-    text, stats = [], None
+    text, reasoning, stats = [], Reasoning(not args.json), None
     for r in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                              sampling=sampling, stop=args.stop, device=device,
                              system=args.system, raw=args.raw, speculative=args.speculative,
-                             num_draft_tokens=args.num_draft_tokens):
+                             num_draft_tokens=args.num_draft_tokens,
+                             thinking=None if args.raw else "auto",
+                             reasoning_budget=args.reasoning_budget,
+                             template_kwargs=template_kwargs(args, tokenizer)):
         stats = r.stats
+        reasoning.add(r.reasoning)
         if r.text:
+            reasoning.end()
             text.append(r.text)
             if not args.json:
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
-    report(args, "".join(text), stats)
+    reasoning.end()
+    report(args, "".join(text), stats, reasoning=reasoning.text)
     return 0
+
+
+def template_kwargs(args, tokenizer) -> dict:
+    """`--reasoning on|off` as the chat template's `enable_thinking` (a note on stderr when
+    the template has no such switch: the flag then changes nothing)."""
+    from pocket_mlx.engine.reasoning import parse_reasoning_mode, thinking_kwargs
+
+    enabled = parse_reasoning_mode(args.reasoning)
+    kwargs = thinking_kwargs(tokenizer.chat_template, enabled)
+    if enabled is not None and not kwargs and not args.raw:
+        print(f"pocket-mlx generate: note: this model's chat template has no thinking switch "
+              f"(enable_thinking); --reasoning {args.reasoning} changes nothing", file=sys.stderr)
+    return kwargs
+
+
+class Reasoning:
+    """The reply's reasoning: kept for --json, else streamed to stderr (stdout stays the
+    answer, for scripts), ended by a newline before the answer starts."""
+
+    def __init__(self, show: bool) -> None:
+        self.show, self.parts, self.open = show, [], False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, piece: str) -> None:
+        if not piece:
+            return
+        self.parts.append(piece)
+        if self.show:
+            sys.stderr.write(piece)
+            sys.stderr.flush()
+            self.open = True
+
+    def end(self) -> None:
+        if self.open:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self.open = False
 
 
 def run_distributed(args) -> int:
@@ -152,11 +214,13 @@ def read_prompt(args) -> str:
     return prompt
 
 
-def report(args, text: str, stats, ranks: dict | None = None) -> None:
+def report(args, text: str, stats, ranks: dict | None = None, reasoning: str = "") -> None:
     """The JSON object, or the newline after the streamed reply and the stats line."""
     if args.json:
         out = {
             "text": text,
+            "reasoning": reasoning,
+            "reasoning_tokens": stats.reasoning_tokens,
             "prompt_tokens": stats.prompt_tokens,
             "generation_tokens": stats.generation_tokens,
             "prompt_tps": round(stats.prompt_tps, 3),
@@ -178,7 +242,9 @@ def report(args, text: str, stats, ranks: dict | None = None) -> None:
         sys.stdout.flush()  # the reply's last line before the stats line on stderr
         print(f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s | "
               f"generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s | "
-              f"ttft {stats.ttft_s:.3f} s | peak memory {size(stats.peak_memory_gb * GB)} | "
+              + (f"reasoning: {stats.reasoning_tokens} tokens | " if stats.reasoning_tokens
+                 else "")
+              + f"ttft {stats.ttft_s:.3f} s | peak memory {size(stats.peak_memory_gb * GB)} | "
               + (f"{spec['method']}: {spec['accepted']}/{spec['drafted']} drafts accepted | "
                  if (spec := stats.speculative) else "")
               + f"{stats.device} | {stats.finish_reason}"
