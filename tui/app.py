@@ -52,6 +52,7 @@ from pocket_mlx.tui.saved import SavedChats
 from pocket_mlx.tui.screens import HelpScreen, OpenScreen, SettingsScreen
 from pocket_mlx.tui.stats_panel import REFRESH_S, StatsPanel
 from pocket_mlx.tui.textual_private import QuietCrash
+from pocket_mlx.tui.thinking import ThinkingSwitch, saved_reply, write_live
 
 TICK_S = REFRESH_S  # 0.25 s, the UI's one timer: the stats panel redraws every tick (4 Hz: the
 # speeds read as live, and a redraw of one line-API widget costs little next to a decode step)
@@ -62,7 +63,7 @@ TEXT_EVERY = 2  # ...and reply text is appended every 2nd tick (2 Hz): each Mark
 GIL_SWITCH_S = 0.001  # see on_mount
 
 
-class ChatApp(QuietCrash, App[None]):
+class ChatApp(QuietCrash, ThinkingSwitch, App[None]):
     CSS_PATH = "chat.tcss"
     TITLE = "pocket-mlx chat"
     BINDINGS = KEYS
@@ -203,9 +204,7 @@ class ChatApp(QuietCrash, App[None]):
         with one_frame(self):
             panel.redraw()
             if reply is not None and self._ticks % TEXT_EVERY == 0:
-                text = self._live.take_text()
-                if text:
-                    await reply.write(text)
+                await write_live(reply, self._live, stats)
 
     async def on_reply_done(self, msg: ReplyDone) -> None:
         reply, self._reply = self._reply, None
@@ -221,13 +220,14 @@ class ChatApp(QuietCrash, App[None]):
     async def _finish_reply(self, reply: AssistantMessage, msg: ReplyDone) -> None:
         panel = self.stats_panel
         text = self._live.take_text() + msg.text  # what the ticks had not shown yet, in order
+        await reply.think(self._live.take_reasoning() + msg.reasoning)
         self._live.reset()
         if text:
             await reply.write(text)
         await reply.finish()
         panel.set_phase("idle")
         if msg.error or msg.stats is None:
-            await reply.remove()  # a failed turn is undone, partial text included
+            await reply.discard()  # a failed turn is undone, partial text included
             turn = await self._undo_turn()
             if msg.refused:  # the text back in the prompt says the rest
                 await self.view.add_notice(f"■ not sent: {msg.error}", "error")
@@ -241,8 +241,9 @@ class ChatApp(QuietCrash, App[None]):
         panel.set_stats(msg.stats, msg.context)
         self.last_stats = msg.stats
         reason = msg.stats.finish_reason
-        if reason == "cancelled" and not reply.text:
-            await reply.remove()
+        reply.show_thought(msg.stats.reasoning_s, msg.stats.reasoning_tokens, done=True)
+        if reason == "cancelled" and not reply.text and not reply.reasoning:
+            await reply.discard()
             turn = await self._undo_turn()
             await self.view.add_notice(f"■ stopped before the reply began{undone_note(turn)}")
             self.call_after_refresh(self.view.scroll_end, animate=False)
@@ -251,8 +252,7 @@ class ChatApp(QuietCrash, App[None]):
         notice = finish_notice(reason, self._reply_settings.max_tokens)
         if notice:
             await self.view.add_notice(notice)
-        self.conversation.messages.append(
-            {"role": "assistant", "content": reply.text, "stats": msg.stats.to_dict()})
+        self.conversation.messages.append(saved_reply(reply, msg.stats))
         self._save()
 
     # ---- conversation ----------------------------------------------------------------------
@@ -313,7 +313,7 @@ class ChatApp(QuietCrash, App[None]):
             stats = m.get("stats") or {}  # checked at load (engine.conversations)
             device = describe(stats["device"]) if stats.get("device") else ""
             title = " · ".join(x for x in (self.model_name, device) if x)
-            await view.add_assistant(m["content"], title)
+            await view.add_assistant(m["content"], title, m.get("reasoning", ""), stats)
             notice = finish_notice(stats.get("finish_reason"), stats.get("generation_tokens"))
             if notice:
                 await view.add_notice(notice)

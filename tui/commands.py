@@ -16,8 +16,10 @@ KEYS = [
     Binding("ctrl+n", "new_chat", "New", tooltip="start a new conversation"),
     Binding("ctrl+r", "regenerate", "Regenerate", tooltip="write the last reply again"),
     Binding("ctrl+o", "open_chat", "Open", tooltip="open a saved conversation"),
+    Binding("ctrl+t", "toggle_thinking", "Thinking",
+            tooltip="thinking on/off for the next replies (thinking models)"),
     Binding("ctrl+s", "settings", "Settings",
-            tooltip="system prompt, temperature, top-p, max tokens"),
+            tooltip="system prompt, temperature, top-p, max tokens, thinking"),
     Binding("f1", "help", "Help", tooltip="this list of keys"),
     Binding("ctrl+q", "quit", "Quit", priority=True, tooltip="quit (everything is saved)"),
 ]
@@ -39,7 +41,9 @@ def system_commands(app) -> Iterator[SystemCommand]:
     yield SystemCommand("New conversation", "Start over", app.action_new_chat)
     yield SystemCommand("Regenerate", "Write the last reply again", app.action_regenerate)
     yield SystemCommand("Open conversation", "Load a saved conversation", app.action_open_chat)
-    yield SystemCommand("Settings", "System prompt, temperature, top-p, max tokens",
+    yield SystemCommand("Thinking on/off", "Thinking models: reason before the next replies "
+                        "or not", app.action_toggle_thinking)
+    yield SystemCommand("Settings", "System prompt, temperature, top-p, max tokens, thinking",
                         app.action_settings)
     yield SystemCommand("Keys", "Show every key", app.action_help)
 

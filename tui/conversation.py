@@ -1,11 +1,12 @@
-"""The conversation pane: user prompts, Markdown replies that stream in, one-line notices."""
+"""The conversation pane: user prompts, Markdown replies that stream in (a thinking model's
+reasoning above its reply, dimmed and collapsible), one-line notices."""
 
 from __future__ import annotations
 
 from markdown_it import MarkdownIt
 from textual.containers import VerticalScroll
 from textual.widget import Widget
-from textual.widgets import Markdown, Static
+from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownBlock
 
 from pocket_mlx.tui.textual_private import SteadySize
@@ -65,6 +66,29 @@ def _stream_parser() -> MarkdownIt:
     return _parser().disable("linkify")
 
 
+def thought_title(seconds: float, tokens: int, done: bool) -> str:
+    """The reasoning block's title: "thought for 12 s, 340 tokens" (while it streams:
+    "thinking… 3.1 s, 42 tokens")."""
+    when = f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+    count = f"{tokens:,} token{'' if tokens == 1 else 's'}"
+    return f"thought for {when}, {count}" if done else f"thinking… {when}, {count}"
+
+
+class ThoughtBlock(Collapsible):
+    """A reply's reasoning, dimmed, open while it streams and collapsed once the answer starts
+    (enter or a click on its title opens it again)."""
+
+    def __init__(self, text: str = "", title: str = "thinking…", collapsed: bool = False) -> None:
+        self.body = Static(text, markup=False, classes="thought-text")
+        super().__init__(self.body, title=title, collapsed=collapsed)
+        self.text = text
+
+    def write(self, fragment: str) -> None:
+        if fragment:
+            self.text += fragment
+            self.body.update(self.text)
+
+
 class AssistantMessage(SteadySize, Markdown):
     """A reply, rendered as Markdown; `streaming` while tokens are arriving.
 
@@ -78,6 +102,33 @@ class AssistantMessage(SteadySize, Markdown):
         self.streaming = False
         self.text = text
         self._stream_md: MarkdownIt | None = None
+        self.thought: ThoughtBlock | None = None  # the reasoning above it, if any
+
+    @property
+    def reasoning(self) -> str:
+        return self.thought.text if self.thought is not None else ""
+
+    async def think(self, fragment: str) -> None:
+        """Reasoning, streamed into the block above the reply (mounted on the first piece)."""
+        if not fragment:
+            return
+        if self.thought is None:
+            self.thought = ThoughtBlock()
+            await self.parent.mount(self.thought, before=self)
+        self.thought.write(fragment)
+
+    def show_thought(self, seconds: float, tokens: int, done: bool) -> None:
+        """The block's title; collapsed once the reasoning is done and an answer follows."""
+        if self.thought is not None:
+            self.thought.title = thought_title(seconds, tokens, done)
+            if done and self.text:
+                self.thought.collapsed = True
+
+    async def discard(self) -> None:
+        """Remove the reply and its reasoning (a turn taken back)."""
+        if self.thought is not None:
+            await self.thought.remove()
+        await self.remove()
 
     def get_block_class(self, block_name: str) -> type[MarkdownBlock]:
         return steady(super().get_block_class(block_name))
@@ -129,8 +180,15 @@ class ConversationView(VerticalScroll):
         await self.mount(widget)
         return widget
 
-    async def add_assistant(self, text: str = "", title: str = "assistant") -> AssistantMessage:
+    async def add_assistant(self, text: str = "", title: str = "assistant",
+                            reasoning: str = "", stats: dict | None = None) -> AssistantMessage:
+        """A reply; a saved one's reasoning (with its `stats`) goes above it, collapsed."""
         widget = AssistantMessage(text, title)
+        if reasoning:
+            stats = stats or {}
+            widget.thought = ThoughtBlock(reasoning, collapsed=True, title=thought_title(
+                stats.get("reasoning_s", 0.0), stats.get("reasoning_tokens", 0), True))
+            await self.mount(widget.thought)
         await self.mount(widget)
         return widget
 
@@ -162,6 +220,8 @@ class ConversationView(VerticalScroll):
         children = list(self.children)
         for i in range(len(children) - 1, -1, -1):
             if isinstance(children[i], AssistantMessage):
+                if i and isinstance(children[i - 1], ThoughtBlock):
+                    i -= 1
                 await self.remove_children(children[i:])
                 return
 

@@ -31,10 +31,11 @@ class ReplyDone(Message):
     was not even started (it cannot fit the model's context)."""
 
     def __init__(self, text: str, stats: GenerationStats | None, context: int,
-                 error: str | None = None, refused: bool = False) -> None:
+                 error: str | None = None, refused: bool = False, reasoning: str = "") -> None:
         super().__init__()
         self.text, self.stats, self.context, self.error = text, stats, context, error
         self.refused = refused
+        self.reasoning = reasoning  # reasoning not yet handed over through LiveReply
 
 
 class ContextTrimmed(Message):

@@ -21,6 +21,7 @@ from pocket_mlx.config import ModelFolder
 from pocket_mlx.engine.generation import GenerationStats
 from pocket_mlx.engine.loader import load
 from pocket_mlx.engine.prompt_cache import PromptCache, open_store
+from pocket_mlx.engine.reasoning import thinking_kwargs
 from pocket_mlx.engine.session import ChatSession, ContextOverflow, Settings
 from pocket_mlx.engine.worker import ModelWorker
 from pocket_mlx.errors import PocketError
@@ -73,13 +74,16 @@ class LiveReply:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._text: list[str] = []
+        self._reasoning: list[str] = []  # a thinking model's reasoning, apart from its text
         self._stats: GenerationStats | None = None
         self._context = 0
 
-    def put(self, text: str, stats: GenerationStats, context: int) -> None:
+    def put(self, text: str, stats: GenerationStats, context: int, reasoning: str = "") -> None:
         with self._lock:
             if text:
                 self._text.append(text)
+            if reasoning:
+                self._reasoning.append(reasoning)
             self._stats, self._context = stats, context
 
     def latest(self) -> tuple[GenerationStats | None, int]:
@@ -91,9 +95,14 @@ class LiveReply:
             text, self._text = "".join(self._text), []
             return text
 
+    def take_reasoning(self) -> str:
+        with self._lock:
+            text, self._reasoning = "".join(self._reasoning), []
+            return text
+
     def reset(self) -> None:
         with self._lock:
-            self._text, self._stats, self._context = [], None, 0
+            self._text, self._reasoning, self._stats, self._context = [], [], None, 0
 
 
 class ChatEngine:
@@ -142,7 +151,8 @@ class ChatEngine:
                     shard=dist.shard if dist else None)
 
     def _setup(self, model, tokenizer) -> tuple[ChatSession, object]:
-        info = model_info(model, self.model_name)
+        info = replace(model_info(model, self.model_name),
+                       thinking_switch=bool(thinking_kwargs(tokenizer.chat_template, True)))
         if self.distributed is not None:  # no prompt cache: each reply starts fresh on every rank
             return ChatSession(model, tokenizer, lockstep=self.distributed), info
         return ChatSession(model, tokenizer, prompt_cache=self._prompt_cache(model),
@@ -175,7 +185,7 @@ class ChatEngine:
                 return
             self.post(ContextMeasured(job.conv_id, tokens))
             return
-        pending, last, used, last_post = "", None, 0, 0.0
+        pending, thought, last, used, last_post = "", "", None, 0, 0.0
 
         def should_stop() -> bool:
             return self.stop.is_set() or cancelled()
@@ -191,12 +201,13 @@ class ChatEngine:
             ):
                 last = r
                 pending += r.text
+                thought += r.reasoning
                 now = time.perf_counter()
                 if now - last_post >= CHUNK_S and r.stats.phase != "done":
-                    self.live.put(pending, replace(r.stats), used)
-                    pending, last_post = "", now
+                    self.live.put(pending, replace(r.stats), used, thought)
+                    pending, thought, last_post = "", "", now
             stats = replace(last.stats) if last is not None else None
-            self.post(ReplyDone(pending, stats, used))
+            self.post(ReplyDone(pending, stats, used, reasoning=thought))
         except ContextOverflow as e:
             self.post(ReplyDone(pending, None, used, error=str(e), refused=True))
         except PocketError as e:

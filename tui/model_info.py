@@ -26,6 +26,7 @@ class ModelInfo:
     size_bytes: int  # the weights as stored
     bytes_per_token: int
     context_max: int
+    thinking_switch: bool = False  # the chat template has `enable_thinking` (set by the chat)
 
     def header_parts(self) -> list[str]:
         """The header's fields after the name, in the wording `info` and `bench` use."""

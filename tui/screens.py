@@ -10,10 +10,11 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, Static
+from textual.widgets import Button, Input, Label, OptionList, Select, Static
 from textual.widgets.option_list import Option
 
 from pocket_mlx.engine.conversations import Conversation
+from pocket_mlx.engine.reasoning import parse_reasoning_mode
 from pocket_mlx.engine.session import Settings
 from pocket_mlx.errors import PocketError
 
@@ -43,6 +44,10 @@ class HelpScreen(ModalScreen[None]):
             yield Label("escape closes this help", classes="dialog-hint")
 
 
+# Thinking models: the template's default, or enable_thinking on / off (Settings.thinking).
+THINKING = ("auto", "on", "off")
+
+
 class SettingsScreen(ModalScreen[Settings | None]):
     """Edit the system prompt and sampling; dismisses with new Settings, or None."""
 
@@ -68,6 +73,10 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 with Vertical():
                     yield Label("Max tokens")
                     yield Input(str(s.max_tokens), type="integer", id="max_tokens")
+                with Vertical():
+                    yield Label("Thinking")
+                    yield Select([(m, m) for m in THINKING], allow_blank=False, id="thinking",
+                                 value={None: "auto", True: "on", False: "off"}[s.thinking])
             yield Static("", id="settings-error")
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
@@ -90,7 +99,9 @@ class SettingsScreen(ModalScreen[Settings | None]):
             new = Settings(system=self.query_one("#system", Input).value,
                            temperature=float(value("temperature") or 0),
                            top_p=float(value("top_p") or 1),
-                           max_tokens=int(value("max_tokens") or 0))
+                           max_tokens=int(value("max_tokens") or 0),
+                           thinking=parse_reasoning_mode(
+                               str(self.query_one("#thinking", Select).value)))
             new.validate()
         except (ValueError, PocketError) as e:
             self.query_one("#settings-error", Static).update(Text(str(e), style="bold red"))

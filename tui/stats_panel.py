@@ -119,6 +119,7 @@ class StatsPanel(Widget):
             ("prefill", f"{s.prompt_tps:,.0f} tok/s" if s and s.prompt_tps else "–"),
             ("decode", f"{s.generation_tps:.1f} tok/s" if s and s.generation_tps else "–"),
             ("tokens", str(s.generation_tokens) if s else "–"),
+            *token_split(s),
             *([("accepted", accepted_per_pass(s.speculative))] if s and s.speculative else []),
             ("context", f"{self.context_used:,} / {self.context_max:,}"),
             ("weights", f"{units.size(bpt)}/tok" if bpt else "–"),
@@ -220,6 +221,15 @@ class StatsPanel(Widget):
     def notify_style_update(self) -> None:
         super().notify_style_update()
         self._style_cache = None
+
+
+def token_split(s: GenerationStats | None) -> list[tuple[str, str]]:
+    """A thinking model's tokens apart: those of its reasoning, then the rest (the answer,
+    with the block's close). No rows for a reply without reasoning."""
+    if s is None or not s.reasoning_tokens:
+        return []
+    return [(" thought", str(s.reasoning_tokens)),
+            (" answer", str(max(0, s.generation_tokens - s.reasoning_tokens)))]
 
 
 def accepted_per_pass(spec: dict) -> str:

@@ -58,14 +58,16 @@ SETTING_CHECKS: dict[str, Callable[[Any], bool]] = {
     "temperature": partial(valid, check_temperature),
     "top_p": partial(valid, check_top_p),
     "max_tokens": partial(valid, check_max_tokens),
+    "thinking": lambda v: v is None or isinstance(v, bool),  # on / off / the template's default
 }
 
 # A reply's stats (engine.generation.GenerationStats.to_dict) by type; unknown keys are kept.
 STATS_CHECKS: dict[str, Callable[[Any], bool]] = {
     **{k: lambda v: _integer(v) and v >= 0 for k in (
-        "prompt_tokens", "generation_tokens", "bytes_per_token", "prefill_done")},
+        "prompt_tokens", "generation_tokens", "bytes_per_token", "prefill_done",
+        "reasoning_tokens")},
     **{k: lambda v: _number(v) and v >= 0 for k in (
-        "prompt_tps", "ttft_s", "generation_tps", "peak_memory_gb")},
+        "prompt_tps", "ttft_s", "generation_tps", "peak_memory_gb", "reasoning_s")},
     "device": lambda v: v in ("cpu", "gpu"),
     "phase": lambda v: isinstance(v, str),
     "finish_reason": lambda v: v is None or isinstance(v, str),
@@ -102,7 +104,8 @@ def clean_stats(stats: Any, where: str, warnings: list[str]) -> dict | None:
 
 @dataclass
 class Conversation:
-    """What a chat needs to resume: model, settings, messages (assistant ones with stats)."""
+    """What a chat needs to resume: model, settings, messages (assistant ones with stats, and
+    with `reasoning`: the thinking of a reasoning model, kept apart from its `content`)."""
 
     id: str
     model: str = ""
@@ -142,6 +145,10 @@ class Conversation:
         settings = check_settings(data.get("settings") or {})
         warnings: list[str] = []
         for i, m in enumerate(msgs):
+            if "reasoning" in m and not isinstance(m["reasoning"], str):
+                warnings.append(f"message {i + 1}: reasoning is not text "
+                                f"({m['reasoning']!r:.40}); dropped")
+                del m["reasoning"]
             if "stats" in m:
                 stats = clean_stats(m["stats"], f"message {i + 1}", warnings)
                 if stats is None:

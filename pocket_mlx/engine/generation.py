@@ -107,6 +107,7 @@ class GenerationStats:
     stop_string: str | None = None  # the stop string that ended the reply (finish_reason stop)
     speculative: dict | None = None  # SpecCounts.to_dict() when decoding by speculation
     reasoning_tokens: int = 0  # tokens the model wrote in its reasoning block (thinking)
+    reasoning_s: float = 0.0  # seconds from the first token to the block's end (or now)
 
     @property
     def gbps(self) -> float:
@@ -498,8 +499,11 @@ def _decode(model, run: _Run, *, prefill_step: int,
         piece, stopped = text.add(token)
         reasoning = ""
         if thought is not None:
+            was = thought.in_block
             reasoning, piece = thought.add(piece)
             stats.reasoning_tokens = thought.tokens
+            if was or thought.in_block:
+                stats.reasoning_s = time.perf_counter() - run.t_decode
         stats.generation_tokens = run.n
         if run.n > 1:
             stats.generation_tps = (run.n - 1) / (time.perf_counter() - run.t_decode)

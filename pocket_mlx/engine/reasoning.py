@@ -246,6 +246,11 @@ class ReasoningTracker:
         return self._queue.popleft()
 
     @property
+    def in_block(self) -> bool:
+        """Whether the next text is reasoning (see `ReasoningParser.in_block`)."""
+        return self.parser.in_block
+
+    @property
     def owed(self) -> bool:
         """The next token read is one `next_forced` handed out."""
         return self._owed

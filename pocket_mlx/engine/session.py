@@ -31,6 +31,7 @@ from pocket_mlx.engine.generation import Response, SamplingParams, context_limit
 from pocket_mlx.engine.loader import use_device
 from pocket_mlx.engine.params import DEFAULT_MAX_TOKENS, check_max_tokens, checked
 from pocket_mlx.engine.prompt_cache import LayerState, PromptCache, capture, restore
+from pocket_mlx.engine.reasoning import thinking_for, thinking_kwargs
 from pocket_mlx.engine.snapshot_points import message_boundaries, snapshot_points
 from pocket_mlx.errors import PocketError
 
@@ -53,17 +54,22 @@ class Settings:
     temperature: float = 0.0
     top_p: float = 1.0
     max_tokens: int = DEFAULT_MAX_TOKENS
+    # Thinking models: on (True) or off (False) through the chat template's `enable_thinking`,
+    # or the template's default (None).
+    thinking: bool | None = None
 
     def validate(self) -> None:
         self.sampling().validate()
         checked(check_max_tokens, self.max_tokens)
+        if self.thinking is not None and not isinstance(self.thinking, bool):
+            raise PocketError(f"thinking must be on, off or auto, got {self.thinking!r}")
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p)
 
     def to_dict(self) -> dict:
         return {"system": self.system, "temperature": self.temperature, "top_p": self.top_p,
-                "max_tokens": self.max_tokens}
+                "max_tokens": self.max_tokens, "thinking": self.thinking}
 
     @classmethod
     def from_dict(cls, d: dict) -> Settings:
@@ -71,7 +77,8 @@ class Settings:
         return cls(system=str(d.get("system", base.system) or ""),
                    temperature=float(d.get("temperature", base.temperature)),
                    top_p=float(d.get("top_p", base.top_p)),
-                   max_tokens=int(d.get("max_tokens", base.max_tokens)))
+                   max_tokens=int(d.get("max_tokens", base.max_tokens)),
+                   thinking=d.get("thinking", base.thinking))
 
 
 @dataclass
@@ -144,7 +151,8 @@ class ChatSession:
 
         def ids_from(k: int) -> list[int]:
             if k not in sizes:
-                sizes[k] = self.conversation_ids(messages[k:], settings.system)
+                sizes[k] = self.conversation_ids(messages[k:], settings.system,
+                                                 settings.thinking)
             return sizes[k]
 
         if len(ids_from(start)) + room <= limit:
@@ -173,12 +181,21 @@ class ChatSession:
         try:
             return len(self.window(messages, settings).ids)
         except ContextOverflow:
-            return len(self.conversation_ids(messages, settings.system))
+            return len(self.conversation_ids(messages, settings.system, settings.thinking))
 
-    def conversation_ids(self, messages: list[dict], system: str = "") -> list[int]:
+    def conversation_ids(self, messages: list[dict], system: str = "",
+                         thinking: bool | None = None) -> list[int]:
+        """The prompt's tokens; `thinking` on/off reaches the template (`enable_thinking`)."""
         tok = self.tokenizer
-        return tok.encode(tok.apply_chat_template(_with_system(messages, system)),
+        kwargs = thinking_kwargs(tok.chat_template, thinking)
+        return tok.encode(tok.apply_chat_template(_with_system(messages, system), **kwargs),
                           add_special_tokens=False)
+
+    def thinking(self, ids: list[int]) -> bool | None:
+        """`stream_generate`'s `thinking` for a prompt (engine/reasoning.py), from its last
+        tokens: enough to see whether the generation prompt left the model in a block."""
+        tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+        return thinking_for(self.tokenizer.chat_template, tail)
 
     def snapshot_points(self, messages: list[dict], system: str, ids: list[int],
                         plan: TurnPlan) -> list[tuple[int, str]]:
@@ -238,7 +255,7 @@ class ChatSession:
             for r in self.lockstep.stream_generate(
                     self.model, self.tokenizer, ids, max_tokens=settings.max_tokens,
                     sampling=settings.sampling(), device=device, should_stop=should_stop,
-                    warn=warn):
+                    warn=warn):  # the reply as it comes: no reasoning parsed under lockstep
                 s = r.stats
                 yield r, (s.prefill_done if s.phase == "prefill"
                           else s.prompt_tokens + s.generation_tokens)
@@ -267,7 +284,8 @@ class ChatSession:
                                      cache=self.cache, progress=prog,
                                      should_stop=should_stop, warn=warn, points=points,
                                      on_point=on_point, speculative=self.speculative,
-                                     num_draft_tokens=self.num_draft_tokens):
+                                     num_draft_tokens=self.num_draft_tokens,
+                                     thinking=self.thinking(ids)):
                 last = r
                 s = r.stats
                 used = plan.base + (s.prefill_done if s.phase == "prefill"
