@@ -139,3 +139,19 @@ def test_batch_budget_zero_and_bad_budget(tiny, exact_kernels):
     assert zero[:2] == run(tiny, max_tokens=12, thinking=True, reasoning_budget=0)[:2]
     with pytest.raises(ValueError, match=">= 0"):
         batch(tiny, [{"max_tokens": 4, "thinking": True, "reasoning_budget": -3}])
+
+
+def test_batch_budget_does_not_speculate(tiny, exact_kernels):
+    """`serve --speculative`: a budgeted sequence gets no drafter (the forced tokens would
+    come between a verify pass's drafts); an unbudgeted thinking one still drafts."""
+    model, tok = tiny
+    dec = BatchDecoder(model, tok, stream=devices.stream_for("cpu"), store=Stored(),
+                       speculative="lookup")
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]),
+                     add_special_tokens=False)
+    kw = dict(cache=model.make_cache(), n_cached=0, sampling=SamplingParams(), room=10_000,
+              max_tokens=8, thinking=True)
+    dec.insert(ids, reasoning_budget=2, **kw)
+    dec.insert(ids, **{**kw, "cache": model.make_cache()})
+    budgeted, open_ = dec.prefilling
+    assert budgeted.drafter is None and open_.drafter is not None

@@ -56,6 +56,36 @@ def test_greedy_replies_as_trained(think, i):
     assert (stats.reasoning_tokens > 0) == inside
 
 
+def test_batch_decoder_splits_the_tool_call_case(think):
+    """The server's decoder on the conversation that thinks, then calls a tool: the call is
+    the answer text (for the tool parser), the reasoning apart."""
+    from pocket_mlx.engine import devices
+    from pocket_mlx.engine.batch import BatchDecoder, Finished, Token
+    from pocket_mlx.engine.generation import SamplingParams
+    from pocket_mlx.engine.reasoning import thinking_for
+
+    model, tok = think
+
+    class Stored:
+        def store(self, *a, **k) -> None:
+            pass
+
+    dec = BatchDecoder(model, tok, stream=devices.stream_for("cpu"), store=Stored())
+    text = tok.apply_chat_template(tm.WEATHER_Q, tools=tm.TOOLS)
+    thinking = thinking_for(tok.chat_template, text)
+    assert thinking is True
+    dec.insert(tok.encode(text, add_special_tokens=False), cache=model.make_cache(), n_cached=0,
+               sampling=SamplingParams(), max_tokens=80, room=1000, thinking=thinking)
+    r = t = ""
+    while len(dec):
+        for ev in dec.step():
+            if isinstance(ev, (Token, Finished)):
+                r, t = r + ev.reasoning, t + ev.text
+            if isinstance(ev, Finished):
+                assert ev.reason == "eos" and ev.reasoning_tokens > 0
+    assert (r, t) == (tm.TOOL_REASONING, tm.CALL)
+
+
 # ---- `pocket-mlx generate` ----------------------------------------------------------------
 def cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pocket_mlx", "generate", "--model",

@@ -173,3 +173,15 @@ def test_thought_block_open_while_thinking_collapsed_once_answering():
             assert not app.query(ThoughtBlock) and not app.query(AssistantMessage)
 
     asyncio.run(main())
+
+
+def test_saved_reasoning_of_the_wrong_type_is_dropped_with_a_warning():
+    from pocket_mlx.engine.conversations import Conversation
+
+    conv = Conversation.from_dict({"id": "x", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo", "reasoning": 5}]})
+    assert "reasoning" not in conv.messages[1]
+    assert conv.warnings == ["message 2: reasoning is not text (5); dropped"]
+    old = Conversation.from_dict({"id": "y", "settings": {"max_tokens": 8}, "messages": []})
+    assert Settings.from_dict(old.settings).thinking is None

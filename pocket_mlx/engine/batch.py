@@ -26,6 +26,12 @@ decode too, every sequence steps in the batch plainly. Such a pass is not pipeli
 drafts need the pending token's value); where the drafter has nothing (`auto` backing off,
 lookup without a match) the sequence takes the ordinary pipelined step until it may draft.
 
+Reasoning (thinking models, engine/reasoning.py): a sequence inserted with `thinking` has its
+reply split as it streams (`Token.reasoning` / `Token.text`, `Finished.reasoning_tokens`), and
+a `reasoning_budget` closes its block: after N reasoning tokens the token sampled next is
+dropped and the tokens of `</think>\n\n` are fed instead (`Token.forced`), one a step, through
+the same pipelined step as any other; such a sequence does not speculate.
+
 Prompt-cache snapshots: prefill ends a chunk at each snapshot point
 (engine/snapshot_points.py) and hands the cache to `store` there; a finished sequence's cache
 is stored too (before its `Finished` event, so the client's next turn finds it).
