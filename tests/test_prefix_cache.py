@@ -50,7 +50,14 @@ def test_message_boundaries_are_true_token_prefixes(tok):
     req = GenRequest(kind="chat", model=None, messages=msgs)
     ids = tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
     got = message_boundaries(tok, req, ids)
+    # Not the end of "Why?": too close to the boundary before it (kept instead).
     assert got == [prefix_tokens(tok, msgs[:k]) for k in (1, 2, 3)]
+    # The end of a longer last message too: the next turn shares the prompt up to there.
+    longer = msgs[:3] + [{"role": "user", "content": "Why is that so? " * 8}]
+    req = GenRequest(kind="chat", model=None, messages=longer)
+    ids_longer = tok.encode(tok.apply_chat_template(longer), add_special_tokens=False)
+    assert message_boundaries(tok, req, ids_longer) == [prefix_tokens(tok, longer[:k])
+                                                        for k in (1, 2, 3, 4)]
     assert prefix_tokens(tok, msgs[:1]) > 1000
     # A prompt that does not start with the rendered messages has no boundary in it.
     assert message_boundaries(tok, req, ids[1:]) == []

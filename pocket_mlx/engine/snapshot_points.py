@@ -43,6 +43,11 @@ def message_boundaries(tok, msgs: list[dict], ids: list[int], *, through_last: b
             continue
         head = tok.encode(text, add_special_tokens=False)
         if 0 < len(head) < len(ids) and ids[:len(head)] == head:
+            if k == len(msgs) and out and len(head) - out[-1] < CHUNKED_MIN_TOKENS:
+                # The end of a short last message gives way to the boundary before it
+                # (`chunk_points` would keep the later of the two): that one is what other
+                # conversations with the same system prompt share.
+                continue
             out.append(len(head))
     return sorted(set(out))
 

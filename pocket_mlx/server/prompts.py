@@ -6,6 +6,8 @@ tokenizer), and these are the 400s a prompt can earn before it is queued.
 
 from __future__ import annotations
 
+import functools
+
 from pocket_mlx.engine import snapshot_points
 from pocket_mlx.engine.reasoning import thinking_for, thinking_kwargs
 from pocket_mlx.errors import PocketError
@@ -63,6 +65,7 @@ def render_chat(tok, req: GenRequest) -> str:
     `enable_thinking=False` so that a thinking model's call is not left inside its
     reasoning. Only the named function is shown to the model in that case. Constrained
     decoding it is not: the model chooses the arguments, and may still write nonsense."""
+    req.messages = fit_system_messages(tok, req.messages or [])
     tools_on = bool(req.tools) and req.tool_choice != "none"
     history = any("tool_calls" in m or m["role"] == "tool" for m in req.messages or [])
     fmt = None
@@ -110,10 +113,13 @@ def message_boundaries(tok, req: GenRequest, ids: list[int]) -> list[int]:
     tools = [t for t in req.tools or []
              if req.tool_name is None or t["function"]["name"] == req.tool_name] \
         if tools_on else None
-    # A thinking model's template drops the reasoning of earlier turns, so the next turn
-    # shares this prompt only up to the end of its last message: a snapshot there too.
+    # The next turn of the conversation shares this prompt up to the end of its last message
+    # for sure, but not always further: a thinking model's template drops the reasoning of
+    # earlier turns, a template renders the reply's tool calls in its own words, a client
+    # trims the reply, or the model wrote a token sequence that the reply's text does not
+    # encode back to (a sampled reply can). So a snapshot there too, whatever the template.
     return snapshot_points.message_boundaries(tok, req.messages or [], ids, tools=tools,
-                                              through_last=req.reasoning_open is not None,
+                                              through_last=True,
                                               **template_keywords(tok, req))
 
 
@@ -125,3 +131,48 @@ def template_keywords(tok, req: GenRequest) -> dict:
     if req.reply_prefix:
         return {"enable_thinking": False}
     return thinking_kwargs(tok.chat_template, req.thinking)
+
+
+def fit_system_messages(tok, messages: list[dict]) -> list[dict]:
+    """`messages` with their `system` messages after the first laid out as the chat template
+    can render them. Clients put system text mid-conversation: Claude Code's environment
+    block (its folder, platform, tools to search, skills) follows the user's first message.
+    The system messages of the conversation's opening (before the model's first turn) are
+    joined, in order, into one system prompt at the top: that is where templates put
+    instructions, and it makes what every session in a folder shares (system prompt, tools,
+    environment) one prefix of the prompt that the prompt cache reuses, the user's question
+    after it. A later one (a reminder between turns) stays where it stands when the template
+    renders a system message there, else becomes a user message in its place, its text as
+    sent (Qwen3.5's template refuses a system message that is not first, others drop it
+    unseen): either way the prompt before it is the previous request's, reused from the
+    cache."""
+    if not any(m["role"] == "system" for m in messages[1:]):
+        return messages
+    opening = next((i for i, m in enumerate(messages) if m["role"] in ("assistant", "tool")),
+                   len(messages))
+    head = [m["content"] for m in messages[:opening] if m["role"] == "system"]
+    out = [{"role": "system", "content": "\n\n".join(head)}] if head else []
+    out += [m for m in messages[:opening] if m["role"] != "system"]
+    late = renders_late_system(tok)
+    out += [m if m["role"] != "system" or late else {**m, "role": "user"}
+            for m in messages[opening:]]
+    return out
+
+
+def renders_late_system(tok) -> bool:
+    """Whether the chat template renders a system message after a user turn, where it
+    stands (tried once per template)."""
+    return _renders_late_system(tok.chat_template, tok)
+
+
+@functools.lru_cache(maxsize=8)
+def _renders_late_system(template: str | None, tok) -> bool:
+    probe = "pocket-mlx: a system message after a user turn"
+    try:
+        text = tok.apply_chat_template([{"role": "system", "content": "s"},
+                                        {"role": "user", "content": "u"},
+                                        {"role": "system", "content": probe},
+                                        {"role": "user", "content": "v"}])
+    except PocketError:
+        return False
+    return probe in text

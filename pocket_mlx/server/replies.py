@@ -21,7 +21,7 @@ from pocket_mlx.server.events import ReplyParts
 from pocket_mlx.server.jobs import Busy, Job, ReplyEvent, Whole
 from pocket_mlx.server.requests import ApiError, GenRequest
 from pocket_mlx.server.state import settings, worker
-from pocket_mlx.server.streaming import collect, log_calls, reply_events, sse
+from pocket_mlx.server.streaming import COMMENT, collect, log_calls, reply_events, sse
 
 log = logging.getLogger(__name__)
 
@@ -130,16 +130,19 @@ def omitted(request: Request, req: GenRequest) -> dict[str, str]:
 
 
 async def answer(
-    request: Request, req: GenRequest, id_prefix: str, full: Full, stream: Stream
+    request: Request, req: GenRequest, id_prefix: str, full: Full, stream: Stream,
+    beat: str = COMMENT,
 ) -> Response:
     """A parsed generation request answered: the job admitted, then its reply events as a
     stream (`stream`) or the whole reply as one object (`full`); 499 when the client left
-    first. `id_prefix`: how the API's tool-call ids start."""
+    first. `id_prefix`: how the API's tool-call ids start; `beat`: the stream's keep-alive
+    (server/streaming.py `sse`)."""
     job = await admit(request, req)
     parts = ReplyParts.for_request(req, id_prefix)
     extra = omitted(request, req)
     if req.stream:
-        return sse(stream(reply_events(request, job, where(request, req), parts)), extra)
+        return sse(stream(reply_events(request, job, where(request, req), parts)), extra,
+                   beat)
     got = await collect(request, job, where(request, req))
     if got is None:
         return Response(status_code=499)

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pocket_mlx.server import anthropic
-from pocket_mlx.server.jobs import Call, Done, Failed, ReplyEvent, Started, Text, Whole
+from pocket_mlx.server.jobs import Call, Done, Failed, Reasoning, ReplyEvent, Started, Text, Whole
 from pocket_mlx.server.replies import answer, check_model, read_json
 from pocket_mlx.server.requests import ApiError
 from pocket_mlx.server.state import worker
@@ -41,8 +41,9 @@ async def count_tokens(request: Request) -> Response:
 
 async def messages(request: Request) -> Response:
     """POST /v1/messages."""
-    req = anthropic.parse_messages(await read_json(request))
-    msg = anthropic.Message(worker(request).model_id)
+    body = await read_json(request)
+    req = anthropic.parse_messages(body)
+    msg = anthropic.Message(worker(request).model_id, anthropic.settings(body).shown)
 
     def full(whole: Whole) -> dict:
         ev = whole.done
@@ -52,36 +53,40 @@ async def messages(request: Request) -> Response:
             ev.stop_string,
             msg.usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens),
             whole.calls,
+            whole.reasoning,
         )
 
     def stream(evs: AsyncIterator[ReplyEvent]) -> AsyncIterator[str]:
         return message_events(msg, evs)
 
-    return await answer(request, req, "toolu_", full, stream)
+    return await answer(request, req, "toolu_", full, stream, event(*anthropic.PING))
 
 
 async def message_events(msg: anthropic.Message, evs: AsyncIterator[ReplyEvent]
                          ) -> AsyncIterator[str]:
-    """Anthropic's events: message_start, ping, each content block's start, deltas and stop
-    (text_delta for text, one input_json_delta per tool_use), message_delta (stop reason,
-    output tokens), message_stop."""
-    blocks = anthropic.Blocks()
+    """Anthropic's events: message_start (at `Started`, before the prompt is prefilled: the
+    client then hears `ping`s while it waits, server/streaming.py), ping, each content block's
+    start, deltas and stop (thinking_delta and a signature_delta for reasoning, text_delta for
+    text, one input_json_delta per tool_use), message_delta (stop reason, output tokens),
+    message_stop."""
+    blocks = anthropic.Blocks(msg.shown)
     called = False
     async for ev in evs:
         if isinstance(ev, Started):
-            for name, obj in msg.start(msg.usage(ev.prompt_tokens, ev.cached_tokens, 0)):
-                yield event(name, obj)
-        elif isinstance(ev, (Text, Call)):
-            called = called or isinstance(ev, Call)
-            for name, obj in (blocks.text(ev.text) if isinstance(ev, Text)
-                              else blocks.call(ev.call)):
-                yield event(name, obj)
+            out = msg.start(msg.usage(ev.prompt_tokens, ev.cached_tokens, 0))
+        elif isinstance(ev, Reasoning):
+            out = blocks.thinking(ev.text)
+        elif isinstance(ev, Text):
+            out = blocks.text(ev.text)
+        elif isinstance(ev, Call):
+            called = True
+            out = blocks.call(ev.call)
         elif isinstance(ev, Failed):
-            yield event("error", anthropic.error_body(ev.error))
+            out = [("error", anthropic.error_body(ev.error))]
         elif isinstance(ev, Done):
-            for name, obj in blocks.close():
-                yield event(name, obj)
-            for name, obj in msg.end(
-                ev.finish_reason, ev.stop_string, {"output_tokens": ev.completion_tokens}, called
-            ):
-                yield event(name, obj)
+            out = blocks.close() + msg.end(ev.finish_reason, ev.stop_string,
+                                           {"output_tokens": ev.completion_tokens}, called)
+        else:
+            out = []
+        for name, obj in out:
+            yield event(name, obj)

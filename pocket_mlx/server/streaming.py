@@ -5,6 +5,12 @@ Why in one place: both APIs read a job the same two ways, and both ways must can
 when the client goes away, or the engine goes on decoding for nobody. A stream learns it from
 Starlette, which cancels the response's iteration (`events`); a plain request has to ask,
 every `DISCONNECT_POLL_S` (`collect`).
+
+Keep-alive (`kept_alive`, used by `sse`): while a long prompt prefills (minutes on a CPU) or a
+request waits for a slot, a stream would carry nothing, and clients or proxies with an idle
+timeout give up. Every stream sends its format's beat (an SSE comment, Anthropic's `ping`
+event) whenever nothing else was sent for `keepalive_s()` seconds (POCKET_MLX_KEEPALIVE_S,
+default 10; 0 turns it off).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -26,6 +33,9 @@ from pocket_mlx.server.tools import CallSplitter
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+KEEPALIVE_ENV = "POCKET_MLX_KEEPALIVE_S"
+DEFAULT_KEEPALIVE_S = 10.0  # a beat at least this often: clients' idle timeouts are 15 s and up
+COMMENT = ": keep-alive\n\n"  # an SSE comment: every SSE parser skips it
 
 
 def done_line(where: str, ev: Done, t0: float) -> str:
@@ -128,10 +138,54 @@ async def reply_events(
         yield ev
 
 
-def sse(stream: AsyncIterator[str], extra: dict[str, str] | None = None) -> StreamingResponse:
-    """Server-sent events, unbuffered by proxies (X-Accel-Buffering) and caches."""
+def keepalive_s() -> float:
+    """Seconds of silence before a stream sends a beat (0: never)."""
+    try:
+        return max(0.0, float(os.environ.get(KEEPALIVE_ENV, DEFAULT_KEEPALIVE_S)))
+    except ValueError:
+        return DEFAULT_KEEPALIVE_S
+
+
+async def kept_alive(stream: AsyncIterator[str], beat: str, every: float
+                     ) -> AsyncIterator[str]:
+    """`stream`, with `beat` sent whenever it gave nothing for `every` seconds. The next item
+    is awaited in a task of its own that a beat does not disturb; when the client goes away
+    (Starlette cancels this iteration) that task is cancelled too, which runs the stream's
+    `finally` (`events` cancels the job)."""
+    if every <= 0:
+        async for item in stream:
+            yield item
+        return
+    it = stream.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield beat
+                continue
+            got, pending = pending, None
+            try:
+                item = got.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+        elif hasattr(it, "aclose"):
+            asyncio.get_running_loop().create_task(it.aclose())
+
+
+def sse(stream: AsyncIterator[str], extra: dict[str, str] | None = None,
+        beat: str = COMMENT) -> StreamingResponse:
+    """Server-sent events, unbuffered by proxies (X-Accel-Buffering) and caches, with `beat`
+    (the format's keep-alive: an SSE comment unless told) in every silence of
+    `keepalive_s()`."""
     return StreamingResponse(
-        stream,
+        kept_alive(stream, beat, keepalive_s()),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(extra or {})},
     )
