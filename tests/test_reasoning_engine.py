@@ -155,3 +155,33 @@ def test_batch_budget_does_not_speculate(tiny, exact_kernels):
     dec.insert(ids, **{**kw, "cache": model.make_cache()})
     budgeted, open_ = dec.prefilling
     assert budgeted.drafter is None and open_.drafter is not None
+
+
+def test_chat_turn_two_reuses_turn_one_up_to_its_generation_prompt(tiny, exact_kernels):
+    """Qwen3.5's template renders turn 1 without its reasoning in turn 2's prompt, so the
+    chat's own cache (prompt + reply) cannot serve turn 2; the snapshot turn 1 stored at the
+    end of its user message does, and the reply is the one a session without a store gives."""
+    from pocket_mlx.engine.prompt_cache import PromptCache
+    from pocket_mlx.engine.session import ChatSession, Settings
+
+    model, tok = tiny
+    settings = Settings(max_tokens=8, system="")
+
+    def reply(session, messages):
+        text, reasoning, last = "", "", None
+        for r, _ in session.generate(messages, settings, "cpu"):
+            text, reasoning, last = text + r.text, reasoning + r.reasoning, r
+        return text, reasoning, last.stats
+
+    session = ChatSession(model, tok, PromptCache(model, 1 << 30))
+    turn1 = [{"role": "user", "content": "Tell me about the sea and its ships. " * 6}]
+    a, thought, s1 = reply(session, turn1)
+    assert thought and not a  # the block never closes within 8 tokens
+    turn2 = turn1 + [{"role": "assistant", "content": a, "reasoning_content": thought},
+                     {"role": "user", "content": "And then?"}]
+    b, _, s2 = reply(session, turn2)
+    served = session.prompt_cache.stats()["tokens_served"]
+    gen_prompt = 7  # "<|im_start|>assistant\n<think>\n" in the bundled tokenizer
+    assert session.plan_kind == "stored" and served >= s1.prompt_tokens - gen_prompt
+    cold, _, s_cold = reply(ChatSession(model, tok), turn2)
+    assert b == cold and s2.prompt_tokens == s_cold.prompt_tokens - served

@@ -204,7 +204,10 @@ class ChatSession:
         starts from the store or afresh: continuing its own cache, the earlier messages are
         behind it already) and every SNAPSHOT_INTERVAL tokens. Without a store too: chunks end
         there with the cache on or off alike, so a reply does not depend on the cache."""
-        bounds = message_boundaries(self.tokenizer, _with_system(messages, system), ids) \
+        # A thinking model's next turn renders this one without its reasoning, so it shares
+        # this prompt only up to the end of its last message: a snapshot there too.
+        bounds = message_boundaries(self.tokenizer, _with_system(messages, system), ids,
+                                    through_last=self.thinking(ids) is not None) \
             if plan.reused in ("stored", "fresh") else []
         return [(p - plan.base, kind)
                 for p, kind in snapshot_points(len(ids), bounds, plan.base)]
