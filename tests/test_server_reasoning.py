@@ -10,7 +10,9 @@ max_tokens must come back as reasoning only, and the answer must never carry the
 
 from __future__ import annotations
 
+import json
 import shutil
+import sys
 
 import openai
 import pytest
@@ -150,3 +152,71 @@ def test_turn_two_reuses_turn_one_up_to_its_generation_prompt(client, cold):
         assert r0.usage.prompt_tokens_details.cached_tokens == 0
         assert (r0.choices[0].message.content, r0.choices[0].message.reasoning_content) \
             == (r2.choices[0].message.content, r2.choices[0].message.reasoning_content)
+
+
+# ---- the thinking test model (tests/fixtures/think-model): it closes its block itself -------
+sys.path.insert(0, str(ROOT / "scripts"))
+import make_think_model as tk  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve") / "serve.log", "--model",
+               str(ROOT / "tests" / "fixtures" / "think-model"), "--device", "cpu")
+    yield openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=60)
+    s.stop()
+    assert "Traceback" not in s.log.read_text()
+
+
+def think(client, messages, **kw):
+    return client.chat.completions.create(model="think-model", messages=messages,
+                                          temperature=0, max_tokens=80, **kw)
+
+
+def test_reasoning_and_answer_apart(thinker):
+    r = think(thinker, tk.ADD)
+    m = r.choices[0].message
+    assert (m.reasoning_content, m.content) == (tk.ADD_REASONING, tk.ADD_ANSWER)
+    assert r.choices[0].finish_reason == "stop"
+    n = len(thinker_tokens(tk.ADD_REASONING + "\n</think>"))
+    assert abs(r.usage.completion_tokens_details.reasoning_tokens - n) <= 2
+
+
+def thinker_tokens(text: str) -> list[int]:
+    from pocket_mlx.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(ROOT / "tests" / "fixtures" / "think-model").encode(
+        text, add_special_tokens=False)
+
+
+def test_thinking_off_renders_the_empty_block(thinker):
+    for switch in ({"reasoning_effort": "none"},
+                   {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}):
+        m = think(thinker, tk.ADD, **switch).choices[0].message
+        assert (m.content, getattr(m, "reasoning_content", None)) == (tk.ADD_DIRECT, None)
+
+
+def test_a_tool_call_after_reasoning_is_a_tool_call(thinker):
+    r = think(thinker, tk.WEATHER_Q, tools=tk.TOOLS)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.reasoning_content == tk.TOOL_REASONING
+    call = c.message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather", {"city": "Paris"})
+    assert not c.message.content
+    stream = think(thinker, tk.WEATHER_Q, tools=tk.TOOLS, stream=True)
+    seen = ""
+    for chunk in stream:
+        d = chunk.choices[0].delta
+        seen += "r" if getattr(d, "reasoning_content", None) else ""
+        seen += "c" if d.tool_calls else ""
+        assert not d.content or "<tool_call>" not in d.content
+    assert seen.rstrip("c").count("c") == 0 and seen.endswith("c") and "r" in seen
+    # The round trip: reasoning sent back, the tool's result, the trained answer.
+    back = [*tk.WEATHER_Q, {"role": "assistant", "content": "", "reasoning_content":
+                            tk.TOOL_REASONING, "tool_calls": [{
+                                "id": "call_1", "type": "function", "function": {
+                                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": tk.RESULT}]
+    m = think(thinker, back, tools=tk.TOOLS).choices[0].message
+    assert (m.reasoning_content, m.content) == (tk.RESULT_REASONING, tk.RESULT_ANSWER)
