@@ -312,3 +312,37 @@ def test_asks_for_the_api_key_once(browser, keyed):
         f"Bearer {KEY}",
     }
     p.close()
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """The thinking test model (tests/fixtures/think-model, Qwen3.5's template)."""
+    s = Server(tmp_path_factory.mktemp("page-think") / "serve.log", "--model",
+               str(ROOT / "tests" / "fixtures" / "think-model"))
+    yield s
+    s.stop()
+    assert "Traceback" not in s.log.read_text()
+
+
+def test_reasoning_is_shown_apart_and_collapsed(browser, thinker):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_think_model as tk
+
+    page = Page(browser, thinker)
+    pg = page.page
+    pg.wait_for_function("() => document.getElementById('model').textContent === 'think-model'")
+    page.settings(temperature="0")
+    page.send(tk.ADD[0]["content"])
+    page.wait_done()
+    assert page.messages()[-1] == ("assistant", tk.ADD_ANSWER)  # no tags, no reasoning
+    details = pg.locator("#log .msg.assistant details.thought")
+    assert details.count() == 1 and details.get_attribute("open") is None  # collapsed
+    assert details.locator(".reasoning").text_content() == tk.ADD_REASONING
+    assert re.match(r"^Thought for \d+\.\d s, \d+ tokens$",
+                    details.locator("summary").inner_text())
+    details.locator("summary").click()
+    assert details.get_attribute("open") is not None
+    pg.reload()  # kept in the saved conversation
+    pg.wait_for_selector("#log .msg.assistant details.thought")
+    assert pg.locator("#log details.thought .reasoning").text_content() == tk.ADD_REASONING
+    page.close()
