@@ -19,7 +19,8 @@ import sys
 from pocket_mlx.cli.logs import setup_logging
 from pocket_mlx.errors import PocketError, one_line
 
-COMMANDS = ["chat", "generate", "serve", "info", "wired", "convert", "shard", "eval_ppl", "bench"]
+COMMANDS = ["chat", "generate", "serve", "launch", "info", "wired", "convert", "shard",
+            "eval_ppl", "bench"]
 
 
 class _HelpFormatter(argparse.HelpFormatter):
