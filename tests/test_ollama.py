@@ -64,6 +64,7 @@ def test_think_and_messages_in_ollamas_shape():
         {"role": "tool", "content": tm.RESULT, "tool_name": "get_weather"}]})
     assert req.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather",
                                                             "arguments": {"city": "Paris"}}
+    assert req.messages[1]["reasoning_content"] == "hmm"
     assert req.messages[2]["role"] == "tool" and req.messages[2]["name"] == "get_weather"
     assert req.tool_choice == "auto" and len(req.tools) == 2
     gen = wire.parse_generate({"model": "m", "prompt": "hi", "system": "be brief"})
@@ -325,3 +326,48 @@ def test_tool_call_round_trip(tool_client):
         *tm.QUESTION, r.message, {"role": "tool", "content": tm.RESULT,
                                   "tool_name": "get_weather"}])
     assert answer.message.content == tm.ANSWER and not answer.message.tool_calls
+
+
+# ---- a thinking template ---------------------------------------------------------------------
+
+QWEN = "qwen-tiny"
+LONG = "Tell me about the sea and the ships that sail on it, and the sailors who " * 8
+
+
+@pytest.fixture(scope="module")
+def qwen_client(tmp_path_factory):
+    """The bundled model under Qwen3.5's real template (its reply starts inside `<think>` and
+    never closes the block itself: serve's --reasoning-budget closes it), as
+    test_server_reasoning.py serves it."""
+    folder = tmp_path_factory.mktemp("models") / QWEN
+    shutil.copytree(ASSET, folder)
+    shutil.copyfile(ROOT / "tests" / "fixtures" / "templates" / "qwen3.5.jinja",
+                    folder / "chat_template.jinja")
+    s = Server(tmp_path_factory.mktemp("serve") / "serve.log", "--model", str(folder),
+               "--device", "cpu", "--reasoning-budget", "16")
+    yield ollama.Client(host=f"http://127.0.0.1:{s.port}", timeout=60)
+    s.stop()
+    assert "Traceback" not in s.log.read_text()
+
+
+def test_thinking_apart_from_the_answer(qwen_client):
+    c = qwen_client
+    assert c.show(QWEN).capabilities == ["completion", "tools", "thinking"]
+    ask = {"model": QWEN, "messages": [{"role": "user", "content": LONG}],
+           "options": {"temperature": 0, "num_predict": 40}}
+    r = c.chat(**ask)
+    assert r.message.thinking and r.message.content
+    assert not any(t in r.message.thinking + r.message.content for t in ("<think>", "</think>"))
+    assert c.chat(**ask, think=True).message == r.message  # the template's default: on
+    chunks = list(c.chat(**ask, stream=True))
+    kinds = ["thinking" if ch.message.thinking else "content" for ch in chunks
+             if ch.message.thinking or ch.message.content]
+    assert kinds == sorted(kinds, key=lambda k: k != "thinking")  # all reasoning first
+    assert "".join(ch.message.thinking or "" for ch in chunks) == r.message.thinking
+    assert "".join(ch.message.content for ch in chunks) == r.message.content
+    assert chunks[-1].eval_count == r.eval_count == 40
+    off = c.chat(**ask, think=False)
+    assert not off.message.thinking and off.message.content
+    assert c.chat(**ask, think="low").message.thinking
+    gen = c.generate(model=QWEN, prompt=LONG, options=ask["options"])
+    assert gen.thinking == r.message.thinking and gen.response == r.message.content

@@ -171,9 +171,10 @@ def _tool_call(c: Any, where: str) -> dict:
 
 
 def _message(m: Any, where: str) -> dict:
-    """One message as the chat template receives it. Ollama's assistant messages may carry
-    `thinking` (an earlier reply's reasoning, as clients echo it back): not shown to the
-    model again, as the templates drop earlier turns' reasoning themselves."""
+    """One message as the chat template receives it. An assistant's `thinking` (an earlier
+    reply's reasoning, as clients send it back) goes to the template as `reasoning_content`,
+    as OpenAI's does: a thinking template shows it where it belongs (the current turn's tool
+    calls) and drops it from earlier turns itself."""
     if not isinstance(m, dict):
         raise _bad(where, "must be an object")
     role = m.get("role")
@@ -188,7 +189,9 @@ def _message(m: Any, where: str) -> dict:
             raise _bad(f"{where}.tool_calls", "must be a list, on an assistant message")
         out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{i}]")
                              for i, c in enumerate(calls)]
-    _text(m.get("thinking"), f"{where}.thinking")
+    thought = _text(m.get("thinking"), f"{where}.thinking")
+    if role == "assistant" and thought:
+        out["reasoning_content"] = thought
     if role == "tool":
         name = m.get("tool_name", m.get("name"))
         out["tool_call_id"] = ""
