@@ -16,6 +16,7 @@ import sys
 
 import openai
 import pytest
+import test_server
 from conftest import ASSET, ROOT
 from test_server import Server
 from test_server_reasoning import qwen_model
@@ -175,6 +176,10 @@ def test_the_renderer_announces_every_step_in_order():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    # A beat after 50 ms of silence: the prefills here are long enough to show some, and the
+    # SDK must parse streams that carry them.
+    mp = pytest.MonkeyPatch()
+    mp.setitem(test_server.ENV, "POCKET_MLX_KEEPALIVE_S", "0.05")
     folder = tmp_path_factory.mktemp("models") / MODEL
     shutil.copytree(FIXTURE, folder)
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -186,6 +191,7 @@ def server(tmp_path_factory):
                                                     "max_position_embeddings": 8192}))
     s = Server(tmp_path_factory.mktemp("serve") / "serve.log", "--model", str(folder),
                "--device", "cpu", "--max-queue", "4")
+    mp.undo()
     yield s
     s.stop()
     log = s.log.read_text()
@@ -256,7 +262,8 @@ def test_freeform_tool_call_comes_back_as_custom_tool_call(client):
 
 def test_codex_request_is_answered(server):
     """The captured Codex body (its model name swapped): a 200 stream, every hosted tool and
-    unhonoured field named in the header."""
+    unhonoured field named in the header; while the prompt prefills, response.in_progress
+    events keep the client's idle timer going (SSE comments would not: Codex counts events)."""
     body = {**codex_body(), "model": MODEL, "max_output_tokens": 8}
     status, headers, got = server.request("POST", "/v1/responses", body)
     assert status == 200, got
@@ -266,6 +273,9 @@ def test_codex_request_is_answered(server):
     events = [json.loads(x[len("data: "):]) for x in lines if x.startswith("data: ")]
     names = [x[len("event: "):] for x in lines if x.startswith("event: ")]
     assert names == [e["type"] for e in events]  # an event: line before each data: line
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert names[:2] == ["response.created", "response.in_progress"]
+    assert names.count("response.in_progress") >= 3, names  # beats during the prefill
     assert events[-1]["type"] == "response.incomplete"  # cut at 8 tokens
 
 

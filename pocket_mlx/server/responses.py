@@ -531,6 +531,12 @@ class Response:
         return [self.event("response.created", response=head),
                 self.event("response.in_progress", response=head)]
 
+    def beat(self) -> dict:
+        """A keep-alive while nothing else comes (a long prompt prefilling): response.in_progress
+        again, a real event. An SSE comment would not do: Codex's idle timer (and other
+        clients') counts events, which comments are not."""
+        return self.event("response.in_progress", response=self.object("in_progress"))
+
     def feed(self, part: Reasoning | Text | Call) -> list[dict]:
         """The events that write `part` into the output."""
         if isinstance(part, Call):

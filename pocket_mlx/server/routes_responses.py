@@ -17,7 +17,9 @@ from pocket_mlx.server import responses
 from pocket_mlx.server.jobs import Call, Done, Failed, Reasoning, ReplyEvent, Text, Whole
 from pocket_mlx.server.replies import answer, read_json
 from pocket_mlx.server.state import worker
-from pocket_mlx.server.streaming import event
+from pocket_mlx.server.streaming import event, keepalive_s, kept_alive
+
+BEAT = "beat"  # what `kept_alive` hands over in a silence (reply events are never strings)
 
 
 async def create(request: Request) -> Response:
@@ -38,11 +40,14 @@ async def response_events(reply: responses.Response, evs: AsyncIterator[ReplyEve
                           ) -> AsyncIterator[str]:
     """response.created and response.in_progress at once, then each output item's events as
     the reply arrives, then response.completed (or .incomplete, or .failed) with the whole
-    response object and its usage."""
+    response object and its usage. In a silence (a long prompt prefilling) response.in_progress
+    again, a little more often than `sse`'s own beat, which then never comes."""
     for ev in reply.start():
         yield event(ev["type"], ev)
-    async for ev in evs:
-        if isinstance(ev, (Reasoning, Text, Call)):
+    async for ev in kept_alive(evs, BEAT, keepalive_s() * 0.8):
+        if isinstance(ev, str):
+            out = [reply.beat()]
+        elif isinstance(ev, (Reasoning, Text, Call)):
             out = reply.feed(ev)
         elif isinstance(ev, Done):
             out = reply.end(ev)
