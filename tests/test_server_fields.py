@@ -40,8 +40,9 @@ def server(tmp_path_factory):
 
 def test_open_webui_default_request_gets_a_reply_and_the_header(server):
     headers, events = sse_events(server, CHAT, OPEN_WEBUI)
+    # reasoning_effort is honoured (the reasoning switch: test_server_reasoning.py)
     assert headers[HEADER] == ("frequency_penalty,keep_alive,logit_bias,options,"
-                               "presence_penalty,reasoning_effort")
+                               "presence_penalty")
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["usage"]["completion_tokens"] >= 1
@@ -60,7 +61,7 @@ IGNORED = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
      "response_format"),
     ({"frequency_penalty": 0.5, "presence_penalty": -0.5}, "frequency_penalty,presence_penalty"),
-    ({"reasoning_effort": "low", "verbosity": "low"}, "reasoning_effort,verbosity"),
+    ({"reasoning_effort": "low", "verbosity": "low"}, "verbosity"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ({"keep_alive": -1, "num_ctx": 4096, "options": {"temperature": 0}},
      "keep_alive,num_ctx,options"),
