@@ -241,4 +241,4 @@ def opencode_env(info: dict) -> dict[str, str]:
         "model": f"pocket-mlx/{name}", "share": "disabled", "autoupdate": False,
     }
     return {"OPENCODE_CONFIG_CONTENT": json.dumps(config), "OPENCODE_DISABLE_AUTOUPDATE": "1",
-            "OPENCODE_DISABLE_MODELS_FETCH": "1"}
+            "OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_SHARE": "1"}
