@@ -352,3 +352,42 @@ def test_sdk_reads_thinking_and_tool_round_trip(server):
         final = stream.get_final_message()
     assert final.role == "assistant" and final.usage.output_tokens >= 1
     assert all(b.type in ("text", "tool_use", "thinking") for b in final.content)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    """The bundled model under Qwen3.5's real template (its reply starts inside <think>), the
+    reasoning closed after 16 tokens."""
+    folder = tmp_path_factory.mktemp("models") / "qwen-tiny"
+    shutil.copytree(ASSET, folder)
+    shutil.copyfile(QWEN, folder / "chat_template.jinja")
+    s = Server(tmp_path_factory.mktemp("serve") / "serve.log", "--model", str(folder),
+               "--device", "cpu", "--reasoning-budget", "16")
+    yield s
+    s.stop()
+    assert "Traceback" not in s.log.read_text()
+
+
+@pytest.mark.parametrize("display", ["summarized", "omitted"])
+def test_sdk_reads_thinking_blocks(thinking_server, display):
+    """Reasoning as a thinking block before the text, streamed and whole alike; its signature
+    carries the reasoning, its text is empty when the client asked for `omitted`."""
+    claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{thinking_server.port}",
+                                 api_key="unused", max_retries=0, timeout=60)
+    kw = {"model": "qwen-tiny", "max_tokens": 24, "messages": [{"role": "user",
+                                                                  "content": "Hello"}],
+          "extra_body": {"temperature": 0,
+                         "thinking": {"type": "adaptive", "display": display}}}
+    with claude.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    whole = claude.messages.create(**kw)
+    for msg in (streamed, whole):
+        first = msg.content[0]
+        assert first.type == "thinking", msg.content
+        reasoning = wire.from_signature(first.signature)
+        assert reasoning and first.thinking == (reasoning if display == "summarized" else "")
+    assert streamed.content[0].signature == whole.content[0].signature
+    # Disabled: no thinking block.
+    off = claude.messages.create(**{**kw, "extra_body": {"temperature": 0,
+                                                         "thinking": {"type": "disabled"}}})
+    assert all(b.type != "thinking" for b in off.content)
