@@ -6,7 +6,7 @@ for its model while it runs), then with the real Claude Code when it is installe
 from __future__ import annotations
 
 import json
-import os
+import re
 import shutil
 import socket
 import subprocess
@@ -130,21 +130,29 @@ def test_refusals_are_one_line(fake_path, tmp_path, server, args, path_has_agent
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
-def test_real_claude_prints_a_reply(tmp_path):
-    """`pocket-mlx launch claude -- -p "hi"` as on a fresh clone: the bundled model, started
-    and stopped by launch, Claude Code's reply printed."""
-    if shutil.which("claude") is None:
-        pytest.skip("Claude Code is not installed: npm install -g "
-                    "@anthropic-ai/claude-code@2.1.332")
+REAL = {"claude": (["-p", "hi"], "@anthropic-ai/claude-code@2.1.332", "/v1/messages"),
+        "codex": (["exec", "--skip-git-repo-check", "hi"], "@openai/codex@0.171.0",
+                  "/v1/responses"),
+        "opencode": (["run", "--pure", "hi"], "opencode-ai@1.18.33", "/v1/chat/completions")}
+
+
+@pytest.mark.parametrize("agent", list(REAL))
+def test_real_agent_prints_a_reply(tmp_path, agent):
+    """`pocket-mlx launch AGENT -- ARGS` as on a fresh clone: the bundled model, started and
+    stopped by launch, the agent's reply printed, every request answered 200."""
+    args, package, path = REAL[agent]
+    if shutil.which(agent) is None:
+        pytest.skip(f"{agent} is not installed: npm install -g {package}")
     home = tmp_path / "home"
     home.mkdir()
-    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "launch", "claude", "--port",
-                        str(free_port()), "--", "-p", "hi"], cwd=tmp_path,
-                       env={**ENV, "HOME": str(home)}, capture_output=True, text=True,
-                       timeout=600)
+    env = {**ENV, "HOME": str(home), "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1"}
+    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "launch", agent, "--port",
+                        str(free_port()), "--", *args], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), r.stderr
-    log = r.stderr.split("its log: ")[-1].split(")")[0]
-    text = Path(log).read_text()
-    assert " 200 POST /v1/messages" in text and " 400 " not in text and " 404 " not in text
-    os.unlink(log)
+    log = Path(r.stderr.split("its log: ")[-1].split(")")[0])
+    text = log.read_text()
+    log.unlink()
+    assert f" 200 POST {path}" in text, text
+    assert not re.search(r" [45]\d\d [A-Z]+ /", text), text
