@@ -320,6 +320,20 @@ def test_claude_code_request_is_answered_with_pings_first(server):
     assert " 400 " not in server.log.read_text()
 
 
+def test_chat_completions_streams_beat_with_comments(server):
+    """The same keep-alive on OpenAI's streams: SSE comments, which the openai client skips."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({
+            "messages": [{"role": "user", "content": "Tell me a story. " * 200}],
+            "max_tokens": 2, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"})
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    assert ": keep-alive\n\n" in text and text.rstrip().endswith("data: [DONE]")
+
+
 def test_a_second_session_comes_from_the_cache(server):
     first = claude_code_body("What is the capital of France? " * 20, max_tokens=4,
                              stream=False)
