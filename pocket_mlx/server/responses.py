@@ -378,14 +378,18 @@ class History:
         if self.turn is None:
             self._lead()
             self.turn = {"role": "assistant", "content": ""}
-            self._take_thought()
+        self._take_thought()
         self.turn.setdefault("tool_calls", []).append(
             {"id": call_id, "type": "function",
              "function": {"name": f"{ns}.{name}" if ns else name, "arguments": args}})
 
     def _take_thought(self) -> None:
-        if self.thought:  # the template decides: Qwen3.5's drops it before the last user turn
-            self.turn["reasoning_content"], self.thought = self.thought, ""
+        """The reasoning before the turn's message or call, as the turn's reasoning_content
+        (the template decides: Qwen3.5's drops it before the last user turn)."""
+        if self.thought:
+            before = self.turn.get("reasoning_content", "")
+            self.turn["reasoning_content"] = before + self.thought
+            self.thought = ""
 
     def _lead(self) -> None:
         if self.lead and not self.out:
