@@ -52,3 +52,21 @@ def test_bad_depths_are_one_line_errors():
         assert proc.returncode == 2, (args, proc.stderr)
         assert said in proc.stderr and "Traceback" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) <= 3  # argparse adds its usage line
+
+
+def test_tg_rows_at_depth_count_the_kv_bytes_in_the_cache_type():
+    """A tg row at depth reads the weights and the KV cache's positions: --cache-type-k/-v f16
+    (llama.cpp's flags) halves the latter and is named in the row's dtype."""
+    rows = {}
+    for kind in ("f32", "f16"):
+        proc = cli("-p", "0", "-n", "4", "-r", "1", "-d", "64", "--cache-type-k", kind,
+                   "--cache-type-v", kind, "-q", "-o", "json")
+        assert proc.returncode == 0, proc.stderr
+        rows[kind] = json.loads(proc.stdout)["rows"][-1]
+    f32, f16 = rows["f32"], rows["f16"]
+    assert f32["depth"] == f16["depth"] == 64 and f32["kv_bytes_per_token"] > 0
+    assert f16["kv_bytes_per_token"] * 2 == f32["kv_bytes_per_token"]
+    assert "KV f16" in f16["dtype"] and "KV" not in f32["dtype"]
+    proc = cli("-d", "64", "--cache-type-k", "f16", "-q")
+    assert proc.returncode == 2 and "--cache-type-v f32" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -13,7 +13,7 @@ import pytest
 
 from pocket_mlx import kernels
 from pocket_mlx.kernels import ops
-from pocket_mlx.models.cache import KVCache
+from pocket_mlx.models.cache import KVCache, attend_as
 from pocket_mlx.models.qwen3_5_moe import Attention
 
 RNG = np.random.default_rng()
@@ -29,10 +29,10 @@ def _a(*shape):
     return mx.array(RNG.standard_normal(shape).astype(np.float32))
 
 
-def _caches(lengths: list[int]) -> list[KVCache]:
+def _caches(lengths: list[int], dtype=None) -> list[KVCache]:
     caches = []
     for n in lengths:
-        c = KVCache()
+        c = KVCache(dtype)
         if n:
             c.update_and_fetch(_a(1, HKV, n, D), _a(1, HKV, n, D))
         mx.eval(c.arrays)
@@ -43,10 +43,11 @@ def _caches(lengths: list[int]) -> list[KVCache]:
 def _copy(caches: list[KVCache]) -> list[KVCache]:
     out = []
     for c in caches:
-        d = KVCache()
+        d = KVCache(c.dtype)
         d.offset = c.offset
         if c.keys is not None:
-            d.keys, d.values = mx.array(np.array(c.keys)), mx.array(np.array(c.values))
+            d.keys, d.values = c.keys * 1, c.values * 1  # copies (in the cache's dtype)
+            mx.eval(d.keys, d.values)
         out.append(d)
     return out
 
@@ -57,7 +58,7 @@ def _per_sequence(q, k, v, gate, caches):
     for i, c in enumerate(caches):
         qi = ops.rope(q[i:i + 1], DIMS, BASE, c.offset)
         ki = ops.rope(k[i:i + 1], DIMS, BASE, c.offset)
-        ki, vi = c.update_and_fetch(ki, v[i:i + 1])
+        ki, vi = attend_as(*c.update_and_fetch(ki, v[i:i + 1]), qi.dtype)
         outs.append(ops.gated_attention(qi, ki, vi, gate[i:i + 1], SCALE, None))
     return mx.concatenate(outs)
 
@@ -81,17 +82,21 @@ def _node(q, k, v, gate, caches):
 
 
 def _equal(a: mx.array, b: mx.array) -> bool:
-    return np.array_equal(np.array(a), np.array(b))
+    a, b = (x.astype(mx.float32) if x.dtype == mx.bfloat16 else x for x in (a, b))  # exact
+    return a.dtype == b.dtype and np.array_equal(np.array(a), np.array(b))
 
 
 @pytest.mark.parametrize("isa", ["auto", "avx2", "scalar"])
-def test_node_has_the_per_sequence_bits(isa):
+@pytest.mark.parametrize("dtype", [None, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+def test_node_has_the_per_sequence_bits(isa, dtype):
+    """A half cache (--cache-type-k f16 / bf16): the node rounds the new row as MLX's astype
+    does and attends the cache's values as the ops do after casting them to float32."""
     if not kernels.set_isa(isa):
         pytest.skip(f"{isa} not available")
     # Lengths: empty, short, one short of a block, a block exactly (grows), long; then 3 more
     # steps so the ones at a block's edge grow on the way.
     lengths = [0, 5, KVCache.step - 1, KVCache.step, 300]
-    mine, ref = _caches(lengths), None
+    mine, ref = _caches(lengths, dtype), None
     ref = _copy(mine)
     for _ in range(4):
         q, k, v, gate = _step_inputs(len(lengths))
@@ -123,6 +128,25 @@ def test_a_held_buffer_is_copied_and_a_free_one_written_in_place():
     assert np.asarray(memoryview(caches[1].values)).ctypes.data == free_addr
 
 
+def test_cache_type_names_and_a_half_cache_holds_half_the_bytes(tiny_ckpt):
+    from pocket_mlx.engine.loader import load_model
+    from pocket_mlx.errors import PocketError
+
+    model = load_model(tiny_ckpt, dtype="float32")
+    sizes = {}
+    for name in ("f32", "f16", "bf16"):
+        model.set_cache_type(name)
+        cache = model.make_cache()
+        mx.eval(model(mx.array([[3, 1, 4, 1, 5]]), cache=cache))
+        kv = [c for c in cache if type(c) is KVCache]
+        sizes[name] = sum(c.nbytes for c in kv)
+        assert {c.keys.dtype for c in kv} == {
+            {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}[name]}
+    assert sizes["f16"] == sizes["bf16"] == sizes["f32"] // 2
+    with pytest.raises(PocketError, match="unknown KV cache type 'q8_0'"):
+        model.set_cache_type("q8_0")
+
+
 def test_other_caches_and_devices_fall_back():
     q, k, v, gate = _step_inputs(1)
 
@@ -134,10 +158,13 @@ def test_other_caches_and_devices_fall_back():
     assert _node(q, k, v, gate, _caches([3])) is None
 
 
-def test_model_decode_has_the_same_logits_with_and_without_the_node(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("cache_type", ["f32", "f16"])
+def test_model_decode_has_the_same_logits_with_and_without_the_node(tiny_ckpt, monkeypatch,
+                                                                    cache_type):
     from pocket_mlx.engine.loader import load_model
 
     model = load_model(tiny_ckpt, dtype="float32")
+    model.set_cache_type(cache_type)  # f16: --cache-type-k/-v f16, the node reads it as stored
     monkeypatch.setattr(KVCache, "step", 4)  # grow every 4 positions: growth on the way
 
     def decode(steps: int) -> list[np.ndarray]:
@@ -155,6 +182,8 @@ def test_model_decode_has_the_same_logits_with_and_without_the_node(tiny_ckpt, m
     monkeypatch.setattr(ops, "decode_attention", lambda *a: ran.append(real(*a)) or ran[-1])
     with_node = decode(9)
     assert ran and all(r is not None for r in ran), "the node did not run"
+    want = mx.float16 if cache_type == "f16" else mx.float32
+    assert all(o.dtype == want for r in ran for o in r[1:]), "the cache's buffers' dtype"
 
     def per_sequence_ops(*a):  # no node: the model runs RoPE, the cache append, attention
         ran.append(None)

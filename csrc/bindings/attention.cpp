@@ -17,6 +17,18 @@
 namespace pocket_ext {
 namespace {
 
+// A new key or value row (float32) written into a cache of type t: rounded to nearest even as
+// MLX's astype rounds the rows a prefill writes (KVCache.update_and_fetch).
+void store_row(const float* src, char* dst, int64_t n, pqk::KvType t) {
+  if (t == pqk::KvType::f32) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; i++)
+    d[i] = t == pqk::KvType::f16 ? pqk::float_to_half(src[i]) : pqk::float_to_bf16(src[i]);
+}
+
 class PocketCausalAttention : public CpuPrimitive {
  public:
   PocketCausalAttention(mx::Stream s, float scale) : CpuPrimitive(s), scale_(scale) {}
@@ -109,7 +121,11 @@ class PocketDecodeAttention : public CpuPrimitive {
       const float* vp = static_cast<const float*>(contiguous_bytes(inputs[2], tv));
       const float* gp = static_cast<const float*>(contiguous_bytes(inputs[3], tg));
       std::vector<float> qr(B * Hq * D), kr(Hkv * D);
-      std::vector<const float*> kb(B), vb(B);
+      std::vector<const void*> kb(B), vb(B);
+      const mx::Dtype dt = outputs[1].dtype();
+      const pqk::KvType kv = dt == mx::float16    ? pqk::KvType::f16
+                             : dt == mx::bfloat16 ? pqk::KvType::bf16
+                                                  : pqk::KvType::f32;
       std::vector<int64_t> cap(B), S(B);
       for (int64_t b = 0; b < B; b++) {
         pqk::rope(qp + b * Hq * D, qr.data() + b * Hq * D, Hq, 1, D, dims, base, off[b]);
@@ -118,17 +134,17 @@ class PocketDecodeAttention : public CpuPrimitive {
         S[b] = off[b] + 1;
         for (int w = 0; w < 2; w++) {  // keys, then values
           mx::array& buf = outputs[1 + 2 * b + w];
-          float* dst = buf.data<float>();
+          char* dst = buf.data<char>();
           if (!shared[2 * b + w])
             std::memcpy(dst, contiguous_bytes(inputs[4 + 2 * b + w], tc), buf.nbytes());
           const float* row = w == 0 ? kr.data() : vp + b * Hkv * D;
           for (int64_t h = 0; h < Hkv; h++)
-            std::memcpy(dst + (h * cap[b] + off[b]) * D, row + h * D, D * sizeof(float));
+            store_row(row + h * D, dst + (h * cap[b] + off[b]) * D * buf.itemsize(), D, kv);
           (w == 0 ? kb : vb)[b] = dst;
         }
       }
       pqk::decode_attention_rows(qr.data(), kb.data(), vb.data(), cap.data(), S.data(), gp,
-                                 outputs[0].data<float>(), B, Hq, Hkv, D, scale);
+                                 outputs[0].data<float>(), B, Hq, Hkv, D, scale, kv);
     });
   }
 
@@ -167,9 +183,13 @@ std::vector<mx::array> decode_attention(const mx::array& q, const mx::array& k,
     throw std::invalid_argument(std::string(err) + "shape mismatch");
   std::vector<mx::array> in = {q, k, v, gate};
   std::vector<mx::Shape> shapes = {{B, 1, q.shape(1), q.shape(3)}};
+  const mx::Dtype kv = B ? keys[0].dtype() : mx::float32;
+  if (kv != mx::float32 && kv != mx::float16 && kv != mx::bfloat16)
+    throw std::invalid_argument(std::string(err) + "cache buffers must be float32, float16 or "
+                                "bfloat16");
   for (int64_t b = 0; b < B; b++) {
     for (const auto* a : {&keys[b], &values[b]}) {
-      if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(0) != 1 ||
+      if (a->dtype() != kv || a->ndim() != 4 || a->shape(0) != 1 ||
           a->shape(1) != k.shape(1) || a->shape(3) != k.shape(3) || offsets[b] < 0 ||
           offsets[b] >= a->shape(2))
         throw std::invalid_argument(std::string(err) + "cache buffer shape or offset mismatch");
@@ -177,8 +197,10 @@ std::vector<mx::array> decode_attention(const mx::array& q, const mx::array& k,
       shapes.push_back(a->shape());
     }
   }
+  std::vector<mx::Dtype> dtypes(2 * B + 1, kv);
+  dtypes[0] = mx::float32;
   return mx::array::make_arrays(
-      std::move(shapes), std::vector<mx::Dtype>(2 * B + 1, mx::float32),
+      std::move(shapes), std::move(dtypes),
       std::make_shared<PocketDecodeAttention>(cpu_stream(s), offsets, dims, base, scale), in);
 }
 

@@ -549,31 +549,51 @@ static void run_linear_rows_case(std::mt19937& rng, int64_t Hk, int64_t Dk, int6
 }
 
 // A batched decode step's attention (decode_attention_rows: B rows, each with its own keys and
-// values of its own length, the B x Hq tasks on the pool) against causal_attention of each row
-// alone with L = 1 (the one-sequence step): the same bits, 1 and 2 threads.
+// values of its own length, the B x Hkv tasks on the pool) against causal_attention of each row
+// alone with L = 1 (the one-sequence step): the same bits, 1 and 2 threads. With a half cache
+// (kv f16 / bf16): the same bits as causal_attention over the cache's values cast to float32.
 static void run_decode_attention_case(std::mt19937& rng, int64_t B, int64_t Hq, int64_t Hkv,
-                                      int64_t D, int threads, const char* isa_name) {
+                                      int64_t D, int threads, const char* isa_name,
+                                      KvType kv = KvType::f32) {
   set_threads(threads);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   std::vector<int64_t> cap(B), S(B);
   std::vector<std::vector<float>> kb(B), vb(B);
+  std::vector<std::vector<uint16_t>> kh(B), vh(B);
   std::vector<const float*> kp(B), vp(B);
+  std::vector<const void*> kx(B), vx(B);
+  auto half = [kv](float x) { return kv == KvType::f16 ? float_to_half(x) : float_to_bf16(x); };
+  auto back = [kv](uint16_t h) {
+    if (kv == KvType::f16) return half_to_float(h);
+    const uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  };
   for (int64_t b = 0; b < B; b++) {
     S[b] = 1 + rng() % 300;
     cap[b] = S[b] + rng() % 40;  // room past the filled positions, as a cache has
-    kb[b].resize(Hkv * cap[b] * D);
-    vb[b].resize(Hkv * cap[b] * D);
-    for (auto& x : kb[b]) x = u(rng);
-    for (auto& x : vb[b]) x = u(rng);
+    for (auto* pair : {&kb, &vb}) {
+      auto& f = (*pair)[b];
+      auto& h = (pair == &kb ? kh : vh)[b];
+      f.resize(Hkv * cap[b] * D);
+      h.resize(f.size());
+      for (size_t i = 0; i < f.size(); i++) {
+        f[i] = u(rng);
+        if (kv != KvType::f32) f[i] = back(h[i] = half(f[i]));
+      }
+    }
     kp[b] = kb[b].data();
     vp[b] = vb[b].data();
+    kx[b] = kv == KvType::f32 ? (const void*)kp[b] : (const void*)kh[b].data();
+    vx[b] = kv == KvType::f32 ? (const void*)vp[b] : (const void*)vh[b].data();
   }
   std::vector<float> q(B * Hq * D), gate(B * Hq * D), out(B * Hq * D), one(Hq * D);
   for (auto& x : q) x = u(rng);
   for (auto& x : gate) x = u(rng);
   const float scale = 1.f / std::sqrt((float)D);
-  decode_attention_rows(q.data(), kp.data(), vp.data(), cap.data(), S.data(), gate.data(),
-                        out.data(), B, Hq, Hkv, D, scale);
+  decode_attention_rows(q.data(), kx.data(), vx.data(), cap.data(), S.data(), gate.data(),
+                        out.data(), B, Hq, Hkv, D, scale, kv);
   bool bad = false;
   for (int64_t b = 0; b < B && !bad; b++) {
     const int64_t qst[3] = {Hq * D, D, D}, kst[3] = {Hkv * cap[b] * D, cap[b] * D, D},
@@ -585,9 +605,35 @@ static void run_decode_attention_case(std::mt19937& rng, int64_t B, int64_t Hq, 
   checks++;
   if (bad) {
     failures++;
-    std::printf("FAIL decode_attention_rows isa=%s B=%lld Hq=%lld Hkv=%lld D=%lld threads=%d: a "
-                "row differs from its one-row causal_attention\n", isa_name, (long long)B,
-                (long long)Hq, (long long)Hkv, (long long)D, threads);
+    std::printf("FAIL decode_attention_rows isa=%s B=%lld Hq=%lld Hkv=%lld D=%lld threads=%d "
+                "kv=%d: a row differs from its one-row causal_attention\n", isa_name,
+                (long long)B, (long long)Hq, (long long)Hkv, (long long)D, threads, (int)kv);
+  }
+}
+
+// float16 conversions: every half value round-trips through float32, and float32 values round
+// to the nearest half (ties to even), as MLX's astype does.
+static void run_half_conversion_case(std::mt19937& rng) {
+  bool bad = false;
+  for (uint32_t h = 0; h < 65536 && !bad; h++) {
+    const bool nan = (h & 0x7c00) == 0x7c00 && (h & 0x3ff);
+    if (!nan) bad = float_to_half(half_to_float((uint16_t)h)) != h;
+  }
+  std::uniform_real_distribution<float> u(-70000.f, 70000.f);
+  for (int i = 0; i < 100000 && !bad; i++) {
+    const float x = i % 2 ? u(rng) : u(rng) * 1e-7f;  // normals, and subnormal halves
+    const uint16_t h = float_to_half(x);
+    const float y = half_to_float(h);
+    const float up = half_to_float((uint16_t)(h + 1)), dn = half_to_float((uint16_t)(h - 1));
+    const bool inf = (h & 0x7fff) == 0x7c00;
+    if (!inf && (h & 0x7fff) && (std::fabs(x - y) > std::fabs(x - up) ||
+                                 std::fabs(x - y) > std::fabs(x - dn)))
+      bad = true;
+  }
+  checks++;
+  if (bad) {
+    failures++;
+    std::printf("FAIL float16 conversion\n");
   }
 }
 
@@ -752,12 +798,17 @@ int main(int argc, char** argv) {
   run_linear_rows_case(rng, 1, 8, 2, 8, 2);     // Dk < 16: the generic kernel, row by row
   run_linear_batch_case(rng, 5, 2, 32, 4, 32);
   run_linear_batch_case(rng, 3, 4, 128, 8, 128);
+  run_half_conversion_case(rng);
   for (const std::string& isa_s : isas) {
     if (!force_isa(isa_s.c_str())) continue;
     for (int threads : {1, 2}) {
       run_decode_attention_case(rng, 1 + rng() % 8, 16, 2, 256, threads, isa_s.c_str());
       run_decode_attention_case(rng, 1 + rng() % 8, 4, 4, 32, threads, isa_s.c_str());
       run_decode_attention_case(rng, 8, 8, 1, 64, threads, isa_s.c_str());
+      run_decode_attention_case(rng, 1 + rng() % 4, 16, 2, 256, threads, isa_s.c_str(),
+                                KvType::f16);
+      run_decode_attention_case(rng, 1 + rng() % 4, 12, 1, 64, threads, isa_s.c_str(),
+                                KvType::bf16);
     }
   }
   force_isa("auto");

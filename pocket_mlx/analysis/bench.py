@@ -34,7 +34,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from pocket_mlx import kernels, units
-from pocket_mlx.engine import devices
+from pocket_mlx.engine import devices, prompt_cache
 from pocket_mlx.engine.drafters import DEFAULT_NUM_DRAFT_TOKENS
 from pocket_mlx.engine.generation import stream_generate
 from pocket_mlx.models.fusion import unfused_parameters
@@ -158,15 +158,24 @@ def pocket_runner(model, device: str, prefill_step: int = 512, speculative: str 
     """`speculative` (bench --speculative) applies to tg: random prompt tokens give lookup
     little to match, so measure it on a copy-heavy prompt (scripts/bench_speculative.py)."""
     tok = NullTokenizer()
+    primed: dict[tuple[int, ...], list] = {}  # the last primed ids -> a detached snapshot
 
     def prime(ids: list[int]) -> list | None:
+        """A fresh cache holding `ids`. The same ids again (every run at one depth) restore a
+        snapshot of the first prefill instead of prefilling again: at depth 16k that prefill
+        takes minutes on a 2-core CPU, and each run then starts from the same state."""
         if not ids:
             return None
-        cache = model.make_cache()
-        for _ in stream_generate(model, tok, ids, max_tokens=1, device=device,
-                                 prefill_step=prefill_step, cache=cache):
-            pass
-        return cache
+        key = tuple(ids)
+        if key not in primed:
+            primed.clear()  # one depth at a time: its snapshot is the cache's size
+            cache = model.make_cache()
+            for _ in stream_generate(model, tok, ids, max_tokens=1, device=device,
+                                     prefill_step=prefill_step, cache=cache):
+                pass
+            primed[key] = prompt_cache.capture(cache, detach=True)
+            del cache
+        return prompt_cache.restore(model.make_cache(), primed[key])
 
     def pp(ids: list[int], cache=None) -> float:
         *_, last = stream_generate(model, tok, ids, max_tokens=1, device=device,
@@ -295,6 +304,18 @@ class Row:
     speedup_x: float | None = None  # tps_mean / the B=1 row's (when B=1 ran)
     vs_bound: float | None = None  # speedup_x / bytes_bound_x
     depth: int = 0  # tokens already in the cache when the test ran (bench -d)
+    # Of a tg row's bytes_per_token: the KV cache's positions a step reads (at the run's mean
+    # position: depth + the prompt + half the tokens), beside the weights.
+    kv_bytes_per_token: int = 0
+
+
+def kv_bytes_per_position(model) -> int:
+    """Bytes of keys and values one position holds in the full-attention layers' caches (what a
+    decode step reads per token of context), in the cache's storage type."""
+    a = model.args
+    n = sum(1 for layer in model.layers if not layer.is_linear)
+    item = model.kv_cache_dtype.size if getattr(model, "kv_cache_dtype", None) else 4
+    return n * a.num_key_value_heads * 2 * a.head_dim * item
 
 
 def mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -335,7 +356,7 @@ def run_tests(runners: list[Runner], *, vocab: int, p: int, n: int, repeats: int
         out[test] = {r.name: [] for r in runners}
         for i in range(repeats):
             for j, r in enumerate(runners):
-                cache = r.prime(random_ids(vocab, depth, 300 + i)) if depth else None
+                cache = r.prime(random_ids(vocab, depth, 300)) if depth else None
                 probed = probe is not None and kind == "tg" and j == 0
                 before = probe() if probed else 0.0
                 if kind == "pp":
@@ -359,20 +380,28 @@ def make_rows(results: dict, meta: dict, bandwidth_gbps: float | None) -> list[R
     """One row per test. The roofline fraction of a tg row uses the bandwidth probed around its
     runs when run_tests measured it (per run, then averaged), else `bandwidth_gbps`."""
     rows = []
+    meta = dict(meta)
+    per_position = meta.pop("kv_bytes_per_position", 0)
     for test, by_runner in results.items():
         ours = by_runner["pocket-mlx"]
         m, sd = mean_sd(ours)
         gbps = frac = None
         around = by_runner.get(BANDWIDTH_KEY)
+        depth, kv = test_depth(test), 0
+        row_meta = meta
         if test.startswith("tg"):
-            gbps = meta["bytes_per_token"] * m / units.GB
+            n = int(test[2:].partition(" ")[0])
+            kv = int(per_position * (depth + TG_PROMPT + n / 2))
+            row_meta = {**meta, "bytes_per_token": meta["bytes_per_token"] + kv}
+            gbps = row_meta["bytes_per_token"] * m / units.GB
             if around:
-                frac = statistics.fmean(meta["bytes_per_token"] * t / units.GB / bw
+                frac = statistics.fmean(row_meta["bytes_per_token"] * t / units.GB / bw
                                         for t, bw in zip(ours, around))
             elif bandwidth_gbps:
                 frac = gbps / bandwidth_gbps
         row = Row(test=test, tps_mean=m, tps_sd=sd, gbps=gbps, roofline_fraction=frac,
-                  runs=ours, bandwidth_runs=around, depth=test_depth(test), **meta)
+                  runs=ours, bandwidth_runs=around, depth=depth, kv_bytes_per_token=kv,
+                  **row_meta)
         if "mlx-lm" in by_runner:
             tm, tsd = mean_sd(by_runner["mlx-lm"])
             row.mlx_lm_tps_mean, row.mlx_lm_tps_sd = tm, tsd
@@ -436,7 +465,7 @@ CSV_FIELDS = ["model", "size_bytes", "params_total", "params_active", "recipe", 
               "threads", "kernels", "test", "tps_mean", "tps_sd", "bytes_per_token", "gbps",
               "roofline_fraction", "mlx_lm_tps_mean", "mlx_lm_tps_sd", "ratio_vs_mlx_lm",
               "parallel", "bytes_bound_x", "distinct_experts_per_layer", "step_bytes",
-              "speedup_x", "vs_bound", "depth"]
+              "speedup_x", "vs_bound", "depth", "kv_bytes_per_token"]
 
 
 def to_csv(rows: list[Row]) -> str:

@@ -33,7 +33,10 @@ class PplResult:
 def window_nll(model, batch: list[list[int]]) -> tuple[float, int]:
     """Summed negative log-likelihood and predicted-token count for windows of equal length."""
     x = mx.array(batch, mx.int32)
-    logits = model(x[:, :-1]).astype(mx.float32)
+    # A half KV cache (--cache-type-k f16, opt-in) rounds the keys and values the attention
+    # reads: measured by running each window through a fresh cache of that type.
+    half = getattr(model, "kv_cache_dtype", None) is not None
+    logits = model(x[:, :-1], cache=model.make_cache() if half else None).astype(mx.float32)
     targets = x[:, 1:]
     lse = mx.logsumexp(logits, axis=-1)
     picked = mx.take_along_axis(logits, targets[..., None], axis=-1).squeeze(-1)

@@ -19,6 +19,7 @@ from pocket_mlx.engine.params import (
     check_top_k,
     check_top_p,
 )
+from pocket_mlx.errors import PocketError
 
 
 def check_utf8(v: str) -> str:
@@ -117,6 +118,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "synthetic:NAME[:RECIPE] (default: the bundled pocket-tiny)")
     p.add_argument("--device", choices=["gpu", "cpu"], default=None,
                    help="where to run (default: the GPU when MLX has one, else the CPU)")
+
+
+CACHE_TYPE_NAMES = ("f32", "f16", "bf16")  # models/cache.CACHE_TYPES (not imported: no MLX here)
+
+
+def add_cache_type_args(p: argparse.ArgumentParser) -> None:
+    """--cache-type-k / --cache-type-v, llama.cpp's names for the KV cache's storage type."""
+    for which in ("k", "v"):
+        p.add_argument(f"--cache-type-{which}", choices=CACHE_TYPE_NAMES, default="f32",
+                       help=f"the attention cache's {'keys' if which == 'k' else 'values'} in "
+                            "float32 (default: exact), or f16 / bf16 (half the bytes a decode "
+                            "step reads at depth; rounds them; set k and v alike)")
+
+
+def cache_type(args) -> str:
+    """The KV cache type of --cache-type-k/-v (checked before a load: one type for both here);
+    the command hands it to `model.set_cache_type` once the model is loaded."""
+    k, v = getattr(args, "cache_type_k", "f32"), getattr(args, "cache_type_v", "f32")
+    if k != v:
+        raise PocketError(f"--cache-type-k {k} with --cache-type-v {v}: keys and values take "
+                          "the same type here; give both the same")
+    return k
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

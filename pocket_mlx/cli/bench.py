@@ -12,7 +12,12 @@ import sys
 import time
 
 from pocket_mlx import units
-from pocket_mlx.cli.args import add_distributed_args, add_speculative_args
+from pocket_mlx.cli.args import (
+    add_cache_type_args,
+    add_distributed_args,
+    add_speculative_args,
+    cache_type,
+)
 from pocket_mlx.errors import PocketError
 
 
@@ -45,6 +50,7 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", "-t", type=int, default=None,
                    help="threads of the project's CPU kernels (when built) "
                         "(default: POCKET_MLX_THREADS, else one per physical core)")
+    add_cache_type_args(p)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="activation/scale dtype; auto = float32 on the CPU (bf16 is 5-40x slower "
                         "there), the checkpoint's own on the GPU")
@@ -93,7 +99,9 @@ def load_for(args, path, device: str, shard=None):
     from pocket_mlx.engine.loader import load
 
     dtype = None if args.dtype == "auto" else args.dtype
+    kv = cache_type(args)
     model, _ = load(path, device=device, dtype=dtype, fuse=True, shard=shard)
+    model.set_cache_type(kv)
     return model
 
 
@@ -117,6 +125,7 @@ def run(args) -> int:
                 raise PocketError(f"--parallel does not run with {flag}: drop one of them")
     if args.synthetic_recipe and not args.synthetic:
         raise PocketError("--synthetic-recipe needs --synthetic")
+    cache_type(args)  # a bad pair fails before the load
     import mlx.core as mx
 
     from pocket_mlx import kernels
@@ -193,6 +202,8 @@ def _measure(args, model, path, name, recipe, size, device, threads, kinfo, log,
     stats = model_weight_stats(model)  # computed once: every run below reuses it
     scales = [v for k, v in _flat(model) if k.endswith("scales")]
     shown_dtype = model.run_dtype or (str(scales[0].dtype).split(".")[-1] if scales else "float")
+    if model.kv_cache_type != "f32":
+        shown_dtype += f", KV {model.kv_cache_type}"
 
     bw = bench.probe_bandwidth(device, threads, quick=not args.bandwidth)
     if args.bandwidth:
@@ -218,12 +229,14 @@ def _measure(args, model, path, name, recipe, size, device, threads, kinfo, log,
                 params_active=stats.params_active, recipe=recipe, dtype=shown_dtype,
                 device=device, threads=threads, kernels=kernels.label(kinfo),
                 bytes_per_token=stats.bytes_per_token,
+                kv_bytes_per_position=bench.kv_bytes_per_position(model),
                 speculative=(f"{args.speculative} k={args.num_draft_tokens}"
                              if args.speculative != "off" else "off"))
     rows = bench.make_rows(results, meta, bw)
     if args.parallel:
         from pocket_mlx.analysis.parallel import parallel_rows
 
+        meta.pop("kv_bytes_per_position")  # no depth with --parallel
         rows += parallel_rows(model, device, widths=args.parallel, n=args.n_gen,
                               repeats=args.repetitions, meta=meta, log=log, probe=probe)
     if args.output == "json":

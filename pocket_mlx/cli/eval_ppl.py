@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pocket_mlx.cli.args import add_model_args
+from pocket_mlx.cli.args import add_cache_type_args, add_model_args, cache_type
 from pocket_mlx.errors import PocketError
 
 
@@ -15,6 +15,7 @@ def register(sub) -> argparse.ArgumentParser:
         description="Perplexity over documents separated by `<|endoftext|>` lines, in "
                     "non-overlapping windows. On the CPU a bf16 model runs in float32.")
     add_model_args(p)
+    add_cache_type_args(p)
     p.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text file (required)")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--separator", default="<|endoftext|>", metavar="TEXT",
@@ -45,9 +46,11 @@ def run(args) -> int:
         raise PocketError(f"--window must be at least 2, got {args.window}")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise PocketError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+    kv = cache_type(args)
     device = resolve_device(args.device)
     # The shared dtype policy (devices.policy_dtype): float32 on the CPU.
     model, tokenizer = load(args.model, device=device, fuse=True)
+    model.set_cache_type(kv)
     context = context_limit(model)
     if args.window > context:
         # Past its context a model reads positions it was never trained on: the number

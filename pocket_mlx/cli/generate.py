@@ -8,6 +8,7 @@ import sys
 
 from pocket_mlx.cli import args as argtypes
 from pocket_mlx.cli.args import (
+    add_cache_type_args,
     add_distributed_args,
     add_model_args,
     add_sampling_args,
@@ -34,8 +35,10 @@ def load_for(args, shard=None):
     from pocket_mlx.engine.devices import resolve_device
     from pocket_mlx.engine.loader import load
 
+    kv = argtypes.cache_type(args)
     device = resolve_device(args.device)
     model, tokenizer = load(args.model, device=device, fuse=True, shard=shard)
+    model.set_cache_type(kv)
     return device, model, tokenizer
 
 
@@ -43,6 +46,7 @@ def register(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text from a prompt",
                        description="Generate a reply to one prompt and print it as it streams.")
     add_model_args(p)
+    add_cache_type_args(p)
     p.add_argument("--prompt", "-p", required=True, type=argtypes.utf8_text,
                    help="the prompt (UTF-8), or - to read it from stdin (required)")
     p.add_argument("--system", default=None, type=argtypes.utf8_text,

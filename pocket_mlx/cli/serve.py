@@ -17,7 +17,13 @@ import sys
 from pathlib import Path
 
 from pocket_mlx.cli import args as argtypes
-from pocket_mlx.cli.args import add_distributed_args, add_model_args, add_speculative_args
+from pocket_mlx.cli.args import (
+    add_cache_type_args,
+    add_distributed_args,
+    add_model_args,
+    add_speculative_args,
+    cache_type,
+)
 from pocket_mlx.engine.params import (
     DEFAULT_PREFILL_STEP,
     PROMPT_CACHE_MB,
@@ -39,6 +45,7 @@ def register(sub) -> argparse.ArgumentParser:
                     "as OpenAI's API. Up to --max-concurrency requests generate at once, decoded together "
                     "(one forward per token for all of them); others wait in a queue.")
     add_model_args(p)
+    add_cache_type_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; anything but loopback requires --api-key")
     p.add_argument("--port", type=_port, default=8080, help="TCP port")
@@ -188,6 +195,8 @@ def launchd_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--alias", name]
     if args.cors:
         argv += ["--cors", args.cors]
+    if cache_type(args) != "f32":
+        argv += ["--cache-type-k", args.cache_type_k, "--cache-type-v", args.cache_type_v]
     argv += ["--prompt-cache-mb", str(args.prompt_cache_mb)]
     if args.prompt_cache_dir:
         argv += ["--prompt-cache-dir", str(Path(args.prompt_cache_dir).expanduser().resolve())]
@@ -225,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is None:
         args.api_key = os.environ.get("POCKET_MLX_API_KEY") or None
     check_args(args)
+    kv = cache_type(args)
+    if kv != "f32" and args.distributed:
+        raise PocketError(f"--cache-type-k {kv} does not run with --distributed yet: drop one")
     if args.print_launchd:
         return print_launchd(args)
     # The server stack and MLX are imported here, not at the top: see cli/main.py (every
@@ -261,6 +273,9 @@ def run(args: argparse.Namespace) -> int:
 
         log.error(f"error: {one_line(e)}")
         exit_now(e.exit_code)
+    # Before the first request (the socket is bound, nothing is served yet): the caches made
+    # from here on (each request's, the prompt cache's restores) store this type.
+    engine.model.set_cache_type(kv)
     app = create_app(engine, api_key=args.api_key, cors=args.cors,
                      max_body=args.max_body_mb * 2**20, aliases=args.alias)
     host = f"[{args.host}]" if ":" in args.host else args.host

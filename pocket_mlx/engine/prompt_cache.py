@@ -279,8 +279,10 @@ def model_fingerprint(model) -> str:
 
 
 def run_dtype(model) -> str:
-    """The activation dtype a cache of `model` is made in now (see loader.cast_model)."""
-    return str(getattr(model, "run_dtype", None) or "native")
+    """The activation dtype a cache of `model` is made in now (see loader.cast_model), and its
+    KV cache's type where that is not the activations' (--cache-type-k f16: "float32+kv-f16")."""
+    kv = getattr(model, "kv_cache_type", "f32")
+    return str(getattr(model, "run_dtype", None) or "native") + ("" if kv == "f32" else f"+kv-{kv}")
 
 
 def _prefix_hashes(tokens) -> list[int]:

@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from pocket_mlx import kernels
 from pocket_mlx.kernels import ops
-from pocket_mlx.models.cache import LinearAttentionCache
+from pocket_mlx.models.cache import LinearAttentionCache, attend_as
 from pocket_mlx.models.qwen3_5_moe import Attention
 
 
@@ -153,7 +153,7 @@ def attend(attn: Attention, x: mx.array, caches: Sequence) -> mx.array:
     for i, cache in enumerate(caches):
         qi = ops.rope(q[i:i + 1], attn.rope_dims, attn.rope_base, cache.offset)
         ki = ops.rope(k[i:i + 1], attn.rope_dims, attn.rope_base, cache.offset)
-        ki, vi = cache.update_and_fetch(ki, v[i:i + 1])
+        ki, vi = attend_as(*cache.update_and_fetch(ki, v[i:i + 1]), qi.dtype)
         outs.append(ops.gated_attention(qi, ki, vi, gate[i:i + 1], attn.scale, None))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
     return attn.o_proj(out)

@@ -12,16 +12,25 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+# What `--cache-type-k/--cache-type-v` (llama.cpp's names) may say, and the dtype each stores.
+CACHE_TYPES = {"f32": None, "f16": mx.float16, "bf16": mx.bfloat16}
+
 
 class KVCache:
-    """Keys and values [B, heads, positions, head_dim] of one attention layer."""
+    """Keys and values [B, heads, positions, head_dim] of one attention layer.
+
+    `dtype`: what the positions are stored in (None: the activations' dtype, float32 on the
+    CPU: exact). A half cache (`mx.float16` / `mx.bfloat16`, opt-in) halves the bytes a decode
+    step reads at depth; its values are rounded once, when written, and read back exactly as
+    float32 (the decode node converts as it loads; the prefill path casts what it fetches)."""
 
     step = 256
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: mx.Dtype | None = None) -> None:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
+        self.dtype = dtype
 
     def reserve(self, n: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                 batch: int = 1) -> None:
@@ -43,10 +52,11 @@ class KVCache:
         """Append the new positions; return every position held so far."""
         prev = self.offset
         B, heads, n, k_dim = keys.shape
-        self.reserve(n, heads, k_dim, values.shape[3], keys.dtype, B)
+        dtype = self.dtype or keys.dtype
+        self.reserve(n, heads, k_dim, values.shape[3], dtype, B)
         self.offset += n
-        self.keys[..., prev : self.offset, :] = keys
-        self.values[..., prev : self.offset, :] = values
+        self.keys[..., prev : self.offset, :] = keys.astype(dtype)
+        self.values[..., prev : self.offset, :] = values.astype(dtype)
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
     @property
@@ -69,6 +79,12 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
+
+
+def attend_as(k: mx.array, v: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """What `update_and_fetch` returned, in the queries' dtype: a half cache's positions are
+    attended in float32 (exact conversions); a float32 cache's arrays pass as they are."""
+    return (k, v) if k.dtype == dtype else (k.astype(dtype), v.astype(dtype))
 
 
 class LinearAttentionCache:

@@ -30,7 +30,7 @@ from pocket_mlx import kernels
 from pocket_mlx.config import model_type, resolve_layer_types, text_config
 from pocket_mlx.errors import PocketError
 from pocket_mlx.kernels import ops
-from pocket_mlx.models.cache import KVCache, LinearAttentionCache
+from pocket_mlx.models.cache import CACHE_TYPES, KVCache, LinearAttentionCache, attend_as
 from pocket_mlx.models.fusion import fuse, project
 from pocket_mlx.models.layers import Embedding, Linear, RMSNorm, SwitchGLU, combine_experts
 from pocket_mlx.models.parallel import ExpertParallelMixin, PipelineMixin, split_evenly
@@ -359,12 +359,13 @@ class Attention(nn.Module):
         `caches[b]` (a batched step; one row is a plain step) in one node of the CPU extension
         (ops.decode_attention): [B, 1, Hq * D] before o_proj, the caches advanced. None where
         the node does not run (another device, dtype or cache): the caller runs the ops."""
+        kv = getattr(caches[0], "dtype", None) or mx.float32  # one cache dtype for all rows
         if not ops.decode_attention_runs(q, k, v, gate) or not all(
-                type(c) is KVCache and (c.keys is None or (
-                    c.keys.dtype == mx.float32 and c.keys.shape[0] == 1)) for c in caches):
+                type(c) is KVCache and (c.dtype or mx.float32) == kv and (c.keys is None or (
+                    c.keys.dtype == kv and c.keys.shape[0] == 1)) for c in caches):
             return None
         for c in caches:
-            c.reserve(1, k.shape[1], k.shape[3], v.shape[3], mx.float32)
+            c.reserve(1, k.shape[1], k.shape[3], v.shape[3], kv)
         outs = ops.decode_attention(q, k, v, gate, [c.keys for c in caches],
                                     [c.values for c in caches], [c.offset for c in caches],
                                     self.rope_dims, self.rope_base, self.scale)
@@ -387,7 +388,7 @@ class Attention(nn.Module):
         q = ops.rope(q, self.rope_dims, self.rope_base, offset)
         k = ops.rope(k, self.rope_dims, self.rope_base, offset)
         if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
+            k, v = attend_as(*cache.update_and_fetch(k, v), q.dtype)  # a half cache: float32
         mask = "causal" if L > 1 else None
         return self.o_proj(ops.gated_attention(q, k, v, gate, self.scale, mask))
 
@@ -659,10 +660,25 @@ class Model(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.mlp.shard_experts(group, lo, hi, shared=i % size == rank, loaded=loaded)
 
+    # What the full-attention layers' KV caches store (`set_cache_type`): None, the activations'
+    # dtype (float32 on the CPU, exact), or float16 / bfloat16 (opt-in: half the bytes).
+    kv_cache_dtype: mx.Dtype | None = None
+    kv_cache_type = "f32"
+
+    def set_cache_type(self, name: str) -> None:
+        """`--cache-type-k/--cache-type-v` (llama.cpp's names): "f32" (the activations' dtype),
+        "f16" or "bf16", for the caches made from now on."""
+        if name not in CACHE_TYPES:
+            raise PocketError(f"unknown KV cache type {name!r}: use {', '.join(CACHE_TYPES)}")
+        object.__setattr__(self, "kv_cache_type", name)
+        object.__setattr__(self, "kv_cache_dtype", CACHE_TYPES[name])
+        object.__setattr__(self, "_cache_dtypes", None)  # loader.cache_dtypes traces again
+
     def make_cache(self) -> list:
         # models/cache.KVCache mirrors mlx-lm's (preallocating, trimmable: the chat app rewinds
         # to the end of the last prompt) without importing mlx_lm, which imports transformers.
-        return [LinearAttentionCache() if l.is_linear else KVCache() for l in self.layers]
+        return [LinearAttentionCache() if l.is_linear else KVCache(self.kv_cache_dtype)
+                for l in self.layers]
 
     @staticmethod
     def is_transformers_layout(weights: dict[str, mx.array]) -> bool:

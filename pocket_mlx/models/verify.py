@@ -39,6 +39,7 @@ import mlx.core as mx
 
 from pocket_mlx import kernels
 from pocket_mlx.kernels import ops
+from pocket_mlx.models.cache import attend_as
 from pocket_mlx.models.fusion import project
 
 
@@ -159,14 +160,14 @@ def _attention_rows(attn, x: mx.array, cache) -> mx.array:
         qr = ops.rope_rows(q, attn.rope_dims, attn.rope_base, cache.offset)
         kr = ops.rope_rows(k, attn.rope_dims, attn.rope_base, cache.offset)
         if qr is not None and kr is not None:
-            kc, vc = cache.update_and_fetch(kr, v)
+            kc, vc = attend_as(*cache.update_and_fetch(kr, v), qr.dtype)
             return attn.o_proj(ops.gated_attention(qr, kc, vc, gate, attn.scale, "causal"))
     outs = []
     for i in range(L):
         row = slice(i, i + 1)
         qi = ops.rope(q[:, :, row], attn.rope_dims, attn.rope_base, cache.offset)
         ki = ops.rope(k[:, :, row], attn.rope_dims, attn.rope_base, cache.offset)
-        ki, vi = cache.update_and_fetch(ki, v[:, :, row])
+        ki, vi = attend_as(*cache.update_and_fetch(ki, v[:, :, row]), qi.dtype)
         outs.append(ops.gated_attention(qi, ki, vi, gate[:, row], attn.scale, None))
     return attn.o_proj(mx.concatenate(outs, axis=1))
 
