@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -194,6 +195,16 @@ def kernels_ext():
     return kernels
 
 
+def restore_isa() -> None:
+    """Back to the instruction set this run started on: POCKET_MLX_ISA's where it forces one (a
+    whole run on AVX2's kernels on an AVX-512 CPU, say), else the CPU's best. Not set_isa("auto")
+    alone, which ignores the variable: the tests after it would run on another ISA than the
+    subprocesses they compare with (serve, the CLI), which read it."""
+    forced = os.environ.get("POCKET_MLX_ISA", "").strip()
+    if not (forced and kernels.set_isa(forced)):
+        kernels.set_isa("auto")
+
+
 @pytest.fixture
 def cpu_kernels(kernels_ext):
     """The extension's kernels on the CPU device (skips or fails as `kernels_ext`); the device,
@@ -203,7 +214,7 @@ def cpu_kernels(kernels_ext):
     kernels.set_enabled(True)
     yield kernels
     kernels.set_enabled(True)
-    kernels.set_isa("auto")
+    restore_isa()
     mx.set_default_device(old)
 
 

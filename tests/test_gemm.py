@@ -11,6 +11,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import restore_isa
 
 from pocket_mlx import kernels
 from tests.test_kernels import _cpu_and_defaults, _fast_ref, _quantized, _x  # noqa: F401
@@ -47,7 +48,7 @@ def test_gemm_plain(isa):
                 o = _fast(kernels.quantized_matmul, x, w, s, b, group_size=gs, bits=bits)
                 assert _err(o, ref) < 1e-4, f"{isa} bits={bits} gs={gs} M={M}: {_err(o, ref):.3g}"
     finally:
-        kernels.set_isa("auto")
+        restore_isa()
 
 
 @pytest.mark.parametrize("isa", ["auto", "avx2"])
@@ -77,7 +78,7 @@ def test_gemm_gathered(isa):
                       sorted_indices=True)
             assert _err(o, ref) < 1e-4, f"{isa} sorted bits={bits}: {_err(o, ref):.3g}"
     finally:
-        kernels.set_isa("auto")
+        restore_isa()
 
 
 def _nll(logits, ids):

@@ -15,6 +15,7 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import restore_isa
 
 from pocket_mlx import kernels
 
@@ -39,7 +40,7 @@ def _cpu_and_defaults(kernels_ext):
     kernels.set_mode(old_mode)
     kernels._ext.set_single_thread_bytes(256 * 1024)
     kernels.set_threads(None)
-    kernels.set_isa("auto")
+    restore_isa()
     mx.set_default_device(old)
 
 
@@ -337,7 +338,7 @@ def test_fast_mode_shapes(isa):
             err = np.abs(o - ref).max() / np.abs(ref).max()
             assert err < 1e-4, f"{isa} gathered bits={bits} gs={gs}: {err:.3g}"
     finally:
-        kernels.set_isa("auto")
+        restore_isa()
 
 
 def test_exact_shared_activation_rows():

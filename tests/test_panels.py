@@ -8,6 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import restore_isa
 from mlx.utils import tree_flatten
 
 from pocket_mlx import kernels
@@ -183,7 +184,7 @@ def test_panels_are_the_default_on_x86_and_can_be_turned_off(tiny_ckpt, monkeypa
                 assert not kernels.panels_wanted(), isa
                 monkeypatch.delenv("POCKET_MLX_PANELS")
     finally:
-        kernels.set_isa("auto")
+        restore_isa()
     monkeypatch.setenv("POCKET_MLX_PANELS", "0")
     assert not kernels.panels_wanted()
     plain, _ = loader.load(str(tiny_ckpt), device="cpu")

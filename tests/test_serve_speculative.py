@@ -31,6 +31,9 @@ EDIT = "# original\n" + CODE + "\n# edited\n" + CODE[:120]  # raw: the model cop
 # Raw, the code twice and a start of a third copy: the model repeats a line, lookup drafts it
 # (EDIT's reply drafts nothing under `auto` in one of the layouts, panels or rows).
 REPEAT = CODE + "\n" + CODE + "\n" + CODE[:60]
+# Raw, a count: the model repeats "2" by wide logit margins (0.1 where EDIT's reply has 0.03),
+# so the reply, and what lookup drafts of it, is the same whichever ISA's rounding ran.
+COUNT = "1 2 3 4 5 6"
 # Chat-templated: drafts partly accepted.
 COPY = [
     {"role": "user", "content": "Repeat this code exactly, with add renamed to plus:\n\n" + CODE}
@@ -205,25 +208,34 @@ def test_mtp_head_alone_and_with_others(tmp_path, exact_kernels):
         assert spec == plain and dec.drafted > 0
 
 
-def test_server_flag_greedy_reply_equals_plain(tmp_path, tiny):
+def test_server_flag_greedy_reply_equals_plain(tmp_path, tiny, exact_kernels, monkeypatch):
     """A real `serve --speculative lookup` process: a greedy completion is the one plain
-    decoding gives (the batch's own, in process), and /metrics counts the drafts."""
+    decoding gives (the batch's own, in process), and /metrics counts the drafts: as many
+    drafted and accepted as the same decoder in process, some of them accepted.
+
+    Both sides in the kernels' EXACT mode: a greedy reply must not depend on which ISA's FAST
+    rounding ran (issue 54: with AVX2's, EDIT's reply no longer copied the prompt and nothing
+    was accepted). The prompt is COUNT, whose reply repeats itself by wide logit margins:
+    the same reply and counts under EXACT and FAST, AVX-512 and AVX2 (EDIT's reply hangs
+    on margins of 0.03)."""
+    import test_server
     from test_server import Server, scrape
 
     _, tok = tiny
-    plain, _, _ = _run(tiny, "off", [(tok.encode(EDIT), 40, {})])
+    ids = tok.encode(COUNT)
+    plain, _, _ = _run(tiny, "off", [(ids, 40, {})])
+    spec, dec, _ = _run(tiny, "lookup", [(ids, 40, {})])
+    assert spec == plain and 0 < dec.accepted <= dec.drafted
+    monkeypatch.setitem(test_server.ENV, "POCKET_MLX_KERNEL_MODE", "exact")
     s = Server(tmp_path / "serve.log", "--speculative", "lookup", "--prompt-cache-mb", "0")
     try:
-        body = {"prompt": EDIT, "max_tokens": 40, "temperature": 0}
+        body = {"prompt": COUNT, "max_tokens": 40, "temperature": 0}
         status, _, out = s.request("POST", "/v1/completions", body, timeout=60)
         assert status == 200, out
         assert out["choices"][0]["text"] == plain[0][0]
         m = scrape(s)
-        assert 0 < m["pocket_mlx_speculative_accepted_tokens_total"]
-        assert (
-            m["pocket_mlx_speculative_accepted_tokens_total"]
-            <= m["pocket_mlx_speculative_drafted_tokens_total"]
-        )
+        assert m["pocket_mlx_speculative_drafted_tokens_total"] == dec.drafted
+        assert m["pocket_mlx_speculative_accepted_tokens_total"] == dec.accepted
     finally:
         s.stop()
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
