@@ -1,4 +1,6 @@
-"""Speculative decoding, measured (docs/SPECULATIVE.md).
+"""Speculative decoding, measured (docs/SPECULATIVE.md). The tok/s tables (default and
+--ordinary) are `pocket-mlx bench speculative [--ordinary]` (pocket_mlx/analysis/
+speculative_bench.py), run from here as before; --verify-cost, a developer's measurement, is here.
 
 Two measurements:
 
@@ -37,185 +39,11 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pocket_mlx import kernels  # noqa: E402
+from pocket_mlx.analysis import speculative_bench as sb  # noqa: E402
 from pocket_mlx.analysis.bench import cpu_model  # noqa: E402
-from pocket_mlx.engine.generation import stream_generate  # noqa: E402
+from pocket_mlx.analysis.speculative_bench import CODE, ORDINARY, PROMPT  # noqa: E402, F401
 from pocket_mlx.engine.loader import load, model_weight_stats  # noqa: E402
 from pocket_mlx.models.verify import commit, verify_forward  # noqa: E402
-
-CODE = """def load_rows(path):
-    rows = []
-    with open(path) as f:
-        for line in f:
-            name, value = line.strip().split(",")
-            rows.append((name, float(value)))
-    return rows
-
-
-def total(rows):
-    return sum(value for _, value in rows)
-
-
-def largest(rows, n=3):
-    return sorted(rows, key=lambda r: r[1], reverse=True)[:n]
-"""
-# Code editing: the module, then the start of its edited copy; the model continues the copy
-# (raw text, no chat template: the bundled model is too small to follow an instruction).
-PROMPT = "# original\n" + CODE + "\n# edited: total renamed to grand_total\n" + CODE[:120]
-
-
-ORDINARY = {
-    "en": "And it came to pass, when the king had heard these words,",
-    "zh": "春眠不觉晓，",
-    "code": "def parse_args(argv):\n    ",
-}
-
-
-class DraftLog:
-    """Records the MTP drafter's passes: (drafted, accepted) and the seconds in its `draft`
-    (the head's steps; `draft` ends reading the drafts, so its time is the head's)."""
-
-    def __init__(self) -> None:
-        from pocket_mlx.engine.mtp_drafter import MTPDrafter
-
-        self.passes: list[tuple[int, int]] = []
-        self.seconds = 0.0
-        orig_draft, orig_acc = MTPDrafter.draft, MTPDrafter.accepted
-        log = self
-
-        def draft(self, tokens, k):
-            t = time.perf_counter()
-            out = orig_draft(self, tokens, k)
-            log.seconds += time.perf_counter() - t
-            return out
-
-        def accepted(self, drafted, accepted, hidden=None):
-            if drafted:
-                log.passes.append((drafted, accepted))
-            return orig_acc(self, drafted, accepted, hidden)
-
-        MTPDrafter.draft, MTPDrafter.accepted = draft, accepted
-
-    def take(self) -> tuple[list[tuple[int, int]], float]:
-        out = self.passes, self.seconds
-        self.passes, self.seconds = [], 0.0
-        return out
-
-
-def depth_rates(passes: list[tuple[int, int]], depth: int = 3) -> list[str]:
-    """Per depth d: passes that kept draft d / passes that drafted d with drafts < d kept."""
-    out = []
-    for d in range(1, depth + 1):
-        reached = sum(1 for n, a in passes if n >= d and a >= d - 1)
-        kept = sum(1 for n, a in passes if n >= d and a >= d)
-        out.append(f"{100 * kept / reached:.0f}% ({kept}/{reached})" if reached else "-")
-    return out
-
-
-def ordinary_table(args, model, tok) -> None:
-    configs = []
-    for m in args.methods.split(","):
-        spec, _, k = m.partition(":")
-        configs.append((spec, int(k or 0)))
-    dlog = DraftLog()
-    run(model, tok, ORDINARY["en"], "off", 1, 16)  # warm-up
-    rows: dict[tuple[str, int], list] = {c: [] for c in configs}
-    refs: dict[str, list[int]] = {}
-    for _ in range(args.reps):
-        acc = {c: [0, 0.0, 0, 0, 0, [], 0.0] for c in configs}  # per config, over the prompts
-        for name, prompt in ORDINARY.items():
-            for spec, k in configs:  # interleaved per prompt: a burst of load hits all alike
-                toks, st = run(model, tok, prompt, spec, max(k, 1), args.n)
-                if spec == "off":
-                    refs[name] = toks
-                elif toks != refs[name]:
-                    raise SystemExit(f"{spec} k={k} {name}: reply differs from off")
-                p, h = dlog.take()
-                a = acc[(spec, k)]
-                sp = st.speculative or {}
-                a[0] += st.generation_tokens
-                a[1] += st.generation_tokens / st.generation_tps
-                a[2] += sp.get("drafted", 0)
-                a[3] += sp.get("accepted", 0)
-                a[4] += sp.get("passes", st.generation_tokens)
-                a[5] += p
-                a[6] += h
-        for c, (tokens, secs, drafted, accepted, passes, plog, head_s) in acc.items():
-            rows[c].append((tokens / secs, drafted, accepted, passes, tokens, plog,
-                            head_s / secs))
-    base = statistics.fmean(r[0] for r in rows[configs[0]])
-    print(f"model {args.model}, CPU {cpu_model()}, kernels {kernels.label()}, "
-          f"{args.n} tokens x {len(ORDINARY)} prompts ({', '.join(ORDINARY)}), "
-          f"{args.reps} interleaved runs each, load {os.getloadavg()[0]:.1f}\n")
-    print("| method | K | decode tok/s | vs off | drafted | accepted | accepted/drafted | "
-          "tokens/pass | depth 1 | depth 2 | depth 3 | head time |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for (spec, k), rs in rows.items():
-        tps = [r[0] for r in rs]
-        m, sd = statistics.fmean(tps), statistics.stdev(tps) if len(tps) > 1 else 0.0
-        _, dr, ac, ps, nt, plog, hs = rs[-1]
-        rate = f"{100 * ac / dr:.0f}%" if dr else "-"
-        d = depth_rates(plog) if plog else ["-"] * 3
-        head = f"{100 * statistics.fmean(r[6] for r in rs):.0f}%" if plog else "-"
-        print(f"| {spec} | {k or '-'} | {m:.1f} ± {sd:.1f} | {m / base:.2f}x | {dr or '-'} | "
-              f"{ac if dr else '-'} | {rate} | {nt / ps:.2f} | {' | '.join(d)} | {head} |")
-
-
-def run(model, tok, prompt: str, spec: str, k: int, n: int):
-    toks, stats = [], None
-    for r in stream_generate(
-        model, tok, prompt, max_tokens=n, speculative=spec, num_draft_tokens=k, raw=True
-    ):
-        if r.token is not None:
-            toks.append(r.token)
-        stats = r.stats
-    return toks, stats
-
-
-def tps_table(args, model, tok) -> None:
-    ks = [int(x) for x in args.k.split(",")]
-    configs = [("off", 0)] + [("lookup", k) for k in ks] + [("auto", 3)]
-    run(model, tok, PROMPT, "off", 1, 16)  # warm-up
-    runs: dict[tuple[str, int], list] = {c: [] for c in configs}
-    ref = None
-    for _ in range(args.reps):
-        for spec, k in configs:
-            toks, stats = run(model, tok, PROMPT, spec, max(k, 1), args.n)
-            if spec == "off":
-                ref = toks
-            elif toks != ref:
-                raise SystemExit(f"{spec} k={k}: reply differs from off")
-            runs[(spec, k)].append(stats)
-    off = [s.generation_tps for s in runs[("off", 0)]]
-    base, base_med, base_best = statistics.fmean(off), statistics.median(off), max(off)
-    print(
-        f"model {args.model}, CPU {cpu_model()}, kernels {kernels.label()}, "
-        f"{len(ref)} tokens, {args.reps} interleaved runs each, load average "
-        f"{os.getloadavg()[0]:.1f}\n"
-    )
-    # On a shared machine the mean swings with other jobs; the median and the best run too.
-    print(
-        "| method | K | decode tok/s | vs off | median | vs off | best | vs off | drafted | "
-        "accepted | accepted/drafted | tokens/pass |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for (spec, k), stats in runs.items():
-        tps = [s.generation_tps for s in stats]
-        m, sd = statistics.fmean(tps), statistics.stdev(tps) if len(tps) > 1 else 0.0
-        med, best = statistics.median(tps), max(tps)
-        cols = (
-            f"{m:.1f} ± {sd:.1f} | {m / base:.2f}x | {med:.1f} | {med / base_med:.2f}x | "
-            f"{best:.1f} | {best / base_best:.2f}x"
-        )
-        sp = stats[-1].speculative
-        if sp is None:
-            print(f"| off | - | {cols} | - | - | - | 1.00 |")
-            continue
-        rate = sp["accepted"] / sp["drafted"] if sp["drafted"] else 0.0
-        per = stats[-1].generation_tokens / sp["passes"]
-        print(
-            f"| {spec} | {k} | {cols} | {sp['drafted']} | "
-            f"{sp['accepted']} | {100 * rate:.0f}% | {per:.2f} |"
-        )
 
 
 def _distinct_experts(model, cache, rows: mx.array) -> float:
@@ -335,9 +163,11 @@ def main() -> int:
     if args.verify_cost:
         verify_cost(args, model, tok)
     elif args.ordinary:
-        ordinary_table(args, model, tok)
+        sb.ordinary_table(model, tok, name=args.model, methods=sb.parse_methods(args.methods),
+                          reps=args.reps, n=args.n)
     else:
-        tps_table(args, model, tok)
+        sb.tps_table(model, tok, name=args.model, ks=[int(x) for x in args.k.split(",")],
+                     reps=args.reps, n=args.n)
     return 0
 
 

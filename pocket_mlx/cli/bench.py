@@ -12,6 +12,7 @@ import sys
 import time
 
 from pocket_mlx import units
+from pocket_mlx.cli import bench_modes
 from pocket_mlx.cli.args import (
     add_cache_type_args,
     add_distributed_args,
@@ -64,6 +65,7 @@ def register(sub) -> argparse.ArgumentParser:
     add_speculative_args(p, default="off")
     add_distributed_args(p)
     p.set_defaults(func=run)
+    bench_modes.add_modes(p)  # `bench kernels`, `bench speculative`, ...: cli/bench_modes.py
     return p
 
 
