@@ -163,7 +163,9 @@ import make_think_model as tk  # noqa: E402
 def thinker(tmp_path_factory):
     s = Server(tmp_path_factory.mktemp("serve") / "serve.log", "--model",
                str(ROOT / "tests" / "fixtures" / "think-model"), "--device", "cpu")
-    yield openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=60)
+    client._server = s  # the Anthropic tests below ask the same server
+    yield client
     s.stop()
     assert "Traceback" not in s.log.read_text()
 
@@ -220,3 +222,66 @@ def test_a_tool_call_after_reasoning_is_a_tool_call(thinker):
             {"role": "tool", "tool_call_id": "call_1", "content": tk.RESULT}]
     m = think(thinker, back, tools=tk.TOOLS).choices[0].message
     assert (m.reasoning_content, m.content) == (tk.RESULT_REASONING, tk.RESULT_ANSWER)
+
+
+# ---- the same through Anthropic's Messages API and its official client ----------------------
+def claude_for(server: Server):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="unused",
+                               max_retries=0, timeout=60)
+
+
+def message(claude, messages, model=MODEL, max_tokens=40, tools=None, **body):
+    """`body` (thinking, ...) as sent, with temperature 0 (this SDK takes neither as keyword
+    arguments)."""
+    extra = {"tools": tools} if tools else {}
+    return claude.messages.create(model=model, max_tokens=max_tokens, messages=messages,
+                                  extra_body={"temperature": 0, **body}, **extra)
+
+
+def test_anthropic_budget_tokens_closes_the_block(server):
+    claude = claude_for(server)
+    m = message(claude, [{"role": "user", "content": LONG}],
+                thinking={"type": "enabled", "budget_tokens": 8})
+    kinds = [b.type for b in m.content]
+    assert kinds == ["thinking", "text"], kinds
+    from pocket_mlx.server.anthropic import from_signature
+
+    thought = from_signature(m.content[0].signature)
+    assert thought and m.content[0].thinking == thought
+    assert m.content[1].text and "</think>" not in m.content[1].text
+    n = len(load_bundled_tokens(thought))
+    assert n <= 8 + 1, (n, thought)  # the block's text, re-encoded (boundary tokens may merge)
+
+
+def load_bundled_tokens(text: str) -> list[int]:
+    from pocket_mlx.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(ASSET).encode(text, add_special_tokens=False)
+
+
+def test_anthropic_turn_two_reuses_turn_one(server):
+    """The history sent back with its thinking block (as Claude Code does) or without it."""
+    claude = claude_for(server)
+    first = message(claude, [{"role": "user", "content": LONG}])
+    t1 = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    blocks = [b.model_dump(exclude_none=True) for b in first.content]
+    for history in (blocks, [b for b in blocks if b["type"] != "thinking"]):
+        msgs = [{"role": "user", "content": LONG}, {"role": "assistant", "content": history},
+                {"role": "user", "content": "More?"}]
+        second = message(claude, msgs)
+        assert second.usage.cache_read_input_tokens >= t1 - 7  # its generation prompt
+
+
+def test_anthropic_tool_call_after_reasoning(thinker):
+    s = thinker._server
+    claude = claude_for(s)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in tk.TOOLS]
+    m = message(claude, tk.WEATHER_Q, model="think-model", tools=tools, max_tokens=80)
+    assert [b.type for b in m.content] == ["thinking", "tool_use"]
+    assert m.content[0].thinking == tk.TOOL_REASONING and m.stop_reason == "tool_use"
+    assert (m.content[1].name, m.content[1].input) == ("get_weather", {"city": "Paris"})
+    off = message(claude, tk.ADD, model="think-model", thinking={"type": "disabled"})
+    assert [(b.type, b.text) for b in off.content] == [("text", tk.ADD_DIRECT)]
