@@ -114,12 +114,14 @@ def train(steps: int = 300, seed: int = 0, log=print) -> tuple[nn.Module, Tokeni
     return fit(sequences(tok), steps, seed, log), tok
 
 
-def fit(data: list[tuple[list[int], int]], steps: int, seed: int = 0, log=print) -> nn.Module:
-    """A model of CONFIG trained on (tokens, prompt length) sequences: full-batch Adam, the
-    loss on the reply tokens only (scripts/make_think_model.py trains with it too)."""
+def fit(data: list[tuple[list[int], int]], steps: int, seed: int = 0, log=print,
+        config: dict | None = None) -> nn.Module:
+    """A model of `config` (CONFIG) trained on (tokens, prompt length) sequences: full-batch
+    Adam, the loss on the reply tokens only (scripts/make_think_model.py and
+    make_agent_model.py train with it too)."""
     mx.random.seed(seed)
     kernels.set_enabled(False)  # the extension's ops have no gradients; MLX's own do
-    model = build_model(CONFIG)
+    model = build_model(config or CONFIG)
     mx.eval(model.parameters())
     opt = optim.Adam(learning_rate=3e-3)
 
