@@ -74,6 +74,7 @@ def test_starts_a_server_runs_the_agent_and_stops_it(fake_path, tmp_path):
     assert env["DISABLE_TELEMETRY"] == "1" and env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"]
     assert "starting pocket-mlx serve" in r.stderr and "stopped the server" in r.stderr
     assert port_is_free(port)
+    Path(r.stderr.split("its log: ")[-1].split(")")[0]).unlink()
 
 
 @pytest.fixture(scope="module")
