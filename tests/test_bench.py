@@ -88,10 +88,10 @@ def test_roofline_uses_bandwidth_probed_around_each_run():
     calls = []
 
     def runner(name, tps):
-        def tg(ids, n):
+        def tg(ids, n, cache=None):
             calls.append(name)
             return tps.pop(0)
-        return bench.Runner(name, pp=lambda ids: 1.0, tg=tg)
+        return bench.Runner(name, pp=lambda ids, cache=None: 1.0, tg=tg)
 
     ours = runner("pocket-mlx", [0.0, 2.0, 1.0])  # warm-up, run 1, run 2
     theirs = runner("mlx-lm", [0.0, 1.0, 1.0])
