@@ -15,8 +15,8 @@ from test_server import Server
 
 from pocket_mlx.engine.loader import load
 from pocket_mlx.engine.prompt_cache import PromptCache
-from pocket_mlx.server.requests import GenRequest
 from pocket_mlx.server.prompts import message_boundaries
+from pocket_mlx.server.requests import GenRequest
 
 # A long system prompt (~1,300 tokens on the bundled tokenizer), as agents and UIs send.
 SYSTEM = " ".join(f"Rule {i}: answer the user about topic {i * 7 % 53} politely, briefly and "
