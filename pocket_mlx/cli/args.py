@@ -186,6 +186,19 @@ def num_draft_tokens(text: str) -> int:
     return k
 
 
+def add_reasoning_args(p: argparse.ArgumentParser, switch: str, budget: str) -> None:
+    """--reasoning on|off|auto and --reasoning-budget N (engine/reasoning.py) for `generate`
+    and `serve`; `switch` and `budget` end their help (where the output goes, what wins)."""
+    p.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
+                   help="thinking models: on or off is passed to the chat template "
+                        f"(enable_thinking) when it has the switch; auto keeps the template's "
+                        f"default. {switch} (default: auto)")
+    p.add_argument("--reasoning-budget", type=int_range(0, None, "0 or more tokens"),
+                   default=None, metavar="N",
+                   help="close the reasoning block after N tokens of it (the model then "
+                        f"answers).{' ' + budget if budget else ''} (default: no limit)")
+
+
 def add_speculative_args(p: argparse.ArgumentParser, default: str = "auto",
                          where: str = "") -> None:
     """--speculative and --num-draft-tokens (engine/speculative.py, docs/SPECULATIVE.md);

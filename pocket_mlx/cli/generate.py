@@ -11,6 +11,7 @@ from pocket_mlx.cli.args import (
     add_cache_type_args,
     add_distributed_args,
     add_model_args,
+    add_reasoning_args,
     add_sampling_args,
     add_speculative_args,
 )
@@ -61,15 +62,7 @@ def register(sub) -> argparse.ArgumentParser:
                                         "or --max-tokens)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead (with the reasoning beside the text)")
-    p.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
-                   help="thinking models: on or off is passed to the chat template "
-                        "(enable_thinking) when it has the switch; auto keeps the template's "
-                        "default. The reasoning goes to stderr, the answer to stdout (default: "
-                        "auto)")
-    p.add_argument("--reasoning-budget", type=argtypes.int_range(0, None, "0 or more tokens"),
-                   default=None, metavar="N",
-                   help="close the reasoning block after N tokens of it (the model then "
-                        "answers; default: no limit)")
+    add_reasoning_args(p, "The reasoning goes to stderr, the answer to stdout.", "")
     add_speculative_args(p)
     add_distributed_args(p)
     p.set_defaults(func=run)

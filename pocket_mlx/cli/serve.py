@@ -21,6 +21,7 @@ from pocket_mlx.cli.args import (
     add_cache_type_args,
     add_distributed_args,
     add_model_args,
+    add_reasoning_args,
     add_speculative_args,
     cache_type,
 )
@@ -88,15 +89,9 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-dir", type=Path, default=None, metavar="DIR",
                    help="where colder cache entries go and are found again after a restart "
                         "(default: prompt-cache/ in the data folder, shared with the chat)")
-    p.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
-                   help="thinking models: think before answering (on), answer at once (off), "
-                        "or as the chat template does by default (auto); a request's own "
-                        "switch (reasoning_effort, chat_template_kwargs.enable_thinking, "
-                        "Anthropic's thinking, Ollama's think) wins")
-    p.add_argument("--reasoning-budget", type=argtypes.int_range(0, None, "0 or more tokens"),
-                   default=None, metavar="N",
-                   help="close a reply's reasoning block after N tokens of it (the model then "
-                        "answers); a request's own budget wins (default: no limit)")
+    add_reasoning_args(p, "A request's own switch (reasoning_effort, chat_template_kwargs."
+                          "enable_thinking, Anthropic's thinking, Ollama's think) wins.",
+                       "A request's own budget wins.")
     add_speculative_args(p, default="off", where="greedy requests, while one is decoding "
                          "alone (batched steps decode plainly)")
     add_distributed_args(p)
