@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from conftest import ROOT
+from test_tui import send, until
 from textual.app import App
 from textual.widgets import Select
 
@@ -44,21 +45,6 @@ def run(scenario, **kw) -> ChatApp:
 
     asyncio.run(main())
     return app
-
-
-async def until(pilot, cond, timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    t = loop.time()
-    while not cond():
-        assert loop.time() - t < timeout, "timed out"
-        await pilot.pause(0.05)
-
-
-async def send(app: ChatApp, pilot, text: str) -> None:
-    done = app.replies_done
-    app.prompt.text = text
-    await pilot.press("enter")
-    await until(pilot, lambda: app.replies_done > done)
 
 
 def replies(app: ChatApp) -> list[tuple[str, str, bool | None]]:
