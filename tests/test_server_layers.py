@@ -90,3 +90,29 @@ def test_the_worker_does_not_validate_sampling_again():
     source = (SERVER / "worker.py").read_text()
     assert "SamplingParams(**req.sampling.keywords())" in source
     assert ".validate()" not in source
+
+
+def test_serve_sampling_defaults_fill_only_what_the_request_left_out():
+    """`serve --temp 0 --top-k 5`: a request without them gets them, one that sets them keeps
+    its own (as llama.cpp's server); the engine never sees the bookkeeping."""
+    served = {"temperature": 0.0, "top_k": 5}
+    bare = parse_chat({"messages": [{"role": "user", "content": "hi"}]}).sampling
+    assert bare.temperature == 1.0 and bare.given == frozenset()
+    assert bare.under(served).temperature == 0.0 and bare.under(served).top_k == 5
+    own = parse_chat({"messages": [{"role": "user", "content": "hi"}],
+                      "temperature": 0.7}).sampling
+    assert own.given == {"temperature"}
+    assert own.under(served).temperature == 0.7 and own.under(served).top_k == 5
+    assert "given" not in own.keywords()
+
+
+def test_serve_sampling_flags_are_checked_and_kept_for_launchd():
+    from pocket_mlx.cli.main import build_parser
+    from pocket_mlx.cli.serve import launchd_argv
+
+    args = build_parser().parse_args(["serve", "--temp", "0", "--repeat-penalty", "1.1"])
+    argv = launchd_argv(args)
+    assert argv[argv.index("--temp") + 1] == "0.0" and "--repeat-penalty" in argv
+    r = subprocess.run([sys.executable, "-m", "pocket_mlx", "serve", "--temp", "-1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--temp" in r.stderr and "Traceback" not in r.stderr

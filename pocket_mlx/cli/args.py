@@ -142,6 +142,28 @@ def cache_type(args) -> str:
     return k
 
 
+def add_serve_sampling_args(p: argparse.ArgumentParser) -> None:
+    """serve's defaults for what a request leaves out (llama.cpp's server names): None
+    keeps the API's own default (temperature 1, the rest off)."""
+    g = p.add_argument_group("sampling defaults (a request's own value wins)")
+    g.add_argument("--temp", type=temperature, default=None, metavar="T",
+                   help="temperature; 0 = greedy (default: 1)")
+    g.add_argument("--top-p", type=top_p, default=None, metavar="P", help="(default: 1, off)")
+    g.add_argument("--top-k", type=top_k, default=None, metavar="K", help="(default: 0, off)")
+    g.add_argument("--min-p", type=min_p, default=None, metavar="P", help="(default: 0, off)")
+    g.add_argument("--repeat-penalty", "--repetition-penalty", dest="repetition_penalty",
+                   type=repetition_penalty, default=None, metavar="R", help="(default: 1, off)")
+    g.add_argument("--seed", type=seed, default=None, metavar="S",
+                   help="(default: a fresh random seed per request)")
+
+
+def serve_sampling(args: argparse.Namespace) -> dict:
+    """The sampling defaults serve was given, as `Sampling` fields."""
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+    given = (args.temp, args.top_p, args.top_k, args.min_p, args.repetition_penalty, args.seed)
+    return {k: v for k, v in zip(names, given) if v is not None}
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """generate's sampling options; defaults match `SamplingParams`."""
     p.add_argument("--max-tokens", "-n", type=max_tokens, default=DEFAULT_MAX_TOKENS,

@@ -22,8 +22,10 @@ from pocket_mlx.cli.args import (
     add_distributed_args,
     add_model_args,
     add_reasoning_args,
+    add_serve_sampling_args,
     add_speculative_args,
     cache_type,
+    serve_sampling,
 )
 from pocket_mlx.engine.params import (
     DEFAULT_PREFILL_STEP,
@@ -92,6 +94,7 @@ def register(sub) -> argparse.ArgumentParser:
     add_reasoning_args(p, "A request's own switch (reasoning_effort, chat_template_kwargs."
                           "enable_thinking, Anthropic's thinking, Ollama's think) wins.",
                        "A request's own budget wins.")
+    add_serve_sampling_args(p)
     add_speculative_args(p, default="off", where="greedy requests, while one is decoding "
                          "alone (batched steps decode plainly)")
     add_distributed_args(p)
@@ -190,6 +193,10 @@ def launchd_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--alias", name]
     if args.cors:
         argv += ["--cors", args.cors]
+    flags = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
+             "min_p": "--min-p", "repetition_penalty": "--repeat-penalty", "seed": "--seed"}
+    for field, value in serve_sampling(args).items():
+        argv += [flags[field], str(value)]
     if cache_type(args) != "f32":
         argv += ["--cache-type-k", args.cache_type_k, "--cache-type-v", args.cache_type_v]
     argv += ["--prompt-cache-mb", str(args.prompt_cache_mb)]
@@ -257,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
                     prefill_step=args.prefill_step, speculative=args.speculative,
                     num_draft_tokens=args.num_draft_tokens,
                     reasoning=parse_reasoning_mode(args.reasoning),
-                    reasoning_budget=args.reasoning_budget)
+                    reasoning_budget=args.reasoning_budget,
+                    sampling=serve_sampling(args))
     try:
         engine.start()
     except PocketError as e:

@@ -11,7 +11,7 @@ CLI prints. No Starlette and no MLX here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from pocket_mlx.engine import params
@@ -85,6 +85,8 @@ class Sampling:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # The fields the request set: the others take serve's defaults (`under`).
+    given: frozenset[str] = field(default=frozenset(), compare=False)
 
     @classmethod
     def checked(cls, values: dict[str, Any], names: dict[str, str] | None = None) -> Sampling:
@@ -95,11 +97,17 @@ class Sampling:
             raise TypeError(f"Sampling has no field {sorted(unknown)[0]!r}")
         names = names or {}
         got = {k: check(names.get(k, k), v, k) for k, v in values.items()}
-        return cls(**{k: v for k, v in got.items() if v is not None})
+        kept = {k: v for k, v in got.items() if v is not None}
+        return cls(**kept, given=frozenset(kept))
+
+    def under(self, defaults: dict[str, Any]) -> Sampling:
+        """This request's sampling over serve's defaults (`serve --temp ...`, checked when
+        serve started): what the request set wins, as llama.cpp's server does."""
+        return replace(self, **{k: v for k, v in defaults.items() if k not in self.given})
 
     def keywords(self) -> dict[str, Any]:
         """As engine/generation.py's `SamplingParams` keywords."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "given"}
 
 
 # Reasoning effort (OpenAI's `reasoning_effort`, the Responses API's `reasoning.effort`,

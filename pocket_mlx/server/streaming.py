@@ -43,6 +43,7 @@ def done_line(where: str, ev: Done, t0: float) -> str:
         f"200 {where}: {ev.prompt_tokens} prompt tokens ({ev.cached_tokens} cached), "
         f"{ev.completion_tokens} completion tokens, {ev.finish_reason}, "
         f"{time.perf_counter() - t0:.2f} s"
+        + (f" (first token after {ev.first_s:.2f} s)" if ev.first_s is not None else "")
     )
 
 

@@ -88,7 +88,8 @@ class ServeWorker:
                  prefill_step: int = DEFAULT_PREFILL_STEP, distributed=None,
                  ctx_size: int | None = None, speculative: str = "off",
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
-                 reasoning: bool | None = None, reasoning_budget: int | None = None) -> None:
+                 reasoning: bool | None = None, reasoning_budget: int | None = None,
+                 sampling: dict | None = None) -> None:
         if max_concurrency < 1:
             raise PocketError(f"--max-concurrency {max_concurrency}: must be 1 or more")
         if distributed is not None and max_concurrency != 1:
@@ -112,6 +113,8 @@ class ServeWorker:
         # `serve --reasoning on|off|auto` (None: the template's default) and
         # `--reasoning-budget`: what a request that sets neither gets.
         self.reasoning, self.reasoning_budget = reasoning, reasoning_budget
+        # `serve --temp/--top-p/...`: what a request that does not set them gets.
+        self.sampling_defaults = sampling or {}
         self.prompt_cache: PrefixStore = (prompt_cache if prompt_cache is not None
                                           else NoPromptCache())
         # Without a store given, one is built once the model is loaded (it fingerprints it):
@@ -408,6 +411,8 @@ class ServeWorker:
             request.thinking = self.reasoning
         if request.reasoning_budget is None:
             request.reasoning_budget = self.reasoning_budget
+        if self.sampling_defaults:
+            request.sampling = request.sampling.under(self.sampling_defaults)
         return encode_request(self.tokenizer, request, self.context, vocab)
 
     def submit(self, ids: list[int], request: GenRequest,
