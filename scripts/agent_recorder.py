@@ -134,12 +134,12 @@ class Recorder:
         self.worker.stop()
 
 
-def client_command(client: str, binary: str, url: str, home: Path, args: list[str]
-                   ) -> tuple[list[str], dict]:
+def client_command(client: str, binary: str, url: str, home: Path, args: list[str],
+                   model: str = MODEL) -> tuple[list[str], dict]:
     """How the tests run each client: launch's settings (cli/agents.py), a fresh HOME."""
     from pocket_mlx.cli.agents import agent_command
 
-    info = {"url": url, "model": MODEL, "context": WINDOW, "key": "pocket-mlx"}
+    info = {"url": url, "model": model, "context": WINDOW, "key": "pocket-mlx"}
     argv, env = agent_command(client, binary, info, args)
     env = {**env, "HOME": str(home), "LANG": "C.UTF-8"}
     if client == "codex":
