@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -56,14 +55,11 @@ def served_copy(model: Path, where: Path) -> Path:
 
 
 def cpu() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        name = re.search(r"model name\s*:\s*(.+)", text)[1]
-        flags = re.search(r"flags\s*:\s*(.+)", text)[1].split()
-        isa = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
-        return f"{name} ({isa}, {os.cpu_count()} cores)"
-    except (OSError, TypeError):
-        return platform.processor()
+    """The CPU and the kernels' ISA variant, as `pocket-mlx bench` names them."""
+    from pocket_mlx import kernels
+    from pocket_mlx.analysis.bench import cpu_model
+
+    return f"{cpu_model()} ({kernels.info().get('variant')}, {os.cpu_count()} cores)"
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ from agent_recorder import (  # noqa: E402
     Recorded,
     variants,
 )
-from make_tool_model import CONFIG, EOS  # noqa: E402
+from make_tool_model import CONFIG, EOS, batch  # noqa: E402
 
 from pocket_mlx import kernels  # noqa: E402
 from pocket_mlx.convert.writer import save_model  # noqa: E402
@@ -147,24 +147,12 @@ def swapped(tok: Tokenizer, records: list[Recorded]) -> list[tuple[list[int], li
     return out
 
 
-def batch(data: list[tuple[list[int], list[int]]]) -> tuple[mx.array, mx.array, mx.array]:
-    """(inputs, targets, reply mask) of right-padded (prompt, reply) pairs."""
-    T = max(len(p) + len(r) for p, r in data) - 1
-    xs, ys, ms = [], [], []
-    for p, r in data:
-        seq = p + r + [0] * (T + 1 - len(p) - len(r))
-        xs.append(seq[:-1])
-        ys.append(seq[1:])
-        ms.append([1.0 if len(p) - 1 <= i < len(p) + len(r) - 1 else 0.0 for i in range(T)])
-    return mx.array(xs), mx.array(ys), mx.array(ms)
-
-
 def fit(model, data: list[tuple[list[int], list[int]]], steps: int, lr: float = 2e-3,
         log=print, local: list[tuple[list[int], list[int]]] = ()) -> None:
     """Adam on the replies' tokens, each after its prompt's cache (see the docstring), plus
     the `local` pairs (short, batched, no cache)."""
     opt = optim.Adam(learning_rate=lr)
-    lx, ly, lm = batch(local) if local else (None, None, None)
+    lx, ly, lm = batch([(p + r, len(p)) for p, r in local]) if local else (None,) * 3
     rows = []
     for prompt, reply in data:
         seq = prompt[-TAIL:] + reply

@@ -114,6 +114,19 @@ def train(steps: int = 300, seed: int = 0, log=print) -> tuple[nn.Module, Tokeni
     return fit(sequences(tok), steps, seed, log), tok
 
 
+def batch(data: list[tuple[list[int], int]]) -> tuple[mx.array, mx.array, mx.array]:
+    """One batch of every (tokens, prompt length) sequence, right-padded: inputs, targets and
+    a mask that counts the reply's tokens only."""
+    T = max(len(s) for s, _ in data) - 1
+    xs, ys, ms = [], [], []
+    for s, n in data:
+        ids = s + [0] * (T + 1 - len(s))
+        xs.append(ids[:-1])
+        ys.append(ids[1:])
+        ms.append([1.0 if n - 1 <= i < len(s) - 1 else 0.0 for i in range(T)])
+    return mx.array(xs), mx.array(ys), mx.array(ms)
+
+
 def fit(data: list[tuple[list[int], int]], steps: int, seed: int = 0, log=print,
         config: dict | None = None) -> nn.Module:
     """A model of `config` (CONFIG) trained on (tokens, prompt length) sequences: full-batch
@@ -130,16 +143,7 @@ def fit(data: list[tuple[list[int], int]], steps: int, seed: int = 0, log=print,
         ce = nn.losses.cross_entropy(logits, y, reduction="none")
         return (ce * mask).sum() / mask.sum()
 
-    # One batch of every sequence, right-padded; the loss counts reply tokens only.
-    T = max(len(s) for s, _ in data) - 1
-    xs, ys, ms = [], [], []
-    for s, n in data:
-        pad = T + 1 - len(s)
-        ids = s + [0] * pad
-        xs.append(ids[:-1])
-        ys.append(ids[1:])
-        ms.append([1.0 if n - 1 <= i < len(s) - 1 else 0.0 for i in range(T)])
-    x, y, mask = mx.array(xs), mx.array(ys), mx.array(ms)
+    x, y, mask = batch(data)
     step = nn.value_and_grad(model, loss_fn)
     t0 = time.perf_counter()
     for i in range(steps):

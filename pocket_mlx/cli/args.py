@@ -157,11 +157,18 @@ def add_serve_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="(default: a fresh random seed per request)")
 
 
+# `Sampling` field -> (its serve option's attribute, the option), read by `serve_sampling`
+# and by serve's launchd command line.
+SERVE_SAMPLING = {"temperature": ("temp", "--temp"), "top_p": ("top_p", "--top-p"),
+                  "top_k": ("top_k", "--top-k"), "min_p": ("min_p", "--min-p"),
+                  "repetition_penalty": ("repetition_penalty", "--repeat-penalty"),
+                  "seed": ("seed", "--seed")}
+
+
 def serve_sampling(args: argparse.Namespace) -> dict:
     """The sampling defaults serve was given, as `Sampling` fields."""
-    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
-    given = (args.temp, args.top_p, args.top_k, args.min_p, args.repetition_penalty, args.seed)
-    return {k: v for k, v in zip(names, given) if v is not None}
+    return {k: getattr(args, attr) for k, (attr, _) in SERVE_SAMPLING.items()
+            if getattr(args, attr) is not None}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pocket_mlx.cli import args as argtypes
 from pocket_mlx.cli.args import (
+    SERVE_SAMPLING,
     add_cache_type_args,
     add_distributed_args,
     add_model_args,
@@ -193,10 +194,8 @@ def launchd_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--alias", name]
     if args.cors:
         argv += ["--cors", args.cors]
-    flags = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
-             "min_p": "--min-p", "repetition_penalty": "--repeat-penalty", "seed": "--seed"}
     for field, value in serve_sampling(args).items():
-        argv += [flags[field], str(value)]
+        argv += [SERVE_SAMPLING[field][1], str(value)]
     if cache_type(args) != "f32":
         argv += ["--cache-type-k", args.cache_type_k, "--cache-type-v", args.cache_type_v]
     argv += ["--prompt-cache-mb", str(args.prompt_cache_mb)]
