@@ -78,3 +78,29 @@ def test_ops_entry_point_and_fallbacks():
         kernels._ext.causal_attention(q, k[..., :16], v[..., :16], scale=0.3)
     with pytest.raises(ValueError):
         kernels._ext.causal_attention(q, k, v, gate[:, :3], scale=0.3)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+@pytest.mark.parametrize("isa", ["auto", "avx2", "scalar"])
+def test_prefill_rows_have_their_one_row_bits_at_depth(isa, mode):
+    """A prompt's rows over several key blocks (a cache of 150 before 70 queries, 16 query heads
+    over 2 KV heads as the 35B shape): each row's bits are those of its one-row (decode) call over
+    its own keys, in both modes (FAST's vectorised softmax included), and near MLX's."""
+    if not kernels.set_isa(isa):
+        pytest.skip(f"{isa} not available")
+    old = kernels.get_mode()
+    kernels.set_mode(mode)
+    try:
+        past, L, D = 150, 70, 64
+        q, k, v = _a(1, 16, L, D), _a(1, 2, past + L, D), _a(1, 2, past + L, D)
+        gate = _a(1, L, 16, D)
+        out = kernels._ext.causal_attention(q, k, v, gate, scale=0.125)
+        ref = _ref_gated(q, k, v, gate, 0.125, "causal").reshape(out.shape)
+        assert float(mx.abs(out - ref).max()) < 2e-5
+        for i in (0, 13, 42, L - 1):  # rows ending in different key blocks
+            S = past + i + 1
+            one = kernels._ext.causal_attention(q[:, :, i:i + 1], k[:, :, :S], v[:, :, :S],
+                                                gate[:, i:i + 1], scale=0.125)
+            assert mx.array_equal(one, out[:, i:i + 1]), f"row {i}"
+    finally:
+        kernels.set_mode(old)

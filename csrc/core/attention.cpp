@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "qkernels.h"
@@ -121,6 +122,10 @@ namespace attn_base {
 
 using AttnTile = decltype(&attn_base::attn_tile);
 
+// FAST mode's softmax (attention.inc's attn_softmax) where the mode in use is FAST (asked for,
+// and the ISA has FAST kernels: info()'s "mode"); EXACT keeps libm's expf, bit for bit.
+static bool attn_fast() { return get_mode() == 1 && fast_bits_mask() != 0; }
+
 static AttnTile attn_kernel() {
 #if defined(__x86_64__) || defined(_M_X64)
   const std::string is = isa();
@@ -135,6 +140,7 @@ void causal_attention(const float* q, const int64_t* qst, const float* k, const 
                       float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S,
                       int64_t D, float scale) {
   const AttnTile fn = attn_kernel();
+  const bool fast = attn_fast();
   // Tasks: (batch, KV head, block of 16 queries); later blocks see more keys, the pool's atomic
   // claiming balances them. A task's rows (query i, head h of the KV head's group) go in groups
   // of 8, and all its groups walk the keys together (attn_tile): each key and value row is read
@@ -146,6 +152,11 @@ void causal_attention(const float* q, const int64_t* qst, const float* k, const 
     const int64_t qb = t % nqb, hk = (t / nqb) % Hkv, b = t / (nqb * Hkv);
     std::vector<AttnRows> G(1);
     std::vector<int> n(1, 0);
+    // The task's query rows copied together: a group's rows are heads a whole [L, D] plane
+    // apart in q (a multiple of 4 KB), so each of their cache lines fell in the same L1 set.
+    thread_local std::vector<float> qrows;
+    qrows.resize(QB * rep * D);
+    int64_t nrow = 0;
     for (int64_t i = qb * QB; i < std::min(L, (qb + 1) * QB); i++) {
       for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
         if (n.back() == 8) {
@@ -154,14 +165,16 @@ void causal_attention(const float* q, const int64_t* qst, const float* k, const 
         }
         AttnRows& R = G.back();
         const int r = n.back()++;
-        R.q[r] = q + b * qst[0] + h * qst[1] + i * qst[2];
+        float* qr = qrows.data() + nrow++ * D;
+        std::memcpy(qr, q + b * qst[0] + h * qst[1] + i * qst[2], sizeof(float) * D);
+        R.q[r] = qr;
         R.out[r] = out + ((b * L + i) * Hq + h) * D;  // [B, L, Hq, D]
         R.gate[r] = gate ? gate + b * gst[0] + i * gst[1] + h * gst[2] : nullptr;
         R.last[r] = S - L + i;
       }
     }
     fn(G.data(), n.data(), (int)G.size(), k + b * kst[0] + hk * kst[1], kst[2],
-       v + b * vst[0] + hk * vst[1], vst[2], D, scale, gate != nullptr, KvType::f32);
+       v + b * vst[0] + hk * vst[1], vst[2], D, scale, gate != nullptr, KvType::f32, fast);
   });
 }
 
@@ -170,6 +183,7 @@ void decode_attention_rows(const float* q, const void* const* k, const void* con
                            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale,
                            KvType kv) {
   const AttnTile fn = attn_kernel();
+  const bool fast = attn_fast();
   const int64_t rep = Hq / Hkv, ng = (rep + 7) / 8;  // groups of <= 8 heads per KV head
   // One thread below ~1 M multiply-adds (a short context of one sequence: ~50 us of work, a
   // few times the pool's wake-up), the pool above.
@@ -191,7 +205,7 @@ void decode_attention_rows(const float* q, const void* const* k, const void* con
     const int n = (int)(h1 - h0);
     const int64_t at = hk * cap[b] * D * (kv == KvType::f32 ? 4 : 2);  // bytes
     fn(&R, &n, 1, static_cast<const char*>(k[b]) + at, D, static_cast<const char*>(v[b]) + at,
-       D, D, scale, gate != nullptr, kv);
+       D, D, scale, gate != nullptr, kv, fast);
   });
 }
 
